@@ -1,0 +1,1 @@
+"""Ferry wire protocol: torch-free models, codec, key names and a client."""

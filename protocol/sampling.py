@@ -1,0 +1,52 @@
+"""Sampling parameters: one model shared by the wire protocol, the gateway and the engine.
+
+Field names and defaults follow vLLM's ``SamplingParams`` so its users need nothing new.
+Validation happens here, once, so that a bad value is refused with the field named before
+the request reaches a worker, let alone a GPU.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+class SamplingParams(BaseModel):
+    """How to pick each next token, and when to stop."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(default=16, ge=1, description="Tokens to generate at most.")
+    min_tokens: int = Field(default=0, ge=0, description="EOS and stop ids are ignored before.")
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="0 means greedy.")
+    top_k: int = Field(default=0, ge=-1, description="Keep the k likeliest; 0 or -1: off.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus mass to keep.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="Drop p < min_p * p_max.")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(
+        default=None, ge=0, lt=2**63, description="Per-request seed: same tokens in any batch."
+    )
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> SamplingParams:
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop: stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids: token ids must be >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens: must not exceed max_tokens")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
