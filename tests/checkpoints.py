@@ -1,0 +1,91 @@
+"""Small seeded random checkpoints of real architectures, built at test time.
+
+Each checkpoint gets a real byte-level BPE tokenizer trained in-process on a fixed text,
+so prompts, detokenization and chat templates exercise real code paths offline.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+_CORPUS = (
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+    "    return a\n\nclass Queue:\n    '''A FIFO queue.'''\n    def push(self, item):\n"
+    "        self.items.append(item)\n"
+    "The quick brown fox jumps over the lazy dog. Ferry serves language models. "
+    "Grüße, naïve café — 日本語のテキスト and emoji 🚀🔥 mixed in. "
+) * 4
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tokenizer(vocab_size: int = 384) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([_CORPUS], trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+ARCHS: dict[str, dict[str, Any]] = {
+    # GQA, untied
+    "llama": dict(cls="LlamaConfig", num_attention_heads=4, num_key_value_heads=2,
+                  tie_word_embeddings=False),
+    # MHA with a sliding window
+    "mistral": dict(cls="MistralConfig", num_attention_heads=4, num_key_value_heads=4,
+                    sliding_window=48, tie_word_embeddings=False),
+    # GQA, tied embeddings, qkv bias
+    "qwen2": dict(cls="Qwen2Config", num_attention_heads=4, num_key_value_heads=2,
+                  tie_word_embeddings=True),
+    # GQA, q/k norms, explicit head_dim
+    "qwen3": dict(cls="Qwen3Config", num_attention_heads=4, num_key_value_heads=1,
+                  head_dim=16, tie_word_embeddings=True),
+}
+
+
+def build_checkpoint(arch: str, root: Path, *, seed: int = 0, layers: int = 2,
+                     hidden: int = 64, max_pos: int = 512) -> str:
+    """Write a random ``arch`` checkpoint plus tokenizer under ``root``; returns its path."""
+    import torch
+    import transformers
+
+    path = root / arch
+    if (path / "config.json").exists():
+        return str(path)
+    spec = dict(ARCHS[arch])
+    cfg_cls = getattr(transformers, spec.pop("cls"))
+    tokenizer = build_tokenizer()
+    config = cfg_cls(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
+        num_hidden_layers=layers, max_position_embeddings=max_pos,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id, **spec,
+    )
+    if arch == "mistral":
+        config.sliding_window = spec["sliding_window"]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # larger weights than the init so outputs are not all near-ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

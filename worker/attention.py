@@ -1,0 +1,184 @@
+"""Paged attention behind transformers' ``AttentionInterface``.
+
+The model runner loads any transformers architecture with
+``attn_implementation="ferry_paged"``; its attention layers then call
+:func:`ferry_paged_attention` with the step's :class:`ForwardContext` passed explicitly
+as a forward keyword argument (no globals). The batch is one flattened ragged sequence
+(``[1, num_tokens]``): the decodes first, then the prefill chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+
+ATTENTION_NAME = "ferry_paged"
+KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, Hkv, D]
+
+
+@dataclass
+class AttentionMetadata:
+    """Where every token of the step lives in the paged cache, built once per step."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context incl. this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    num_decodes: int  # sequences [0, num_decodes) have exactly one query token
+    max_query_len: int
+    max_seq_len: int
+    # True when no prefill sequence has cached context: attention then runs on the new
+    # K/V directly (dense causal), with no read back from the paged cache.
+    prefills_are_fresh: bool
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        soft_cap: float | None,
+    ) -> torch.Tensor: ...  # [T, Hq, D]
+
+
+@dataclass
+class ForwardContext:
+    """Everything the attention layers need for one forward pass."""
+
+    meta: AttentionMetadata
+    kv_caches: list[KVCache]  # one per layer
+    backend: AttentionBackend
+
+
+class TorchAttentionBackend:
+    """CPU path: ``kernels.reference`` with all decodes batched in one call."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
+        k_cache, v_cache = cache
+        reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = reference.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                sliding_window=sliding_window, logits_soft_cap=soft_cap,
+            )
+        if nd == meta.seq_lens.shape[0]:
+            return out
+        starts = meta.query_start_loc
+        if meta.prefills_are_fresh and not soft_cap:
+            _dense_causal(q, k, v, out, starts.tolist()[nd:], scale, sliding_window)
+        else:
+            out[starts[nd]:] = reference.paged_prefill_attention(
+                q[starts[nd]:], k_cache, v_cache, meta.block_tables[nd:],
+                starts[nd:] - starts[nd], meta.seq_lens[nd:], scale,
+                sliding_window=sliding_window, logits_soft_cap=soft_cap,
+            )
+        return out
+
+
+def _dense_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    starts: list[int], scale: float, sliding_window: int | None,
+) -> None:
+    """Causal SDPA per sequence over its own new tokens (no cached prefix)."""
+    for lo, hi in zip(starts[:-1], starts[1:], strict=True):
+        qi, ki, vi = (t[lo:hi].transpose(0, 1) for t in (q, k, v))  # [H, L, D]
+        mask = None
+        if sliding_window is not None and sliding_window > 0:
+            pos = torch.arange(hi - lo, device=q.device)
+            diff = pos.view(-1, 1) - pos.view(1, -1)
+            mask = (diff >= 0) & (diff < sliding_window)
+        res = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=qi.shape[0] != ki.shape[0],
+        )
+        out[lo:hi] = res.transpose(0, 1)
+
+
+class TritonAttentionBackend:
+    """CUDA path: the Triton kernels (also runnable under ``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        import kernels
+
+        self._k = kernels
+
+    def forward(self, q, k, v, cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
+        k_cache, v_cache = cache
+        self._k.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._k.paged_decode_attention(
+                q[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd],
+                meta.seq_lens[:nd], scale, sliding_window=sliding_window,
+                logits_soft_cap=soft_cap,
+            )
+        if nd < meta.seq_lens.shape[0]:
+            starts = meta.query_start_loc
+            first = int(starts[nd])
+            out[first:] = self._k.paged_prefill_attention(
+                q[first:].contiguous(), k_cache, v_cache, meta.block_tables[nd:].contiguous(),
+                (starts[nd:] - first).contiguous(), meta.seq_lens[nd:].contiguous(), scale,
+                sliding_window=sliding_window, logits_soft_cap=soft_cap,
+            )
+        return out
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        return TritonAttentionBackend()
+    raise ValueError(f"attention_backend must be auto, torch or triton, not {name!r}")
+
+
+def ferry_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, Hq, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The function transformers calls in every attention layer; returns [1, T, Hq, D]."""
+    ctx: ForwardContext | None = kwargs.get("ferry_ctx")
+    if ctx is None:
+        raise RuntimeError("ferry_paged attention called without a ForwardContext")
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    out = ctx.backend.forward(
+        q, k, v, ctx.kv_caches[layer], ctx.meta, scale, sliding_window, softcap
+    )
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    """Make ``attn_implementation="ferry_paged"`` known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, ferry_paged_attention)

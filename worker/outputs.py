@@ -1,0 +1,47 @@
+"""What the engine hands back: per-step deltas and finished completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepOutput:
+    """New tokens of one request in one step (the unit the service publishes)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # UTF-8-safe text delta
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    # Per new token: (logprob of the token, [(token id, logprob), ...top-n]).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """A finished request, as ``LLM.generate`` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for heartbeats, metrics and ``ferry top``."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    num_preemptions: int
+    tokens_generated: int
+    steps: int

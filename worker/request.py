@@ -1,0 +1,94 @@
+"""Request state as counters, in the style of vLLM v1.
+
+Progress is ``num_computed_tokens`` catching up with ``num_tokens``: a prompt being
+prefilled in chunks, a decode step and a recompute after preemption are all the same
+thing — schedule ``num_tokens - num_computed_tokens`` more tokens — so the scheduler
+needs no phase machine.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from protocol.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # failed; the event carries the message
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: its tokens, its progress and why it ended."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    # Output tokens that existed when the request was (re)submitted, e.g. tokens already
+    # streamed by a worker that died; they count toward max_tokens but are not re-sent.
+    num_prior_output_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
+        self.num_prior_output_tokens = len(self.output_token_ids)
+        self.stop_token_ids = frozenset(self.params.stop_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_token_stop(self, max_model_len: int) -> FinishReason | None:
+        """Finish reason implied by the last sampled token, if any (stop strings aside)."""
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= self.params.min_tokens:
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                return FinishReason.STOP
+            if last in self.stop_token_ids:
+                return FinishReason.STOP
+        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def sort_key(self) -> tuple[int, float]:
+        """Waiting order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.arrival_time)

@@ -1,0 +1,156 @@
+"""Batched token sampling with per-request parameters.
+
+Seeded requests draw their noise from a generator seeded by ``(seed, output index)``, so a
+request's tokens do not depend on the batch around it, on preemption, or on which worker
+resumes it after a crash. Sampling uses the exponential-race trick
+(``argmax(p / E)``, E ~ Exp(1)), which equals a categorical draw and needs one noise
+tensor per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from protocol.sampling import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over generator seeds
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of the logits."""
+
+    params: SamplingParams
+    output_index: int  # index of the token being sampled within the request's output
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row, when asked for: (sampled token logprob, [(token id, logprob), ...top-n]).
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: [num_rows, vocab] (any float dtype, any device)."""
+        logits = logits.float()
+        logits = apply_penalties(logits, rows)
+        logprobs_wanted = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if logprobs_wanted else None
+        if all(r.params.greedy for r in rows):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, rows)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, token_list, rows))
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        device = logits.device
+        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
+        temps = torch.tensor(
+            [1.0 if r.params.greedy else r.params.temperature for r in rows], device=device
+        )
+        scaled = apply_top_k_top_p_min_p(logits / temps.unsqueeze(1), rows)
+        probs = torch.softmax(scaled, dim=-1)  # [B, V]
+        noise = self._exponential_noise(rows, probs.shape[1]).to(device)  # [B, V]
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    def _exponential_noise(self, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
+        noise = torch.empty(len(rows), vocab)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(
+                generator=self._generator
+            )
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                gen = torch.Generator().manual_seed(_row_seed(row.params.seed, row.output_index))
+                noise[i].exponential_(generator=gen)
+        return noise.clamp_min_(1e-10)
+
+
+def _row_seed(seed: int, index: int) -> int:
+    return (seed * _SEED_MIX + index * 0x632BE59BD9B4E019 + 1) % (2**63 - 1)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (prompt + output, multiplicative) and presence/frequency (output only)."""
+    targets = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.repetition_penalty != 1.0
+        or r.params.presence_penalty != 0.0
+        or r.params.frequency_penalty != 0.0
+    ]
+    if not targets:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i in targets:
+        p = rows[i].params
+        row = logits[i]  # [V]
+        out_ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(out_ids[out_ids < vocab], minlength=vocab).to(row.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            prompt_ids = torch.tensor(rows[i].prompt_token_ids, dtype=torch.long)
+            seen[prompt_ids[prompt_ids < vocab].to(logits.device)] = True
+            penalised = torch.where(
+                row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+            )
+            row.copy_(torch.where(seen, penalised, row))
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Mask (to -inf) the tokens each row's top-k, top-p and min-p exclude. logits: [B, V]."""
+    vocab = logits.shape[1]
+    device = logits.device
+    top_k = torch.tensor(
+        [r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device
+    ).clamp(max=vocab)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+    min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        drop = ranks >= top_k.unsqueeze(1)
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of better tokens
+        drop |= mass_before >= top_p.unsqueeze(1)  # the top token always survives
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor | None, tokens: list[int], rows: list[SamplingRow]
+) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    if logprobs is None:
+        return [None] * len(rows)
+    result: list[tuple[float, list[tuple[int, float]]] | None] = []
+    for i, row in enumerate(rows):
+        n = row.params.logprobs
+        if n is None:
+            result.append(None)
+            continue
+        chosen = float(logprobs[i, tokens[i]])
+        top: list[tuple[int, float]] = []
+        if n > 0:
+            values, ids = logprobs[i].topk(n)
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        result.append((chosen, top))
+    return result
