@@ -108,7 +108,9 @@ class Engine:
                 f"{self.block_manager.num_blocks}"
             )
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> StepOutput | None:
+    def abort(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT
+    ) -> StepOutput | None:
         """Drop a waiting or running request now; returns its final event (None if unknown)."""
         request = self.scheduler.requests.get(request_id)
         if request is None:
@@ -138,7 +140,9 @@ class Engine:
         with timer.phase("update"):
             return self._update(sched, sampled.token_ids, sampled.logprobs)
 
-    def _update(self, sched: SchedulerOutput, tokens: list[int], logprobs: list[Any]) -> list[StepOutput]:
+    def _update(
+        self, sched: SchedulerOutput, tokens: list[int], logprobs: list[Any]
+    ) -> list[StepOutput]:
         it = iter(zip(tokens, logprobs, strict=True))
         aligned: list[int | None] = []
         lp_by_id: dict[str, Any] = {}

@@ -62,7 +62,9 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: Any) -> tor
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # workers log structured lines, not progress bars
     path = cfg.model
     if os.path.sep in path and not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist")
@@ -70,26 +72,28 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except Exception as exc:  # transformers raises OSError/ValueError/KeyError variants
         raise ValueError(f"cannot load model config from {path!r}: {exc}") from exc
-    model_cls = _causal_lm_class(hf_config)
+    _check_servable(hf_config)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
     attention.register()
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attention.ATTENTION_NAME,
-        trust_remote_code=cfg.trust_remote_code,
-    )
-    model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attention.ATTENTION_NAME,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except OSError as exc:
+        raise ValueError(f"cannot load model weights or tokenizer from {path!r}: {exc}") from exc
+    model = model.to(device).eval()  # type: ignore[arg-type]
     shape = model_shape(hf_config, cfg.max_model_len)
-    del model_cls
     return LoadedModel(model, tokenizer, shape, device, dtype, _eos_ids(model, tokenizer))
 
 
-def _causal_lm_class(hf_config: Any) -> Any:
+def _check_servable(hf_config: Any) -> None:
     from transformers import AutoModelForCausalLM
 
     try:
-        model_cls = AutoModelForCausalLM._model_mapping[type(hf_config)]
+        model_cls: Any = AutoModelForCausalLM._model_mapping[type(hf_config)]
     except KeyError as exc:
         raise ValueError(
             f"architecture {type(hf_config).__name__} has no causal-LM model in transformers"
@@ -99,7 +103,6 @@ def _causal_lm_class(hf_config: Any) -> Any:
             f"architecture {model_cls.__name__} cannot be served: its transformers "
             "implementation does not route attention through AttentionInterface"
         )
-    return model_cls
 
 
 def model_shape(hf_config: Any, max_model_len: int | None) -> ModelShape:
