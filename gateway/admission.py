@@ -1,0 +1,111 @@
+"""Admission control: refuse what would waste or overload a GPU before it is enqueued.
+
+Order matters for the client: a malformed or oversized request gets its 4xx even when the
+queue is full, so the cheap local checks run before the Redis round-trip for the lag.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from fastapi import Request
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import APIError, error_body
+from gateway.settings import GatewaySettings
+from protocol.aclient import AsyncFerryClient
+from protocol.models import GenerateRequest
+
+
+def check_limits(request: GenerateRequest, settings: GatewaySettings) -> None:
+    """400 naming the field for a prompt or ``max_tokens`` over the configured caps."""
+    limit = settings.max_tokens_limit
+    if request.params.max_tokens > limit:
+        raise APIError(400, f"max_tokens: {request.params.max_tokens} exceeds the limit of "
+                       f"{limit}", param="max_tokens")
+    if request.prompt is not None and len(request.prompt) > settings.max_prompt_chars:
+        raise APIError(400, f"prompt: {len(request.prompt)} characters exceed the limit of "
+                       f"{settings.max_prompt_chars}", param="prompt")
+    ids = request.prompt_token_ids
+    if ids is not None and len(ids) > settings.max_prompt_tokens:
+        raise APIError(400, f"prompt: {len(ids)} tokens exceed the limit of "
+                       f"{settings.max_prompt_tokens}", param="prompt")
+    if request.messages is not None:
+        chars = sum(len(m.content) for m in request.messages)
+        if chars > settings.max_prompt_chars:
+            raise APIError(400, f"messages: {chars} characters exceed the limit of "
+                           f"{settings.max_prompt_chars}", param="messages")
+
+
+async def check_queue(client: AsyncFerryClient, settings: GatewaySettings) -> None:
+    """429 with Retry-After while more than ``max_queue_lag`` requests wait for a worker."""
+    if settings.max_queue_lag is None:
+        return
+    lag = await client.queue_lag()
+    if lag >= settings.max_queue_lag:
+        raise APIError(
+            429, f"queue is full: {lag} requests waiting (limit {settings.max_queue_lag})",
+            headers={"Retry-After": str(settings.retry_after_s)},
+        )
+
+
+def require_api_key(request: Request) -> None:
+    """401 unless ``Authorization: Bearer <key>`` matches a configured key (if any)."""
+    settings: GatewaySettings = request.app.state.settings
+    if not settings.api_keys:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    supplied = token.strip().encode()
+    # Compare against every key, in constant time, so timing reveals neither key nor match.
+    matched = False
+    for key in settings.api_keys:
+        matched |= hmac.compare_digest(supplied, key.encode())
+    if scheme.lower() != "bearer" or not matched:
+        raise APIError(401, "authorization: missing or invalid API key",
+                       param="authorization", headers={"WWW-Authenticate": "Bearer"})
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_bytes``: from Content-Length up front, else while reading.
+
+    Pure ASGI (not BaseHTTPMiddleware) so it neither buffers nor breaks SSE responses.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length", b"").decode(errors="replace")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # An HTTPException passes FastAPI's body parsing untouched -> handler.
+                    raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"body: request body exceeds the limit of {self.max_bytes} bytes"
+
+    async def _reject(self, send: Send) -> None:
+        body = json.dumps(error_body(self._message(), "invalid_request_error", "body", 413))
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body.encode()})

@@ -1,0 +1,65 @@
+"""App factory: wires settings, the Redis client, middleware, error handlers and routes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import redis.asyncio as aredis
+import structlog
+from fastapi import FastAPI
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from gateway import routes_health, routes_jobs, routes_openai
+from gateway.admission import BodyLimitMiddleware
+from gateway.engine import Engine
+from gateway.errors import install_error_handlers
+from gateway.metrics import Metrics, MetricsMiddleware
+from gateway.settings import GatewaySettings
+from protocol.aclient import AsyncFerryClient
+
+log = structlog.get_logger("ferry.gateway")
+
+
+def _redis(settings: GatewaySettings) -> aredis.Redis:
+    # Few, quick retries: a request should get its 503 in about a second, not hang.
+    return aredis.Redis.from_url(
+        settings.redis_url,
+        socket_timeout=settings.redis_timeout_s,
+        socket_connect_timeout=min(settings.redis_timeout_s, 2.0),
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        health_check_interval=30,
+    )
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    """A gateway app; ``settings`` default to ``GatewaySettings.from_env()``."""
+    settings = settings or GatewaySettings.from_env()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = AsyncFerryClient(
+            _redis(settings), settings.keys, settings.ttls, settings.poll_interval_s
+        )
+        app.state.engine = Engine(client, settings, metrics)
+        try:
+            await client.ensure_group()  # so queue lag is measurable before a worker starts
+        except (RedisError, OSError) as exc:
+            log.warning("redis_unreachable_at_startup", url=settings.redis_url, error=str(exc))
+        try:
+            yield
+        finally:
+            await client.aclose()
+
+    app = FastAPI(title="Ferry gateway", version="1", lifespan=lifespan)
+    app.state.settings = settings
+    install_error_handlers(app, settings.retry_after_s)
+    app.include_router(routes_health.router)
+    app.include_router(routes_openai.router)
+    app.include_router(routes_jobs.router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: sees every status
+    return app

@@ -1,0 +1,149 @@
+"""The gateway's Redis engine client: admit, subscribe-then-enqueue, follow, cancel on exit.
+
+A ``Generation`` is one enqueued request as seen by one HTTP exchange. Whatever ends the
+exchange (terminal event, client gone, deadline, error) must end in ``close()``, which
+cancels the job unless its terminal event was seen: an abandoned request must not keep
+burning GPU time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import anyio
+import structlog
+from fastapi import Request
+from redis.exceptions import RedisError
+
+from gateway.admission import check_limits, check_queue
+from gateway.errors import APIError
+from gateway.metrics import Metrics
+from gateway.settings import GatewaySettings
+from protocol.aclient import AsyncFerryClient, AsyncSubscription
+from protocol.models import GenerateRequest, TokenEvent
+from protocol.store import DuplicateRequestError
+from protocol.streaming import StreamTimeout
+
+log = structlog.get_logger("ferry.gateway")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while waiting for a non-streamed result."""
+
+
+class Engine:
+    """Shared by all handlers of one app; holds the async client, settings and metrics."""
+
+    def __init__(self, client: AsyncFerryClient, settings: GatewaySettings, metrics: Metrics):
+        self.client = client
+        self.settings = settings
+        self.metrics = metrics
+
+    async def admit(self, request: GenerateRequest) -> None:
+        """Refuse before enqueueing: caps first (cheap, local), then the queue lag."""
+        try:
+            check_limits(request, self.settings)
+        except APIError:
+            self.metrics.rejections.labels("limits").inc()
+            raise
+        try:
+            await check_queue(self.client, self.settings)
+        except APIError:
+            self.metrics.rejections.labels("queue_full").inc()
+            raise
+
+    async def start(self, request: GenerateRequest, received_at: float) -> Generation:
+        """Subscribe to the request's tokens, *then* enqueue it: no token can be missed."""
+        sub = self.client.subscribe(request.request_id)
+        await sub.open()
+        try:
+            await self.client.enqueue(request)
+        except DuplicateRequestError as exc:
+            self.metrics.enqueue_errors.labels("duplicate_id").inc()
+            await sub.close()
+            raise APIError(409, str(exc), param="request_id") from None
+        except BaseException as exc:
+            self.metrics.enqueue_errors.labels(type(exc).__name__).inc()
+            with anyio.CancelScope(shield=True):
+                await sub.close()
+            raise
+        self.metrics.inflight_streams.inc()
+        return Generation(self, request, sub, received_at)
+
+    def deadline_s(self, request: GenerateRequest) -> float:
+        if request.timeout_s is not None:
+            return request.timeout_s + self.settings.timeout_grace_s
+        return self.settings.request_timeout_s
+
+
+class Generation:
+    """Follows one request's events, with a deadline, metrics and cancel-on-close."""
+
+    def __init__(
+        self, engine: Engine, request: GenerateRequest, sub: AsyncSubscription, received_at: float
+    ) -> None:
+        self.engine = engine
+        self.request = request
+        self.sub = sub
+        self.received_at = received_at
+        self.deadline = time.monotonic() + engine.deadline_s(request)
+        self.close_reason = "client disconnected"
+        self._saw_token = False
+        self._closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self.sub.finished
+
+    async def next(self, wait: float) -> list[TokenEvent]:
+        """Events that arrive within ``wait`` s (maybe none); StreamTimeout past the deadline."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            self.close_reason = "gateway timeout"
+            raise StreamTimeout(f"request {self.request_id} did not finish in time")
+        events = await self.sub.next_events(min(wait, left))
+        self._observe(events)
+        return events
+
+    def _observe(self, events: list[TokenEvent]) -> None:
+        metrics = self.engine.metrics
+        for event in events:
+            if event.token_ids and not self._saw_token:
+                self._saw_token = True
+                metrics.ttft.observe(time.time() - self.received_at)
+            if event.is_final:
+                latency = time.time() - self.received_at
+                metrics.latency.labels(event.finish_reason or "").observe(latency)
+
+    async def collect(self, http: Request) -> list[TokenEvent]:
+        """All events through the terminal one; ClientGone if the client hangs up first."""
+        events: list[TokenEvent] = []
+        while not self.finished:
+            batch = await self.next(self.engine.settings.disconnect_check_s)
+            events.extend(batch)
+            if not batch and await http.is_disconnected():
+                raise ClientGone(self.request_id)
+        return events
+
+    async def close(self) -> None:
+        """Idempotent; cancels the job unless finished. Shielded: runs even when cancelled."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.metrics.inflight_streams.dec()
+        with anyio.CancelScope(shield=True):
+            try:
+                if not self.sub.finished:
+                    state = await self.engine.client.cancel(self.request_id, self.close_reason)
+                    log.info("request_cancelled", request_id=self.request_id,
+                             reason=self.close_reason, state=state)
+            except (RedisError, OSError) as exc:
+                log.warning("cancel_failed", request_id=self.request_id, error=str(exc))
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await self.sub.close()

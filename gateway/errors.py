@@ -1,0 +1,108 @@
+"""Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``.
+
+OpenAI SDKs surface ``message`` to the user, so every message starts with the field it is
+about (``"max_tokens: 9000 exceeds the limit of 8192"``) and ``param`` names it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from protocol.codec import ProtocolError, describe_errors
+
+log = structlog.get_logger("ferry.gateway")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "cancelled",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-style body; raise it anywhere in a handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or _TYPES.get(status, "server_error" if status >= 500 else "error")
+        self.headers = dict(headers) if headers else None
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.status)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(
+    message: str, type_: str, param: str | None, code: int | str | None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def unavailable(exc: Exception, retry_after_s: int) -> APIError:
+    return APIError(
+        503, f"queue unavailable: {type(exc).__name__}: {exc}",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
+    """Map every error the gateway can meet to an OpenAI-style JSON response."""
+
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return exc.response()
+
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = list(exc.errors())
+        skip = 1 if errors and tuple(errors[0].get("loc", ()))[:1] == ("body",) else 0
+        loc = tuple(errors[0].get("loc", ()))[skip:] if errors else ()
+        param = ".".join(str(p) for p in loc) or None
+        return APIError(422, describe_errors(errors, skip_loc=skip), param=param).response()
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+    async def on_redis(_: Request, exc: Exception) -> JSONResponse:
+        log.warning("redis_unavailable", error=str(exc))
+        return unavailable(exc, retry_after_s).response()
+
+    async def on_protocol(_: Request, exc: Exception) -> JSONResponse:
+        log.error("bad_message_from_queue", error=str(exc))
+        return APIError(502, f"bad message from the queue: {exc}", type_="server_error").response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(RedisConnectionError, on_redis)
+    app.add_exception_handler(RedisTimeoutError, on_redis)
+    app.add_exception_handler(ProtocolError, on_protocol)

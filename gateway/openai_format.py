@@ -1,0 +1,133 @@
+"""TokenEvents -> OpenAI response bodies and stream chunks (completions and chat).
+
+Finish reasons outside OpenAI's vocabulary become errors: ``error`` maps by the worker's
+``error_kind`` (invalid_request -> 400, e.g. a model without a chat template), ``timeout``
+-> 504, ``abort`` -> 503 (retry), ``cancelled`` -> 499 (gRPC's CANCELLED over HTTP).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.errors import APIError
+from protocol.models import TokenEvent, TokenLogprob, Usage
+
+_KIND_STATUS = {"invalid_request": 400, "internal": 500, "unavailable": 503}
+_REASON_STATUS = {"timeout": 504, "abort": 503, "cancelled": 499}
+_DEFAULT_MESSAGES = {
+    "error": "the worker failed to run the request",
+    "timeout": "the request timed out",
+    "abort": "the request was aborted by the worker; retry",
+    "cancelled": "the request was cancelled",
+}
+
+
+def failure(event: TokenEvent) -> APIError | None:
+    """The HTTP error a terminal event stands for, or None for stop/length."""
+    reason = event.finish_reason
+    if reason in (None, "stop", "length"):
+        return None
+    if reason == "error":
+        status = _KIND_STATUS.get(event.error_kind or "internal", 500)
+    else:
+        status = _REASON_STATUS[reason]
+    message = event.error or _DEFAULT_MESSAGES[reason]
+    type_ = "invalid_request_error" if status == 400 else None
+    return APIError(status, message, type_=type_)
+
+
+def usage_body(usage: Usage | None) -> dict[str, int]:
+    usage = usage or Usage()
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def _token_text(lp: TokenLogprob | Any) -> str:
+    return lp.token if lp.token is not None else f"token_id:{lp.token_id}"
+
+
+def completion_logprobs(events: Sequence[TokenEvent], offset: int = 0) -> dict[str, Any] | None:
+    """Legacy completions layout: parallel lists, top logprobs as {token: logprob}."""
+    entries = [lp for e in events for lp in (e.logprobs or [])]
+    if not any(e.logprobs is not None for e in events):
+        return None
+    tokens = [_token_text(lp) for lp in entries]
+    offsets, pos = [], offset
+    for text in tokens:
+        offsets.append(pos)
+        pos += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in entries],
+        "top_logprobs": [{_token_text(t): t.logprob for t in lp.top} for lp in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(events: Sequence[TokenEvent]) -> dict[str, Any] | None:
+    """Chat layout: one entry per token with its bytes and its top alternatives."""
+    if not any(e.logprobs is not None for e in events):
+        return None
+
+    def entry(lp: Any) -> dict[str, Any]:
+        text = _token_text(lp)
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    content = [
+        {**entry(lp), "top_logprobs": [entry(t) for t in lp.top]}
+        for e in events for lp in (e.logprobs or [])
+    ]
+    return {"content": content}
+
+
+class Formatter:
+    """Builds bodies for one request: fixed id, creation time, model and object kind."""
+
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def response(self, events: Sequence[TokenEvent]) -> dict[str, Any]:
+        """The whole non-streamed response."""
+        final = events[-1]
+        text = "".join(e.text for e in events)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": chat_logprobs(events), "finish_reason": final.finish_reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": completion_logprobs(events),
+                      "finish_reason": final.finish_reason}
+            body = self._envelope("text_completion", [choice])
+        body["usage"] = usage_body(final.usage)
+        return body
+
+    def chunk(self, event: TokenEvent | None, first: bool = False,
+              finish_reason: str | None = None) -> dict[str, Any]:
+        """One stream chunk: text of ``event`` (if any), or the closing finish_reason."""
+        text = event.text if event is not None else ""
+        events = [event] if event is not None else []
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
+                {"content": text} if event is not None else {})
+            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(events),
+                      "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text, "logprobs": completion_logprobs(events),
+                  "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._envelope(obj, []), "usage": usage_body(usage)}

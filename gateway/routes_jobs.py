@@ -1,0 +1,141 @@
+"""Jobs API: submit and walk away, poll or follow later, resume a stream, cancel.
+
+Unlike the OpenAI routes, a job is detached from the HTTP exchange that created it: a
+client leaving an event stream does not cancel it, and ``Last-Event-ID`` resumes exactly
+after the last event it saw (event ids are the events' ``seq``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
+
+from gateway.admission import require_api_key
+from gateway.engine import Engine
+from gateway.errors import APIError, unavailable
+from gateway.routes_openai import get_engine
+from gateway.schemas import JobCreate
+from gateway.sse import PING, EventStreamResponse, sse
+from protocol.aclient import AsyncSubscription
+from protocol.codec import ProtocolError
+from protocol.models import ID_PATTERN, JobStatus
+from protocol.store import DuplicateRequestError
+
+router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)])
+_ID_RE = re.compile(ID_PATTERN)
+
+
+def _links(job_id: str) -> dict[str, str]:
+    return {"status": f"/v1/jobs/{job_id}", "events": f"/v1/jobs/{job_id}/events"}
+
+
+async def _status_or_404(engine: Engine, job_id: str) -> JobStatus:
+    status = await engine.client.result(job_id)
+    if status is None:
+        raise APIError(404, f"job: no job {job_id!r} (unknown or expired)", param="id")
+    return status
+
+
+@router.post("", status_code=202)
+async def create_job(body: JobCreate, engine: Engine = Depends(get_engine)) -> JSONResponse:
+    request = body.to_generate_request()
+    await engine.admit(request)
+    try:
+        await engine.client.enqueue(request)
+    except DuplicateRequestError as exc:
+        engine.metrics.enqueue_errors.labels("duplicate_id").inc()
+        raise APIError(409, str(exc), param="request_id") from None
+    except Exception as exc:
+        engine.metrics.enqueue_errors.labels(type(exc).__name__).inc()
+        raise
+    rid = request.request_id
+    body_out = {"id": rid, "object": "job", "state": "queued", "links": _links(rid)}
+    return JSONResponse(body_out, status_code=202, headers={"Location": f"/v1/jobs/{rid}"})
+
+
+@router.get("/{job_id}")
+async def get_job(job_id: str, engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+    status = await _status_or_404(engine, job_id)
+    return {"id": job_id, "object": "job", **status.model_dump(mode="json"),
+            "links": _links(job_id)}
+
+
+@router.delete("/{job_id}", status_code=202)
+async def cancel_job(job_id: str, engine: Engine = Depends(get_engine)) -> JSONResponse:
+    """202 when the cancel took effect or was passed to the worker; 409 if already over."""
+    await _status_or_404(engine, job_id)
+    found = await engine.client.cancel(job_id, reason="cancelled via API")
+    if found not in ("cancelled", "running", "queued"):
+        raise APIError(409, f"job: {job_id!r} already finished ({found})", param="id")
+    state = "cancelled" if found == "cancelled" else "cancelling"
+    return JSONResponse({"id": job_id, "object": "job", "state": state}, status_code=202)
+
+
+@router.get("/{job_id}/events", response_model=None)
+async def job_events(
+    job_id: str,
+    http: Request,
+    engine: Engine = Depends(get_engine),
+    last_event_id: str | None = Header(default=None, alias="Last-Event-ID"),
+    after: int | None = Query(default=None, ge=-1, description="Resume after this seq."),
+) -> Response:
+    """SSE of TokenEvents (``id:`` is the seq); ends after the terminal event."""
+    if not _ID_RE.match(job_id):
+        raise APIError(404, f"job: no job {job_id!r}", param="id")
+    after_seq = _after_seq(last_event_id, after)
+    sub = engine.client.subscribe(job_id, after_seq)
+    await sub.open()
+    try:
+        status = await _status_or_404(engine, job_id)
+        logged = await engine.client.redis.llen(engine.client.keys.events(job_id))  # type: ignore[misc]
+    except BaseException:
+        await sub.close()
+        raise
+    if status.is_terminal and after_seq >= int(logged) - 1:
+        await sub.close()  # nothing more will come: 204 also stops EventSource reconnects
+        return Response(status_code=204)
+    deadline = time.monotonic() + engine.settings.request_timeout_s
+
+    async def close() -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await sub.close()
+
+    return EventStreamResponse(_events(sub, engine, deadline), on_close=close)
+
+
+def _after_seq(last_event_id: str | None, after: int | None) -> int:
+    if after is not None:
+        return after
+    if last_event_id is None:
+        return -1
+    try:
+        return max(-1, int(last_event_id))
+    except ValueError:
+        raise APIError(400, "Last-Event-ID: must be an integer seq",
+                       param="Last-Event-ID") from None
+
+
+async def _events(sub: AsyncSubscription, engine: Engine, deadline: float) -> AsyncIterator[bytes]:
+    """Until the terminal event, or the deadline (the client may then resume).
+
+    A Redis outage ends the stream with an ``error`` event; resuming later loses nothing.
+    """
+    try:
+        while not sub.finished:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            events = await sub.next_events(min(left, engine.settings.keepalive_s))
+            if not events:
+                yield PING
+            for event in events:
+                yield sse(event.model_dump(mode="json", exclude_none=True), event_id=event.seq)
+    except (RedisError, OSError, ProtocolError) as exc:
+        yield sse(unavailable(exc, engine.settings.retry_after_s).body(), event="error")

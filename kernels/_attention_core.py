@@ -1,0 +1,119 @@
+"""The inner loop shared by the paged decode and prefill kernels.
+
+Both kernels hold a ``[BLOCK_M, HEAD_DIM_PAD]`` tile of query rows that all belong to
+one KV head (decode: the GQA group of one token; prefill: several tokens times the
+group) and stream that head's keys/values from the paged cache in ``BLOCK_N``-token
+tiles, keeping a flash-attention online softmax in fp32:
+
+    s     = (q . k) * scale            (optionally cap * tanh(s / cap))
+    m'    = max(m, rowmax(s))
+    l     = l * 2^(m - m') + rowsum(2^(s - m'))
+    acc   = acc * 2^(m - m') + 2^(s - m') @ v
+
+Scores are kept in the log2 domain (multiplied by log2(e)) so the GPU uses ``exp2``.
+Each key token's address is looked up through the block table one token at a time
+(``page = table[n // PAGE_SIZE]``), so a tile may span several pages or part of one:
+any block size works and BLOCK_N is chosen for the hardware, not for the page size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def dot_needs_upcast(dtype: torch.dtype) -> bool:
+    """True when bf16 tiles must be widened to fp32 before ``tl.dot``.
+
+    The Triton interpreter stores bf16 as uint16 in numpy and its ``dot`` multiplies
+    those raw integers. Widening bf16 to fp32 is exact and the products are exact in
+    fp32 either way, so this only changes *how* the interpreter computes, not what.
+    On a GPU the flag is off and bf16 goes to the tensor cores as is.
+    """
+    return bool(triton.knobs.runtime.interpret) and dtype == torch.bfloat16
+
+
+def pow2_at_least(n: int, floor: int) -> int:
+    """Next power of two >= max(n, floor): Triton block shapes must be powers of two."""
+    return max(floor, triton.next_power_of_2(max(1, n)))
+
+
+@triton.jit
+def _tanh(x):
+    # tanh via exp: portable (interpreter and GPU) and saturates cleanly to +-1.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    # "ieee" only affects fp32 x fp32 (no TF32 truncation); fp16/bf16 ignore it.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def attend_kv_range(
+    q,  # [BLOCK_M, HEAD_DIM_PAD] query rows, all of one KV head, in the cache dtype
+    q_pos,  # [BLOCK_M] absolute position of each row (used when CAUSAL)
+    kv_lo,  # first key position to visit
+    kv_hi,  # one past the last key position to visit (<= context length)
+    window,  # sliding window (used when SLIDING)
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM]
+    block_table_ptr,  # this sequence's row of the block table
+    kv_head,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    scale,
+    soft_cap,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Online softmax over keys [kv_lo, kv_hi); returns (acc [M, D] fp32, l [M], m [M])."""
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask_d = offs_d < HEAD_DIM
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)  # [N] key positions
+        mask_n = offs_n < kv_hi
+        page = tl.load(block_table_ptr + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        kv_off = page.to(tl.int64) * stride_kb + (offs_n % PAGE_SIZE) * stride_kt
+        kv_off += kv_head * stride_kh  # [N]
+        tile_off = kv_off[:, None] + offs_d[None, :]  # [N, D]
+        tile_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + tile_off, mask=tile_mask, other=0.0)  # [N, D]
+        v = tl.load(v_cache_ptr + tile_off, mask=tile_mask, other=0.0)  # [N, D]
+
+        s = _dot(q, tl.trans(k), UPCAST) * scale  # [M, N] fp32
+        if SOFT_CAP:
+            s = soft_cap * _tanh(s / soft_cap)
+        s = s * 1.4426950408889634  # natural -> log2 domain
+        allowed = mask_n[None, :]  # [1, N]
+        if CAUSAL:
+            allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
+        if SLIDING:
+            allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [M]
+        # A row that has seen no allowed key yet keeps m = -inf; shift by 0 instead
+        # so that 2^(-inf - -inf) never produces NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)  # [M]
+        p = tl.exp2(s - m_shift[:, None])  # [M, N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    return acc, l_i, m_i

@@ -1,0 +1,242 @@
+"""Paged decode attention: one new query token per sequence, split-KV (flash-decoding).
+
+Algorithm
+    Stage 1 runs one program per (sequence, KV head, split). The program loads the
+    queries of the whole GQA group of that KV head as one ``[GROUP_PAD, HEAD_DIM_PAD]``
+    tile, so each K/V byte is read from HBM once per group rather than once per query
+    head, and walks its share of the context in BLOCK_N-token tiles with an online
+    softmax (``attend_kv_range``). The key range [max(0, len - window), len) is cut into
+    ``num_splits`` chunks (rounded up to BLOCK_N) so that a small batch with a long
+    context still spreads over every SM.
+    Stage 2 (only when num_splits > 1) merges the splits of each (sequence, query
+    head): with per-split output o_i and log-sum-exp lse_i (log2 domain),
+    ``out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M)``, ``M = max_i lse_i``.
+    With a single split, stage 1 normalises and writes the output directly.
+
+Split heuristic (``choose_num_kv_splits``): decode is bound by memory bandwidth, which
+needs a few resident programs per SM. With ``S * Hkv`` programs from the batch, add
+splits until about ``WAVES * num_SMs`` programs exist, but never give a split fewer
+than ``MIN_TOKENS_PER_SPLIT`` tokens (below that the stage-2 traffic and per-program
+overhead win) and never more than ``MAX_KV_SPLITS``. The context length comes from the
+caller's ``max_seq_len`` hint, else from the block table's capacity, never from
+``seq_lens`` (reading it would sync the GPU). These constants are not yet tuned on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _checks as chk
+from kernels._attention_core import attend_kv_range, dot_needs_upcast, pow2_at_least
+
+DEFAULT_NUM_SMS = 132  # H100 SXM; used when the tensors are not on a CUDA device
+WAVES = 2
+MIN_TOKENS_PER_SPLIT = 256
+MAX_KV_SPLITS = 64
+MAX_FORCED_SPLITS = 1024  # callers may force more than the heuristic ever picks
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def choose_num_kv_splits(
+    num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int = DEFAULT_NUM_SMS
+) -> int:
+    """How many KV splits keep ~WAVES programs per SM without making splits too short."""
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = triton.cdiv(WAVES * num_sms, programs)
+    by_length = triton.cdiv(max(1, max_context), MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, MAX_KV_SPLITS))
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [S, Hq, D]
+    k_cache_ptr,  # [num_blocks, PAGE_SIZE, Hkv, D]
+    v_cache_ptr,
+    block_tables_ptr,  # [S, max_blocks] int32
+    seq_lens_ptr,  # [S] int32
+    out_ptr,  # WRITE_PARTIAL: [S, Hq, num_splits, D] fp32; else [S, Hq, D]
+    lse_ptr,  # WRITE_PARTIAL: [S, Hq, num_splits] fp32 (log2 domain); else unused
+    scale,
+    soft_cap,
+    window,
+    num_splits,
+    stride_qs,
+    stride_qh,
+    stride_os,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_lo = 0
+    if SLIDING:
+        kv_lo = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+    lo = kv_lo + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    heads = kv_head * GROUP + offs_g  # [G] query heads of this KV head
+    mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [G, D]
+    q_off = seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=mask, other=0.0)  # [G, D]
+
+    acc, l_i, m_i = attend_kv_range(
+        q, lo, lo, hi, window, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr + seq * stride_bt, kv_head, stride_kb, stride_kt, stride_kh,
+        scale, soft_cap,
+        BLOCK_M=GROUP_PAD, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
+        PAGE_SIZE=PAGE_SIZE, CAUSAL=False, SLIDING=False, SOFT_CAP=SOFT_CAP, UPCAST=UPCAST,
+    )  # fmt: skip
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split has l = 0 and acc = 0
+    o = acc / l_safe[:, None]  # [G, D]
+    if WRITE_PARTIAL:
+        row = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [G]
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + row, lse, mask=offs_g < GROUP)
+    else:
+        o_off = seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_ptr,  # [S, Hq, num_splits, D] fp32, each split's normalised output
+    lse_ptr,  # [S, Hq, num_splits] fp32, each split's log2-sum-exp (-inf if empty)
+    out_ptr,  # [S, Hq, D]
+    num_splits,
+    stride_os,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row0 = (seq * tl.num_programs(1) + head) * num_splits
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask_s = offs_s < num_splits
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(lse_ptr + row0 + offs_s, mask=mask_s, other=float("-inf"))  # [P]
+    m = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [P], 0 for empty splits
+    part_off = (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+    parts = tl.load(part_ptr + part_off, mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    total = tl.sum(weight, 0)
+    o = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)  # [D]
+    o_off = seq * stride_os + head * stride_oh + offs_d
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length incl. the current token
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Triton version of ``kernels.reference.paged_decode_attention`` (same semantics).
+
+    ``num_kv_splits`` forces the split count (1 disables split-KV); ``max_seq_len`` is an
+    optional upper bound on ``seq_lens`` that sharpens the split heuristic without a sync.
+    """
+    q = chk.check_tensor("q", q, ndim=3, dtypes=chk.FLOAT_DTYPES)
+    num_seqs, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = chk.check_kv_cache(k_cache, v_cache, q.dtype)
+    chk.check_heads(num_q_heads, num_kv_heads, head_dim, k_cache.shape[3])
+    chk.check_block_tables(block_tables, seq_lens, num_seqs)
+    out = torch.empty_like(q) if out is None else chk.check_out(out, q)
+    chk.check_same_device(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+        seq_lens=seq_lens, out=out,
+    )  # fmt: skip
+    window = chk.window_arg(sliding_window)
+    soft_cap = chk.soft_cap_arg(logits_soft_cap)
+    if num_kv_splits is None:
+        context = max_seq_len or block_tables.shape[1] * block_size
+        context = min(context, window) if window else context
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, context, _num_sms(q.device))
+    if not (isinstance(num_kv_splits, int) and 1 <= num_kv_splits <= MAX_FORCED_SPLITS):
+        raise ValueError(f"num_kv_splits must be an int in [1, {MAX_FORCED_SPLITS}], "
+                         f"got {num_kv_splits!r}")  # fmt: skip
+    if num_seqs > 0:
+        _launch(q, k_cache, v_cache, block_tables, seq_lens, out, float(scale), window,
+                soft_cap, num_kv_splits)  # fmt: skip
+    return out
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    window: int,
+    soft_cap: float,
+    num_kv_splits: int,
+) -> None:
+    """Stage 1, then (with more than one split) the stage-2 merge, on validated inputs."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    head_dim_pad = pow2_at_least(head_dim, 16)
+    partial = num_kv_splits > 1
+    if partial:
+        dest = q.new_empty((num_seqs, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32)
+        lse = q.new_empty((num_seqs, num_q_heads, num_kv_splits), dtype=torch.float32)
+    else:
+        dest, lse = out, out  # lse is unused without splits
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, dest, lse,
+        scale, soft_cap, window, num_kv_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=pow2_at_least(group, 16),
+        BLOCK_N=64 if head_dim_pad <= 128 else 32,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=block_size,
+        SLIDING=window > 0, SOFT_CAP=soft_cap > 0, WRITE_PARTIAL=partial,
+        UPCAST=dot_needs_upcast(q.dtype), num_warps=4,
+    )  # fmt: skip
+    if partial:
+        _decode_reduce_kernel[(num_seqs, num_q_heads)](
+            dest, lse, out, num_kv_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=pow2_at_least(num_kv_splits, 2), num_warps=4,
+        )  # fmt: skip

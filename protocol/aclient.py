@@ -1,0 +1,236 @@
+"""asyncio client, the twin of ``protocol.client`` on ``redis.asyncio`` (used by the gateway).
+
+Same operations and the same guarantees; see ``protocol.client`` for the streaming
+algorithm. It also has the read-only queries the gateway needs for admission and
+readiness: queue lag and live workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as aredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from protocol.codec import ProtocolError, decode_event, decode_heartbeat, status_from_hash
+from protocol.keys import Keys
+from protocol.models import GenerateRequest, JobStatus, TokenEvent, WorkerHeartbeat
+from protocol.store import DuplicateRequestError, Ttls, as_str, cancel_script, enqueue_script
+from protocol.streaming import (
+    EventSequencer,
+    Outage,
+    StreamTimeout,
+    decode_log,
+    log_misaligned,
+    status_from_events,
+)
+
+SUBSCRIBE_TIMEOUT_S = 10.0
+
+
+class AsyncSubscription:
+    """One request's event feed; ``async with`` it *before* enqueueing."""
+
+    def __init__(self, client: AsyncFerryClient, request_id: str, after_seq: int = -1) -> None:
+        self._client = client
+        self._seq = EventSequencer(request_id, after_seq)
+        self._pubsub = client.redis.pubsub()
+        self._channel = client.keys.tokens(request_id)
+        self._backfilled = False
+        self._outage = Outage(client.reconnect_timeout_s)
+
+    @property
+    def finished(self) -> bool:
+        return self._seq.finished
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq.last_seq
+
+    async def open(self, timeout: float = SUBSCRIBE_TIMEOUT_S) -> AsyncSubscription:
+        """SUBSCRIBE and wait for the confirmation, so later publishes are guaranteed heard."""
+        try:
+            await self._pubsub.subscribe(self._channel)
+            deadline = time.monotonic() + timeout
+            while (left := deadline - time.monotonic()) > 0:
+                msg = await self._pubsub.get_message(timeout=left)
+                if msg is not None and msg["type"] == "subscribe":
+                    return self
+        except BaseException:
+            await self.close()
+            raise
+        await self.close()
+        raise StreamTimeout(f"subscribe to {self._channel} not confirmed in {timeout}s")
+
+    async def close(self) -> None:
+        await self._pubsub.aclose()
+
+    async def __aenter__(self) -> AsyncSubscription:
+        return await self.open()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _fill_from_log(self) -> list[TokenEvent]:
+        key = self._client.keys.events(self._seq.request_id)
+        start = self._seq.next_seq
+        events = decode_log(await self._client.redis.lrange(key, start, -1))  # type: ignore[misc]
+        if log_misaligned(events, start):
+            events = decode_log(await self._client.redis.lrange(key, 0, -1))  # type: ignore[misc]
+        return self._seq.push(events)
+
+    async def _step(self, wait: float) -> list[TokenEvent]:
+        if not self._backfilled:
+            self._backfilled = True
+            return await self._fill_from_log()
+        msg = await self._pubsub.get_message(timeout=wait)
+        if msg is None or msg["type"] == "subscribe":
+            return await self._fill_from_log()  # quiet, or resubscribed: maybe one was lost
+        if msg["type"] != "message":
+            return []
+        ready = self._seq.push([decode_event(msg["data"])])
+        return ready + await self._fill_from_log() if self._seq.has_gap else ready
+
+    async def next_events(self, timeout: float) -> list[TokenEvent]:
+        """Wait up to ``timeout`` seconds; return the next events in order (maybe none)."""
+        deadline = time.monotonic() + timeout
+        while not self.finished:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                ready = await self._step(min(left, self._client.poll_interval_s))
+                self._outage.ok()
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                self._outage.failed(exc)
+                ready = []
+                await asyncio.sleep(min(0.1, left))
+            if ready or left <= 0:
+                return ready
+        return []
+
+    async def events(self, timeout: float | None = None) -> AsyncIterator[TokenEvent]:
+        """Yield events through the terminal one; ``StreamTimeout`` after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.finished:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise StreamTimeout(f"no terminal event for {self._seq.request_id} in {timeout}s")
+            for event in await self.next_events(60.0 if left is None else left):
+                yield event
+
+
+class AsyncFerryClient:
+    """Producer-side API over a ``redis.asyncio.Redis`` (``decode_responses`` must be off)."""
+
+    def __init__(
+        self,
+        client: aredis.Redis,
+        keys: Keys | None = None,
+        ttls: Ttls | None = None,
+        poll_interval_s: float = 1.0,
+        reconnect_timeout_s: float = 10.0,
+    ) -> None:
+        self.redis = client
+        self.keys = keys or Keys()
+        self.ttls = ttls or Ttls()
+        self.poll_interval_s = poll_interval_s
+        self.reconnect_timeout_s = reconnect_timeout_s
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = "ferry", **kwargs: Any) -> AsyncFerryClient:
+        return cls(aredis.Redis.from_url(url), keys=Keys(prefix), **kwargs)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(
+                self.keys.requests, self.keys.group, id="0", mkstream=True
+            )
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def enqueue(self, request: GenerateRequest) -> str:
+        """Record the job as queued and XADD it; returns the request id."""
+        script, keys, argv = enqueue_script(self.keys, request, self.ttls)
+        if await self.redis.eval(script, len(keys), *keys, *argv) is None:  # type: ignore[misc]
+            raise DuplicateRequestError(f"request_id: {request.request_id!r} is already in use")
+        return request.request_id
+
+    def subscribe(self, request_id: str, after_seq: int = -1) -> AsyncSubscription:
+        """A not-yet-open subscription; use it with ``async with``."""
+        return AsyncSubscription(self, request_id, after_seq)
+
+    async def stream(
+        self, request_id: str, after_seq: int = -1, timeout: float | None = None
+    ) -> AsyncIterator[TokenEvent]:
+        """Events after ``after_seq`` through the terminal one, in order, without duplicates."""
+        async with self.subscribe(request_id, after_seq) as sub:
+            async for event in sub.events(timeout):
+                yield event
+
+    async def generate(self, request: GenerateRequest, timeout: float | None = None) -> JobStatus:
+        """Enqueue and wait for the whole result; cancels the job if ``timeout`` expires."""
+        async with self.subscribe(request.request_id) as sub:
+            await self.enqueue(request)
+            try:
+                events = [event async for event in sub.events(timeout)]
+            except StreamTimeout:
+                await self.cancel(request.request_id, reason="client timeout")
+                raise
+        return status_from_events(request, events)
+
+    async def result(self, request_id: str) -> JobStatus | None:
+        """The job hash as a JobStatus, or None if unknown or expired."""
+        fields = await self.redis.hgetall(self.keys.job(request_id))  # type: ignore[misc]
+        return status_from_hash(fields) if fields else None
+
+    async def cancel(self, request_id: str, reason: str = "cancelled by client") -> str:
+        """Cancel; returns the state found (see ``FerryClient.cancel``)."""
+        script, keys, argv = cancel_script(self.keys, request_id, reason, self.ttls)
+        return as_str(await self.redis.eval(script, len(keys), *keys, *argv))  # type: ignore[misc]
+
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())  # type: ignore[misc]
+
+    async def queue_lag(self) -> int:
+        """Entries not yet delivered to any worker (the consumer group's lag)."""
+        try:
+            groups = await self.redis.xinfo_groups(self.keys.requests)
+        except ResponseError as exc:
+            if "no such key" in str(exc).lower():
+                return 0
+            raise
+        for group in groups:
+            if as_str(group["name"]) == self.keys.group:
+                if group.get("lag") is not None:
+                    return int(group["lag"])
+                # Redis cannot tell the lag after some deletions: estimate from the length.
+                length = int(await self.redis.xlen(self.keys.requests))
+                return max(0, length - int(group.get("pending") or 0))
+        return int(await self.redis.xlen(self.keys.requests))  # no group yet: all waiting
+
+    async def live_workers(self) -> list[WorkerHeartbeat]:
+        """Heartbeats of workers whose key has not expired; prunes dead ids from the set."""
+        ids = sorted(as_str(i) for i in await self.redis.smembers(self.keys.workers))  # type: ignore[misc]
+        if not ids:
+            return []
+        values = await self.redis.mget([self.keys.worker(i) for i in ids])
+        live, dead = [], []
+        for worker_id, value in zip(ids, values, strict=True):
+            if value is None:
+                dead.append(worker_id)
+                continue
+            try:
+                live.append(decode_heartbeat(value))
+            except ProtocolError:
+                continue
+        if dead:
+            await self.redis.srem(self.keys.workers, *dead)  # type: ignore[misc]
+        return live

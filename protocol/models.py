@@ -1,0 +1,209 @@
+"""The messages that cross Redis, as pydantic models.
+
+Everything a producer (gateway, any Python service) and a consumer (worker) exchange is
+declared here once, so both sides validate against the same rules. Models forbid unknown
+fields: a typo such as ``max_token`` from a hand-written producer in another language is
+refused with the field named instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from protocol.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change; decoders refuse versions they do not know."""
+
+SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})
+
+ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+"""Request and worker ids become part of Redis key names: only key-safe characters."""
+
+FinishReason = Literal["stop", "length", "abort", "error", "timeout", "cancelled"]
+JobState = Literal["queued", "running", "done", "failed", "cancelled", "timeout"]
+ErrorKind = Literal["invalid_request", "internal", "unavailable"]
+
+TERMINAL_STATES: frozenset[str] = frozenset({"done", "failed", "cancelled", "timeout"})
+
+_STATE_FOR_FINISH: dict[str, JobState] = {
+    "stop": "done",
+    "length": "done",
+    "abort": "failed",
+    "error": "failed",
+    "timeout": "timeout",
+    "cancelled": "cancelled",
+}
+
+
+def state_for_finish(reason: FinishReason) -> JobState:
+    """The job state a request ends in, given the finish reason of its terminal event."""
+    return _STATE_FOR_FINISH[reason]
+
+
+def _out_of_int64(value: object, path: str) -> str | None:
+    """Path of the first integer msgpack cannot carry (outside int64/uint64), if any."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return path if not -(2**63) <= value < 2**64 else None
+    items: Any = (
+        value.items() if isinstance(value, dict)
+        else enumerate(value) if isinstance(value, list) else ()
+    )
+    for key, item in items:
+        found = _out_of_int64(item, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ChatMessage(_Wire):
+    """One chat turn; the worker renders the list with the model's own chat template."""
+
+    role: str = Field(min_length=1, max_length=64)
+    content: str
+
+
+class GenerateRequest(_Wire):
+    """A generation job, as enqueued on the requests stream."""
+
+    version: int = PROTOCOL_VERSION
+    request_id: str = Field(default_factory=new_request_id, pattern=ID_PATTERN)
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    params: SamplingParams = Field(default_factory=SamplingParams)
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31, description="Lower runs first.")
+    timeout_s: float | None = Field(
+        default=None, gt=0, description="Deadline measured from created_at, queueing included."
+    )
+    model: str | None = Field(default=None, max_length=256)
+    created_at: float = Field(default_factory=time.time, ge=0)
+    stream: bool = True
+
+    @model_validator(mode="after")
+    def _exactly_one_prompt(self) -> GenerateRequest:
+        given = [
+            name
+            for name in ("prompt", "prompt_token_ids", "messages")
+            if getattr(self, name) is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "prompt: exactly one of prompt, prompt_token_ids, messages is required "
+                f"(got {', '.join(given) or 'none'})"
+            )
+        if self.prompt_token_ids is not None and any(t < 0 for t in self.prompt_token_ids):
+            raise ValueError("prompt_token_ids: token ids must be >= 0")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages: at least one message is required")
+        too_big = _out_of_int64(self.model_dump(), "")
+        if too_big:
+            raise ValueError(f"{too_big}: integer out of the 64-bit range")
+        return self
+
+
+class Usage(_Wire):
+    prompt_tokens: int = Field(default=0, ge=0)
+    completion_tokens: int = Field(default=0, ge=0)
+    total_tokens: int = Field(default=0, ge=0)
+
+
+class Timings(_Wire):
+    """Seconds, measured by the worker: queued (created -> scheduled), to first token, total."""
+
+    queued_s: float | None = None
+    ttft_s: float | None = None
+    total_s: float | None = None
+
+
+class TopLogprob(_Wire):
+    token_id: int
+    logprob: float
+    token: str | None = None
+
+
+class TokenLogprob(_Wire):
+    """Logprob of one sampled token; ``token`` is its text, filled by the worker's tokenizer."""
+
+    token_id: int
+    logprob: float
+    token: str | None = None
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
+class TokenEvent(_Wire):
+    """One step of output. ``seq`` counts 0, 1, 2, ... per request with no gap.
+
+    The event with a ``finish_reason`` is the last one; it carries usage and timings.
+    """
+
+    version: int = PROTOCOL_VERSION
+    request_id: str = Field(pattern=ID_PATTERN)
+    seq: int = Field(ge=0)
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    error_kind: ErrorKind | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    worker_id: str | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None
+
+
+class JobStatus(_Wire):
+    """What the job hash holds: the state and, once finished, the whole result."""
+
+    request_id: str = Field(pattern=ID_PATTERN)
+    state: JobState
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: str | None = None
+    error_kind: ErrorKind | None = None
+    worker_id: str | None = None
+    model: str | None = None
+    created_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+
+class Cancel(_Wire):
+    """Published on the control channel; workers abort the request if they hold it."""
+
+    version: int = PROTOCOL_VERSION
+    request_id: str = Field(pattern=ID_PATTERN)
+    reason: str = Field(default="cancelled by client", max_length=1024)
+
+
+class WorkerHeartbeat(_Wire):
+    """The value of a worker's heartbeat key; the key's TTL is what makes a worker 'live'."""
+
+    version: int = PROTOCOL_VERSION
+    worker_id: str = Field(pattern=ID_PATTERN)
+    model: str
+    started_at: float
+    updated_at: float
+    stats: dict[str, float | int | str] = Field(default_factory=dict)
