@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kernels import cpu_attention, reference
 
 ATTENTION_NAME = "ferry_paged"
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, Hkv, D]
@@ -30,6 +30,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32, context incl. this step's tokens
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     num_decodes: int  # sequences [0, num_decodes) have exactly one query token
+    max_decode_seq_len: int  # longest context among the decodes (0 if none)
     max_query_len: int
     max_seq_len: int
     # True when no prefill sequence has cached context: attention then runs on the new
@@ -63,9 +64,16 @@ class ForwardContext:
 
 
 class TorchAttentionBackend:
-    """CPU path: ``kernels.reference`` with all decodes batched in one call."""
+    """CPU path: all decodes in one batched call, fresh prefills as dense causal SDPA.
+
+    With ``compiled`` the decode runs ``kernels.cpu_attention``'s fused formulation under
+    ``torch.compile`` (gather fused into the dot products); otherwise gather + SDPA.
+    """
 
     name = "torch"
+
+    def __init__(self, compiled: bool = False) -> None:
+        self.compiled = compiled
 
     def forward(self, q, k, v, cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
         k_cache, v_cache = cache
@@ -73,10 +81,7 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = reference.paged_decode_attention(
-                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                sliding_window=sliding_window, logits_soft_cap=soft_cap,
-            )
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window, soft_cap)
         if nd == meta.seq_lens.shape[0]:
             return out
         starts = meta.query_start_loc
@@ -89,6 +94,37 @@ class TorchAttentionBackend:
                 sliding_window=sliding_window, logits_soft_cap=soft_cap,
             )
         return out
+
+    def _decode(self, q, k_cache, v_cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
+        nd = meta.num_decodes
+        tables, lens = meta.block_tables[:nd], meta.seq_lens[:nd]
+        if self.compiled:
+            nb = max(2, -(-meta.max_decode_seq_len // k_cache.shape[1]))
+            tables = _pad_columns(tables, nb)
+            if nd == 1:  # keep batch >= 2 so the compiled graph never specialises on 1
+                q, tables, lens = q.expand(2, -1, -1), tables.expand(2, -1), lens.expand(2)
+            # contiguous inputs: stride guards would otherwise trigger recompiles
+            res = cpu_attention.compiled_paged_decode()(
+                q.contiguous(), k_cache, v_cache, tables.contiguous(), lens.contiguous(),
+                scale, sliding_window, soft_cap,
+            )
+            return res[:nd]
+        if soft_cap:
+            return reference.paged_decode_attention(
+                q, k_cache, v_cache, tables, lens, scale, sliding_window=sliding_window,
+                logits_soft_cap=soft_cap,
+            )
+        return cpu_attention.paged_decode_sdpa(
+            q, k_cache, v_cache, tables, lens, scale, meta.max_decode_seq_len, sliding_window
+        )
+
+
+def _pad_columns(tables: torch.Tensor, width: int) -> torch.Tensor:
+    """First ``width`` columns of a block table, zero-padded (masked out by seq_lens)."""
+    if tables.shape[1] >= width:
+        return tables[:, :width]
+    pad = tables.new_zeros(tables.shape[0], width - tables.shape[1])
+    return torch.cat([tables, pad], dim=1)
 
 
 def _dense_causal(
@@ -124,29 +160,33 @@ class TritonAttentionBackend:
         k_cache, v_cache = cache
         self._k.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        nd = meta.num_decodes
+        nd = meta.num_decodes  # decodes are one token each, so they are rows [0, nd)
         if nd:
-            out[:nd] = self._k.paged_decode_attention(
-                q[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd],
-                meta.seq_lens[:nd], scale, sliding_window=sliding_window,
-                logits_soft_cap=soft_cap,
+            self._k.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                out=out[:nd], sliding_window=sliding_window, logits_soft_cap=soft_cap,
+                max_seq_len=meta.max_decode_seq_len,
             )
         if nd < meta.seq_lens.shape[0]:
-            starts = meta.query_start_loc
-            first = int(starts[nd])
-            out[first:] = self._k.paged_prefill_attention(
-                q[first:].contiguous(), k_cache, v_cache, meta.block_tables[nd:].contiguous(),
-                (starts[nd:] - first).contiguous(), meta.seq_lens[nd:].contiguous(), scale,
+            self._k.paged_prefill_attention(
+                q[nd:], k_cache, v_cache, meta.block_tables[nd:],
+                meta.query_start_loc[nd:] - nd, meta.seq_lens[nd:], scale, out=out[nd:],
                 sliding_window=sliding_window, logits_soft_cap=soft_cap,
+                max_query_len=meta.max_query_len,
             )
         return out
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_backend(
+    name: str, device: torch.device, compile_attention: bool | None = None
+) -> AttentionBackend:
+    """``auto`` is Triton on CUDA, torch elsewhere; torch compiles its decode on CPU
+    unless ``compile_attention`` is False."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchAttentionBackend()
+        compiled = device.type == "cpu" if compile_attention is None else compile_attention
+        return TorchAttentionBackend(compiled=compiled)
     if name == "triton":
         return TritonAttentionBackend()
     raise ValueError(f"attention_backend must be auto, torch or triton, not {name!r}")

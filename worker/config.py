@@ -22,6 +22,9 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: AttentionBackendName = "auto"
+    # CPU only: run decode attention under torch.compile (fused gather; ~20 s compile on
+    # first decode). None = on for CPU; short-lived processes (CLI, tests) turn it off.
+    compile_attention: bool | None = None
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     trust_remote_code: bool = False
 
@@ -66,7 +69,9 @@ class EngineConfig:
             "scheduler": SchedulerConfig.__dataclass_fields__,
         }
         for key, value in kwargs.items():
-            if value is None and key not in ("num_blocks", "memory_bytes", "max_model_len"):
+            if value is None and key not in (
+                "num_blocks", "memory_bytes", "max_model_len", "compile_attention"
+            ):
                 continue
             target = next((g for g, f in fields.items() if key in f), None)
             if key == "kv_cache_blocks":

@@ -27,7 +27,9 @@ class ModelRunner:
         self.device = self.loaded.device
         self.shape: ModelShape = self.loaded.shape
         self.block_size = cache_cfg.block_size
-        self.backend = make_backend(model_cfg.attention_backend, self.device)
+        self.backend = make_backend(
+            model_cfg.attention_backend, self.device, model_cfg.compile_attention
+        )
         self.kv_dtype = self._kv_dtype(cache_cfg.kv_cache_dtype)
         self.num_blocks = self._num_blocks(cache_cfg)
         self.kv_caches = self._allocate_cache()
@@ -108,6 +110,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
             num_decodes=sched.num_decodes,
+            max_decode_seq_len=max(seq_lens[: sched.num_decodes], default=0),
             max_query_len=max(b - a for a, b in zip(starts[:-1], starts[1:], strict=True)),
             max_seq_len=max(seq_lens),
             prefills_are_fresh=fresh,

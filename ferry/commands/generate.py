@@ -56,7 +56,7 @@ def generate(
     try:
         engine = Engine(EngineConfig.create(
             model, device=device, dtype=dtype, attention_backend=attention_backend,
-            memory_bytes=256 << 20,
+            memory_bytes=256 << 20, compile_attention=False,  # one prompt: not worth ~20 s
         ))
         if chat:
             engine.add_request("cli", None, params, messages=[{"role": "user", "content": prompt}])

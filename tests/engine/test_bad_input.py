@@ -19,7 +19,9 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(ckpt):
-    return Engine(EngineConfig.create(ckpt, num_blocks=32, block_size=8, device="cpu"))
+    return Engine(EngineConfig.create(
+        ckpt, num_blocks=32, block_size=8, device="cpu", compile_attention=False
+    ))
 
 
 def run_all(engine: Engine) -> dict[str, list[int]]:
