@@ -31,6 +31,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     num_decodes: int  # sequences [0, num_decodes) have exactly one query token
     max_decode_seq_len: int  # longest context among the decodes (0 if none)
+    # Decode rows split into (start, end, longest context) slices of similar length, so
+    # the CPU path pads each slice only to its own longest sequence.
+    decode_buckets: list[tuple[int, int, int]]
     max_query_len: int
     max_seq_len: int
     # True when no prefill sequence has cached context: attention then runs on the new
@@ -96,27 +99,37 @@ class TorchAttentionBackend:
         return out
 
     def _decode(self, q, k_cache, v_cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
-        nd = meta.num_decodes
-        tables, lens = meta.block_tables[:nd], meta.seq_lens[:nd]
-        if self.compiled:
-            nb = max(2, -(-meta.max_decode_seq_len // k_cache.shape[1]))
-            tables = _pad_columns(tables, nb)
-            if nd == 1:  # keep batch >= 2 so the compiled graph never specialises on 1
-                q, tables, lens = q.expand(2, -1, -1), tables.expand(2, -1), lens.expand(2)
-            # contiguous inputs: stride guards would otherwise trigger recompiles
-            res = cpu_attention.compiled_paged_decode()(
-                q.contiguous(), k_cache, v_cache, tables.contiguous(), lens.contiguous(),
-                scale, sliding_window, soft_cap,
-            )
-            return res[:nd]
-        if soft_cap:
-            return reference.paged_decode_attention(
-                q, k_cache, v_cache, tables, lens, scale, sliding_window=sliding_window,
-                logits_soft_cap=soft_cap,
-            )
-        return cpu_attention.paged_decode_sdpa(
-            q, k_cache, v_cache, tables, lens, scale, meta.max_decode_seq_len, sliding_window
+        out = torch.empty_like(q)
+        for lo, hi, max_len in meta.decode_buckets:
+            tables, lens = meta.block_tables[lo:hi], meta.seq_lens[lo:hi]
+            if self.compiled:
+                out[lo:hi] = self._decode_compiled(
+                    q[lo:hi], k_cache, v_cache, tables, lens, max_len, scale, sliding_window,
+                    soft_cap,
+                )
+            elif soft_cap:
+                out[lo:hi] = reference.paged_decode_attention(
+                    q[lo:hi], k_cache, v_cache, tables, lens, scale,
+                    sliding_window=sliding_window, logits_soft_cap=soft_cap,
+                )
+            else:
+                out[lo:hi] = cpu_attention.paged_decode_sdpa(
+                    q[lo:hi], k_cache, v_cache, tables, lens, scale, max_len, sliding_window
+                )
+        return out
+
+    @staticmethod
+    def _decode_compiled(q, k_cache, v_cache, tables, lens, max_len, scale, window, soft_cap):  # type: ignore[no-untyped-def]
+        n = q.shape[0]
+        tables = _pad_columns(tables, max(2, -(-max_len // k_cache.shape[1])))
+        if n == 1:  # keep batch >= 2 so the compiled graph never specialises on 1
+            q, tables, lens = q.expand(2, -1, -1), tables.expand(2, -1), lens.expand(2)
+        # contiguous inputs: stride guards would otherwise trigger recompiles
+        res = cpu_attention.compiled_paged_decode()(
+            q.contiguous(), k_cache, v_cache, tables.contiguous(), lens.contiguous(),
+            scale, window, soft_cap,
         )
+        return res[:n]
 
 
 def _pad_columns(tables: torch.Tensor, width: int) -> torch.Tensor:

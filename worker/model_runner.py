@@ -16,6 +16,13 @@ from worker.model_loader import _DTYPES, LoadedModel, ModelShape, load_model
 from worker.scheduler import SchedulerOutput
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
+_DECODE_BUCKET = 16  # sequences per decode attention call on the CPU path
+
+
+def decode_buckets(lens: list[int], size: int = _DECODE_BUCKET) -> list[tuple[int, int, int]]:
+    """(start, end, longest) slices of the length-sorted decode rows."""
+    return [(lo, min(lo + size, len(lens)), max(lens[lo:lo + size]))
+            for lo in range(0, len(lens), size)]
 
 
 class ModelRunner:
@@ -111,6 +118,7 @@ class ModelRunner:
             block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
             num_decodes=sched.num_decodes,
             max_decode_seq_len=max(seq_lens[: sched.num_decodes], default=0),
+            decode_buckets=decode_buckets(seq_lens[: sched.num_decodes]),
             max_query_len=max(b - a for a, b in zip(starts[:-1], starts[1:], strict=True)),
             max_seq_len=max(seq_lens),
             prefills_are_fresh=fresh,

@@ -27,8 +27,8 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    # Single-token rows first (decodes), then prefill chunks: the attention backend
-    # relies on this order to batch all decodes in one call.
+    # Single-token rows first (decodes, by increasing context), then prefill chunks: the
+    # attention backend relies on this order to batch decodes in a few calls.
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
@@ -109,7 +109,10 @@ class Scheduler:
                 budget -= num_new
         if not out.preempted:
             budget = self._admit(scheduled, budget)
-        scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        # Decodes first, shortest context first: attention then reads them in length
+        # buckets that are contiguous slices, with little padding.
+        scheduled.sort(key=lambda s: (s.num_new_tokens != 1, s.num_new_tokens == 1
+                                      and s.request.num_tokens))
         out.scheduled = scheduled
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
