@@ -26,11 +26,15 @@ def serve(
     if redis_url is not None:
         overrides["redis_url"] = redis_url
     settings = GatewaySettings.from_env(**overrides)
+    from ferry.logging import configure_logging
+
+    configure_logging(level=log_level)  # structlog owns the handlers, uvicorn's too
     uvicorn.run(
         create_app(settings),
         host=host,
         port=port,
         log_level=log_level,
+        log_config=None,
         timeout_graceful_shutdown=10,
         proxy_headers=True,
     )
