@@ -53,10 +53,12 @@ def static_batches(model: Any, jobs: list[Job], batch: int = 8) -> list[list[int
     return outs
 
 
-@torch.inference_mode()
 def hf_continuous(model: Any, jobs: list[Job], max_batch_tokens: int = 512,
                   page_size: int = 64, max_requests: int = 64) -> list[list[int]]:
-    """transformers' own continuous batching, with per-request max_new_tokens."""
+    """transformers' own continuous batching, with per-request max_new_tokens.
+
+    Not under inference_mode: its generation thread updates tensors in place.
+    """
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     gen_cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,

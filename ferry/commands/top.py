@@ -1,0 +1,270 @@
+"""``ferry top``: a live terminal view of the workers, read from their Redis heartbeats.
+
+Why heartbeats and not each worker's ``/metrics``: workers behind a scaler come and go and
+often have no reachable port, but every live worker writes ``{prefix}:worker:{id}`` every
+few seconds with its batch and KV statistics. So one Redis connection sees the whole
+fleet, with nothing to discover. The queue view comes from ``XINFO GROUPS`` on the request
+stream. Everything here only reads (no SREM of dead ids: a monitor must not need write
+permission), so it runs as the read-only ``ferry-monitor`` ACL user.
+
+``collect`` and ``render`` are separate, and pure apart from the Redis reads, so tests can
+feed ``render`` a snapshot and check the frame without a terminal.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import typer
+from rich import box
+from rich.console import Console, ConsoleOptions, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from protocol.codec import ProtocolError, decode_heartbeat
+from protocol.keys import Keys
+from protocol.store import as_str
+
+SPARK = "▁▂▃▄▅▆▇█"
+HISTORY_LEN = 20
+
+
+@dataclass
+class WorkerView:
+    """One live worker as shown in a frame: its heartbeat plus its tokens/s history."""
+
+    worker_id: str
+    model: str
+    age_s: float
+    uptime_s: float
+    stats: dict[str, Any]
+    history: list[float] = field(default_factory=list)
+
+
+@dataclass
+class QueueView:
+    """The request stream as the consumer group sees it."""
+
+    depth: int = 0
+    lag: int | None = 0
+    pending: int = 0
+    consumers: int = 0
+    dead_letters: int = 0
+    group_exists: bool = False
+
+
+@dataclass
+class Snapshot:
+    """Everything one frame shows; built by :func:`collect`."""
+
+    taken_at: float
+    prefix: str
+    queue: QueueView
+    workers: list[WorkerView]
+
+
+class History:
+    """Short in-memory tokens/s history per worker, for the sparklines (not persisted)."""
+
+    def __init__(self, length: int = HISTORY_LEN) -> None:
+        self.length = length
+        self._series: dict[str, deque[float]] = {}
+
+    def add(self, worker_id: str, value: float) -> list[float]:
+        series = self._series.setdefault(worker_id, deque(maxlen=self.length))
+        series.append(value)
+        return list(series)
+
+    def forget_except(self, live: set[str]) -> None:
+        for worker_id in set(self._series) - live:
+            del self._series[worker_id]
+
+
+def _queue(redis: Any, keys: Keys) -> QueueView:
+    """XLEN and XINFO GROUPS of the request stream; zeros before the stream exists."""
+    view = QueueView(depth=int(redis.xlen(keys.requests)))
+    view.dead_letters = int(redis.xlen(keys.dead_letter))
+    if view.depth == 0 and not redis.exists(keys.requests):
+        return view
+    for group in redis.xinfo_groups(keys.requests):
+        if as_str(group["name"]) != keys.group:
+            continue
+        view.group_exists = True
+        view.pending = int(group.get("pending") or 0)
+        view.consumers = int(group.get("consumers") or 0)
+        lag = group.get("lag")
+        view.lag = int(lag) if lag is not None else None
+    if not view.group_exists:
+        view.lag = view.depth  # no worker group yet: everything waits
+    return view
+
+
+def collect(redis: Any, keys: Keys, history: History | None = None) -> Snapshot:
+    """Read heartbeats and queue state with a sync ``redis.Redis`` (bytes responses)."""
+    now = time.time()
+    ids = sorted(as_str(i) for i in redis.smembers(keys.workers))
+    values = redis.mget([keys.worker(i) for i in ids]) if ids else []
+    workers: list[WorkerView] = []
+    for worker_id, raw in zip(ids, values, strict=True):
+        if raw is None:
+            continue  # key expired: the worker is gone (the gateway prunes the set)
+        try:
+            beat = decode_heartbeat(raw)
+        except ProtocolError:
+            continue
+        tps = float(beat.stats.get("tokens_per_s", 0) or 0)
+        series = history.add(worker_id, tps) if history is not None else [tps]
+        workers.append(WorkerView(
+            worker_id=beat.worker_id, model=beat.model, age_s=max(0.0, now - beat.updated_at),
+            uptime_s=max(0.0, now - beat.started_at), stats=dict(beat.stats), history=series,
+        ))
+    if history is not None:
+        history.forget_except({w.worker_id for w in workers})
+    return Snapshot(taken_at=now, prefix=keys.prefix, queue=_queue(redis, keys), workers=workers)
+
+
+def sparkline(values: list[float], width: int = HISTORY_LEN) -> str:
+    """Unicode bars scaled to the series' own maximum (an idle worker is a flat line)."""
+    values = values[-width:]
+    top = max(values, default=0.0)
+    if top <= 0:
+        return SPARK[0] * len(values)
+    return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1)))] for v in values)
+
+
+def _num(stats: dict[str, Any], name: str) -> float:
+    try:
+        return float(stats.get(name, 0) or 0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _count(stats: dict[str, Any], name: str, alert: bool = False) -> Text:
+    value = int(_num(stats, name))
+    return Text(str(value), style="red" if alert and value else "")
+
+
+def _occupancy(stats: dict[str, Any]) -> Text:
+    running, cap = int(_num(stats, "running")), int(_num(stats, "max_num_seqs"))
+    label = f"{running}/{cap}" if cap else str(running)
+    full = cap > 0 and running >= cap
+    return Text(label, style="bold yellow" if full else "")
+
+
+def _kv(stats: dict[str, Any]) -> Text:
+    total = int(_num(stats, "kv_blocks_total"))
+    usage = _num(stats, "kv_usage")
+    if "kv_usage" not in stats and total:
+        usage = (total - _num(stats, "kv_blocks_free")) / total
+    style = "bold red" if usage >= 0.95 else "yellow" if usage >= 0.8 else "green"
+    return Text(f"{usage * 100:5.1f}% of {total}", style=style)
+
+
+# (header, justify, narrowest terminal that shows it); the worker cell holds the model too.
+_COLUMNS = [
+    ("worker", "left", 0), ("batch", "right", 0), ("wait", "right", 0),
+    ("KV used", "right", 0), ("tok/s", "right", 0), ("history", "left", 120),
+    ("lag", "right", 0), ("reclaim", "right", 0), ("dead", "right", 0),
+    ("preempt", "right", 96), ("beat", "right", 96),
+]
+
+
+def _worker_cells(w: WorkerView) -> dict[str, RenderableType]:
+    s = w.stats
+    name = Text(w.worker_id)
+    name.append("\n" + w.model.rsplit("/", 1)[-1], style="dim")
+    return {
+        "worker": name, "batch": _occupancy(s), "wait": _count(s, "waiting"), "KV used": _kv(s),
+        "tok/s": f"{_num(s, 'tokens_per_s'):.1f}",
+        "history": Text(sparkline(w.history), style="cyan"),
+        "lag": _count(s, "queue_lag"), "reclaim": _count(s, "reclaimed"),
+        "dead": _count(s, "dead_lettered", alert=True), "preempt": _count(s, "preemptions"),
+        "beat": Text(f"{w.age_s:.0f}s", style="red" if w.age_s > 10 else "dim"),
+    }
+
+
+def _worker_table(snapshot: Snapshot, width: int) -> Table:
+    """The per-worker table; columns that do not fit a narrow terminal are left out."""
+    table = Table(
+        title=f"workers ({len(snapshot.workers)} live)", expand=True, box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    shown = [(name, justify) for name, justify, min_width in _COLUMNS if width >= min_width]
+    for name, justify in shown:
+        table.add_column(name, justify=justify, no_wrap=True,  # type: ignore[arg-type]
+                         overflow="ellipsis", ratio=2 if name == "worker" else None)
+    for w in snapshot.workers:
+        cells = _worker_cells(w)
+        table.add_row(*(cells[name] for name, _ in shown))
+    if not snapshot.workers:
+        table.add_row("(no live worker)", *[""] * (len(shown) - 1))
+    return table
+
+
+def _queue_line(snapshot: Snapshot) -> Text:
+    q = snapshot.queue
+    total_tps = sum(_num(w.stats, "tokens_per_s") for w in snapshot.workers)
+    lag = "unknown" if q.lag is None else str(q.lag)
+    line = Text(f"ferry top — {snapshot.prefix}:requests  ", style="bold")
+    line.append(f"depth {q.depth}  lag {lag}  pending {q.pending}  consumers {q.consumers}  ")
+    line.append(f"dead letters {q.dead_letters}  ", style="red" if q.dead_letters else "")
+    line.append(f"fleet {total_tps:.1f} tok/s", style="green")
+    if not q.group_exists:
+        line.append("  (no consumer group yet)", style="dim")
+    return line
+
+
+class _Frame:
+    """A renderable that lays the table out for the width of the console it lands on."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+
+    def __rich_console__(
+        self, console: Console, options: ConsoleOptions
+    ) -> Iterator[RenderableType]:
+        stamp = time.strftime("%H:%M:%S", time.localtime(self.snapshot.taken_at))
+        yield Group(
+            _queue_line(self.snapshot), _worker_table(self.snapshot, options.max_width),
+            Text(stamp, style="dim"),
+        )
+
+
+def render(snapshot: Snapshot) -> RenderableType:
+    """One frame: the queue line above the per-worker table."""
+    return _Frame(snapshot)
+
+
+def top(
+    redis_url: str = typer.Option(
+        "redis://localhost:6379/0", "--redis-url", envvar="FERRY_REDIS_URL", help="Redis URL."
+    ),
+    prefix: str = typer.Option("ferry", "--prefix", envvar="FERRY_PREFIX", help="Key prefix."),
+    interval: float = typer.Option(2.0, "--interval", min=0.1, help="Seconds between frames."),
+    once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
+) -> None:
+    """Live dashboard of the workers: batch, KV use, tokens/s, queue lag, reclaims."""
+    import redis as redis_lib
+    from rich.live import Live
+
+    client = redis_lib.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+    keys, history, console = Keys(prefix), History(), Console()
+    try:
+        if once:
+            console.print(render(collect(client, keys, history)))
+            return
+        with Live(console=console, auto_refresh=False, screen=False) as live:
+            while True:
+                live.update(render(collect(client, keys, history)), refresh=True)
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    except redis_lib.RedisError as exc:
+        console.print(f"[red]redis: {exc}[/red]")
+        raise typer.Exit(1) from None
+    finally:
+        client.close()

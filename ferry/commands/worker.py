@@ -1,0 +1,79 @@
+"""``ferry worker``: serve a model from the Redis request stream.
+
+Every flag can also be set by a ``FERRY_*`` variable (the flag name upper-cased, dashes
+to underscores), which is how docker-compose and Kubernetes configure workers. Only typer
+is imported at module level; torch loads when the command runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def _opt(env: str, help: str | None = None, *flags: str) -> typer.models.OptionInfo:
+    return typer.Option(*flags, envvar=env, help=help)  # type: ignore[no-any-return]
+
+
+Model = Annotated[str | None, _opt("FERRY_MODEL", "Checkpoint dir or hub id (default: the "
+                                   "embedded model).")]
+RedisUrl = Annotated[str, _opt("FERRY_REDIS_URL")]
+WorkerId = Annotated[str | None, _opt("FERRY_WORKER_ID", "Consumer name (default: "
+                                      "host-pid-random).")]
+Prefix = Annotated[str, _opt("FERRY_PREFIX", "Redis key prefix.")]
+ModelName = Annotated[str | None, _opt("FERRY_MODEL_NAME", "Name in heartbeats and "
+                                       "/v1/models (default: the model's directory name).")]
+MetricsPort = Annotated[int, _opt("FERRY_METRICS_PORT", "Prometheus port (0: off).")]
+MaxNumSeqs = Annotated[int | None, _opt("FERRY_MAX_NUM_SEQS", "Requests in the batch.")]
+KvBlocks = Annotated[int | None, _opt("FERRY_KV_CACHE_BLOCKS", "KV cache size in blocks.")]
+Device = Annotated[str | None, _opt("FERRY_DEVICE", "auto, cpu, cuda, cuda:N")]
+LeaseS = Annotated[float, _opt("FERRY_LEASE_S", "Idle seconds before others may reclaim "
+                               "an entry.")]
+MaxDeliveries = Annotated[int, _opt("FERRY_MAX_DELIVERIES", "Deliveries before an entry is "
+                                    "dead-lettered.")]
+DrainS = Annotated[float, _opt("FERRY_DRAIN_TIMEOUT_S", "SIGTERM: seconds to finish "
+                               "in-flight requests before handing them back.")]
+HeartbeatS = Annotated[float, _opt("FERRY_HEARTBEAT_INTERVAL_S")]
+TorchThreads = Annotated[int | None, _opt("FERRY_TORCH_THREADS", "torch.set_num_threads.")]
+Compile = Annotated[bool | None, _opt(
+    "FERRY_COMPILE_ATTENTION", "CPU: torch.compile the decode attention (slow first step).",
+    "--compile-attention/--no-compile-attention")]
+LogLevel = Annotated[str, _opt("FERRY_LOG_LEVEL")]
+
+
+def _name_for(model: str) -> str:
+    """Name advertised in heartbeats (``/v1/models``): a hub id as is, a directory's name."""
+    path = Path(model)
+    return path.name if path.exists() else model
+
+
+def worker(
+    model: Model = None, redis_url: RedisUrl = "redis://localhost:6379/0",
+    worker_id: WorkerId = None, prefix: Prefix = "ferry", model_name: ModelName = None,
+    metrics_port: MetricsPort = 0, max_num_seqs: MaxNumSeqs = None,
+    kv_cache_blocks: KvBlocks = None, device: Device = None, lease_s: LeaseS = 30.0,
+    max_deliveries: MaxDeliveries = 3, drain_timeout_s: DrainS = 30.0,
+    heartbeat_interval_s: HeartbeatS = 1.0, torch_threads: TorchThreads = None,
+    compile_attention: Compile = None, log_level: LogLevel = "info",
+) -> None:
+    """Run one worker: pull requests, batch them on the engine, stream tokens back."""
+    from worker.main import engine_config, run_worker
+    from worker.redis_io import WorkerSettings, default_worker_id
+
+    try:
+        config = engine_config(
+            model, device=device, max_num_seqs=max_num_seqs, kv_cache_blocks=kv_cache_blocks,
+            compile_attention=compile_attention,
+        )
+        settings = WorkerSettings(
+            redis_url=redis_url, prefix=prefix, worker_id=worker_id or default_worker_id(),
+            model_name=model_name or _name_for(config.model.model), lease_s=lease_s,
+            max_deliveries=max_deliveries, drain_timeout_s=drain_timeout_s,
+            heartbeat_interval_s=heartbeat_interval_s, metrics_port=metrics_port,
+        )
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError too
+        raise typer.BadParameter(str(exc)) from exc
+    raise typer.Exit(run_worker(config, settings, torch_threads=torch_threads,
+                                log_level=log_level))

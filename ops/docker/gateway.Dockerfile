@@ -1,0 +1,36 @@
+# syntax=docker/dockerfile:1.7
+# Ferry gateway: slim Python, no torch, no CUDA (about 150 MB instead of several GB).
+#
+#   docker build -f ops/docker/gateway.Dockerfile -t ferry-gateway .
+#
+# The project is installed with --no-deps, so pyproject's torch/transformers/triton are
+# never pulled in; the gateway's own dependencies come from gateway-requirements.txt
+# (tests/ops/test_deploy_files.py checks it covers every import of protocol/, gateway/
+# and the CLI). The same image also runs `ferry top`.
+
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS build
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY ops/docker/gateway-requirements.txt ./
+RUN --mount=type=cache,target=/root/.cache/pip pip install -r gateway-requirements.txt
+COPY pyproject.toml README.md ./
+COPY protocol ./protocol
+COPY gateway ./gateway
+COPY worker ./worker
+COPY kernels ./kernels
+COPY ferry ./ferry
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install --no-deps . \
+ && python -c "import gateway.app, ferry.cli, ferry.commands.top; import importlib.util as u; assert u.find_spec('torch') is None"
+
+FROM ${PYTHON_IMAGE} AS runtime
+RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin ferry
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 FERRY_LOG_JSON=1
+USER ferry
+WORKDIR /home/ferry
+EXPOSE 8000
+CMD ["ferry", "gateway", "--redis-url", "redis://redis:6379/0", "--port", "8000"]

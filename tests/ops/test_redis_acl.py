@@ -1,0 +1,232 @@
+"""ops/redis/users.acl against a real redis-server: each role can do its job and no more.
+
+The gateway role runs the real async client (subscribe, enqueue, stream, cancel, queue lag,
+live workers); the worker role runs the protocol's worker helpers through the scripted
+worker of the protocol tests; the monitor role runs ``ferry top``'s collector. Then each
+role is refused the commands it must not have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio as aredis
+from redis.exceptions import NoPermissionError, ResponseError
+
+from ferry.commands.top import collect
+from protocol.aclient import AsyncFerryClient
+from protocol.keys import Keys
+from protocol.models import GenerateRequest, WorkerHeartbeat
+from protocol.store import Ttls, ensure_group, remove_heartbeat, write_heartbeat
+from tests.protocol.fake_worker import FakeWorker, Script
+from tests.redis_server import free_port
+
+ACL = Path(__file__).resolve().parents[2] / "ops" / "redis" / "users.acl"
+KEYS = Keys()
+DENIED = "(?i)noperm|permission|can.t access"
+
+
+class AclRedis:
+    """A redis-server loading the ACL file; ``url(user)`` logs in with its placeholder password."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--dir", str(tmp), "--aclfile", str(ACL), "--logfile", "redis.log"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        self.log = tmp / "redis.log"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(self.url("ferry-admin")).ping()
+                return
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(self.log.read_text() if self.log.exists() else "") from None
+                time.sleep(0.05)
+
+    def url(self, user: str) -> str:
+        role = user.removeprefix("ferry-")
+        return f"redis://{user}:change-me-{role}@127.0.0.1:{self.port}/0"
+
+    def client(self, user: str) -> redis.Redis:
+        return redis.Redis.from_url(self.url(user))
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclRedis]:
+    srv = AclRedis(tmp_path_factory.mktemp("acl"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(autouse=True)
+def _clean(server: AclRedis) -> None:
+    server.client("ferry-admin").flushall()
+
+
+def _denied(call: object, *args: object, **kwargs: object) -> None:
+    with pytest.raises((NoPermissionError, ResponseError), match=DENIED):
+        call(*args, **kwargs)  # type: ignore[operator]
+
+
+def test_default_user_cannot_connect(server: AclRedis) -> None:
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=server.port).ping()
+
+
+async def _gateway_round_trip(url: str) -> tuple[list[str], str, str, int, int]:
+    client = AsyncFerryClient(aredis.Redis.from_url(url), poll_interval_s=0.2)
+    try:
+        await client.ensure_group()
+        assert await client.ping()
+        status = await client.generate(GenerateRequest(prompt="hi"), timeout=20)
+        texts = [status.text]
+        lag = await client.queue_lag()
+        workers = len(await client.live_workers())
+        # The job hash and the replay log are readable, and a finished job cannot be cancelled.
+        assert (await client.result(status.request_id)) is not None
+        events = [e.seq async for e in client.stream(status.request_id, timeout=5)]
+        texts.append(str(len(events)))
+        too_late = await client.cancel(status.request_id)
+        return texts, status.finish_reason or "", too_late, lag, workers
+    finally:
+        await client.aclose()
+
+
+def test_gateway_and_worker_serve_a_request(server: AclRedis) -> None:
+    with FakeWorker(server.url("ferry-worker"), Script(tokens=["a", "b", "c"])):
+        texts, reason, too_late, lag, workers = asyncio.run(
+            _gateway_round_trip(server.url("ferry-gateway"))
+        )
+    assert texts == ["abc", "3"]
+    assert (reason, too_late, lag, workers) == ("stop", "done", 0, 1)
+
+
+async def _cancel_queued(url: str) -> tuple[str, str | None]:
+    client = AsyncFerryClient(aredis.Redis.from_url(url), poll_interval_s=0.2)
+    try:
+        request = GenerateRequest(prompt="never runs")
+        async with client.subscribe(request.request_id) as sub:
+            await client.enqueue(request)
+            state = await client.cancel(request.request_id, "test")
+            events = [e async for e in sub.events(timeout=5)]
+        return state, events[-1].finish_reason
+    finally:
+        await client.aclose()
+
+
+def test_gateway_cancels_a_queued_job(server: AclRedis) -> None:
+    assert asyncio.run(_cancel_queued(server.url("ferry-gateway"))) == ("cancelled", "cancelled")
+
+
+def test_worker_recovery_commands_and_dead_letters(server: AclRedis) -> None:
+    r = server.client("ferry-worker")
+    ensure_group(r, KEYS)
+    admin = server.client("ferry-admin")
+    admin.xadd(KEYS.requests, {"data": b"not msgpack"})
+    r.xreadgroup(KEYS.group, "w-dead", {KEYS.requests: ">"}, count=1)
+    assert r.xpending(KEYS.requests, KEYS.group)["pending"] == 1
+    claimed = r.xautoclaim(KEYS.requests, KEYS.group, "w2", min_idle_time=0, start_id="0-0")
+    entry_id = claimed[1][0][0]
+    r.xclaim(KEYS.requests, KEYS.group, "w3", min_idle_time=0, message_ids=[entry_id])
+    r.xinfo_groups(KEYS.requests)
+    r.xlen(KEYS.requests)
+    r.xgroup_delconsumer(KEYS.requests, KEYS.group, "w-dead")
+    with FakeWorker(server.url("ferry-worker")) as worker:  # reads the rest, dead-letters
+        admin.xadd(KEYS.requests, {"data": b"\xc1"})
+        deadline = time.monotonic() + 10
+        while not worker.dead and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert worker.dead and admin.xlen(KEYS.dead_letter) == 1
+    r.xack(KEYS.requests, KEYS.group, entry_id)
+    r.xdel(KEYS.requests, entry_id)
+    with r.pubsub() as pubsub:
+        pubsub.subscribe(KEYS.control)
+    beat = WorkerHeartbeat(worker_id="w1", model="m", started_at=1.0, updated_at=1.0)
+    pipe = r.pipeline()
+    write_heartbeat(pipe, KEYS, beat, Ttls())
+    remove_heartbeat(pipe, KEYS, "w1")
+    pipe.execute()
+
+
+def test_worker_is_refused_what_it_must_not_do(server: AclRedis) -> None:
+    r = server.client("ferry-worker")
+    _denied(r.xadd, KEYS.requests, {"data": b"x"})  # cannot enqueue
+    _denied(r.delete, KEYS.requests)
+    _denied(r.set, KEYS.cancelled("x"), "reason")
+    _denied(r.publish, KEYS.control, b"x")
+    _denied(r.flushall)
+    _denied(r.keys, "*")
+    _denied(r.config_get, "*")
+    _denied(r.set, "other:key", "1")
+
+
+def test_gateway_is_refused_what_it_must_not_do(server: AclRedis) -> None:
+    ensure_group(server.client("ferry-admin"), KEYS)
+    r = server.client("ferry-gateway")
+    _denied(r.xreadgroup, KEYS.group, "g", {KEYS.requests: ">"})
+    _denied(r.xack, KEYS.requests, KEYS.group, "0-1")
+    _denied(r.delete, KEYS.requests)
+    _denied(r.xtrim, KEYS.requests, maxlen=0)
+    _denied(r.set, KEYS.worker("fake"), b"x")
+    _denied(r.sadd, KEYS.workers, "fake")
+    _denied(r.set, KEYS.events("x"), b"x")  # only list commands on the replay log
+    _denied(r.flushall)
+    _denied(r.keys, "*")
+    _denied(r.eval, "return redis.call('DEL', KEYS[1])", 1, KEYS.requests)  # scripts too
+    with r.pubsub() as pubsub:  # the refusal arrives as the reply to SUBSCRIBE
+        pubsub.subscribe("other-channel")
+        _denied(pubsub.get_message, timeout=2)
+
+
+def test_monitor_reads_for_ferry_top_but_writes_nothing(server: AclRedis) -> None:
+    admin = server.client("ferry-admin")
+    ensure_group(admin, KEYS)
+    beat = WorkerHeartbeat(worker_id="w1", model="m", started_at=1.0, updated_at=time.time())
+    pipe = admin.pipeline()
+    write_heartbeat(pipe, KEYS, beat, Ttls())
+    pipe.execute()
+    r = server.client("ferry-monitor")
+    snapshot = collect(r, KEYS)
+    assert [w.worker_id for w in snapshot.workers] == ["w1"]
+    assert snapshot.queue.group_exists
+    r.xpending(KEYS.requests, KEYS.group)
+    _denied(r.srem, KEYS.workers, "w1")
+    _denied(r.xadd, KEYS.requests, {"data": b"x"})
+    _denied(r.set, KEYS.worker("w1"), b"x")
+
+
+def test_real_gateway_http_api_as_gateway_user(server: AclRedis) -> None:
+    """The HTTP gateway itself (startup XGROUP, readiness, jobs API, SSE) as ferry-gateway."""
+    import httpx
+
+    from gateway.settings import GatewaySettings
+    from tests.gateway.server import GatewayServer
+
+    settings = GatewaySettings(redis_url=server.url("ferry-gateway"), poll_interval_s=0.2)
+    with FakeWorker(server.url("ferry-worker"), Script(tokens=["x", "y"])), \
+            GatewayServer(settings) as gw:
+        assert httpx.get(f"{gw.url}/readyz", timeout=10).status_code == 200
+        reply = httpx.post(f"{gw.url}/v1/jobs", json={"prompt": "p"}, timeout=10)
+        assert reply.status_code == 202, reply.text
+        job_id = reply.json()["id"]
+        sse = httpx.get(f"{gw.url}/v1/jobs/{job_id}/events", timeout=10)
+        assert sse.status_code == 200 and '"finish_reason":"stop"' in sse.text.replace(" ", "")
+        assert httpx.get(f"{gw.url}/v1/jobs/{job_id}", timeout=10).json()["state"] == "done"
+        assert httpx.get(f"{gw.url}/v1/models", timeout=10).status_code == 200
+        metrics = httpx.get(f"{gw.url}/metrics", timeout=10).text
+        assert "ferry_gateway_requests_total" in metrics

@@ -1,0 +1,168 @@
+"""Redis plumbing shared by the worker's I/O threads: settings, connections, backoff, Lua.
+
+The worker talks to Redis from three threads (intake, outbox, control; see
+``docs/service.md``) and never from the engine loop. Each thread handles a lost connection
+the same way: back off, reconnect, carry on where it was. What makes "carry on" safe is
+that every write that matters is idempotent and fenced (``worker/leases.py``), so a
+command retried after a reply was lost is never applied twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import re
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from protocol.keys import Keys
+from protocol.models import ID_PATTERN
+from protocol.store import Ttls
+
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    RedisConnectionError, RedisTimeoutError, OSError,
+)
+"""Errors that mean "Redis is unreachable right now": retry, never crash the worker."""
+
+
+def default_worker_id() -> str:
+    """``host-pid-xxxx``: unique per process, readable in ``ferry top``, key-safe."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:64] or "worker"
+    return f"{host}-{os.getpid()}-{random.randrange(16**4):04x}"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Everything the service needs besides the engine; one object instead of loose args."""
+
+    redis_url: str = "redis://localhost:6379/0"
+    prefix: str = "ferry"
+    worker_id: str = field(default_factory=default_worker_id)
+    model_name: str = "ferry"
+    lease_s: float = 30.0  # an entry idle this long (no renewal) may be reclaimed
+    max_deliveries: int = 3  # a delivery past this goes to the dead-letter stream
+    drain_timeout_s: float = 30.0  # SIGTERM: finish in-flight work for this long
+    heartbeat_interval_s: float = 1.0
+    metrics_port: int = 0  # 0: no Prometheus endpoint
+    busy_block_ms: int = 50  # XREADGROUP BLOCK while the batch is running
+    idle_block_ms: int = 1000  # ... and while it is empty
+    max_outbox_events: int = 100_000  # buffered while Redis is away; then the loop waits
+    ttls: Ttls = field(default_factory=Ttls)
+
+    def __post_init__(self) -> None:
+        if not re.match(ID_PATTERN, self.worker_id):
+            raise ValueError(f"worker_id: {self.worker_id!r} must match {ID_PATTERN}")
+        Keys(self.prefix)  # raises ValueError naming the prefix
+        if self.lease_s <= 0:
+            raise ValueError("lease_s: must be > 0")
+        if self.max_deliveries < 1:
+            raise ValueError("max_deliveries: must be >= 1")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s: must be >= 0")
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix)
+
+    @property
+    def lease_ms(self) -> int:
+        return int(self.lease_s * 1000)
+
+    @property
+    def renew_interval_s(self) -> float:
+        """Renew three times per lease, so one slow round trip never loses it."""
+        return self.lease_s / 3
+
+    @property
+    def reap_interval_s(self) -> float:
+        return min(self.lease_s / 2, 5.0)
+
+
+def connect(url: str, socket_timeout: float = 5.0) -> redis.Redis:
+    """A client for one thread's use. One silent retry re-dials a connection that a Redis
+    restart closed; anything longer is the caller's backoff loop, where it is logged."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=2.0,
+        socket_keepalive=True,
+        retry=Retry(NoBackoff(), 1),
+        health_check_interval=30,
+    )
+
+
+class Backoff:
+    """Exponential backoff with jitter for reconnect loops; ``reset()`` after a success."""
+
+    def __init__(self, base: float = 0.05, cap: float = 2.0) -> None:
+        self.base = base
+        self.cap = cap
+        self.failures = 0
+
+    def reset(self) -> None:
+        self.failures = 0
+
+    def next_delay(self) -> float:
+        self.failures += 1
+        delay = min(self.cap, self.base * 2 ** min(self.failures - 1, 16))
+        return delay * random.uniform(0.5, 1.0)
+
+    def wait(self, stop: threading.Event) -> None:
+        """Sleep the next delay, or less if ``stop`` is set meanwhile."""
+        stop.wait(self.next_delay())
+
+
+class LuaScript:
+    """A script run by EVALSHA inside pipelines, reloaded when Redis lost its script cache.
+
+    redis-py's own ``Script`` objects in a pipeline cost an extra ``SCRIPT EXISTS`` round
+    trip on every execute; here a restart's ``NOSCRIPT`` is handled by the caller instead:
+    ``load()`` and resend (every script the worker runs is safe to resend).
+    """
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
+
+    def load(self, r: redis.Redis) -> None:
+        r.script_load(self.text)
+
+    def queue(self, pipe: Any, keys: list[str], args: list[Any]) -> None:
+        pipe.evalsha(self.sha, len(keys), *keys, *args)
+
+    def run(self, r: redis.Redis, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return r.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            self.load(r)
+            return r.evalsha(self.sha, len(keys), *keys, *args)
+
+
+def execute_scripts(r: redis.Redis, build: Any, scripts: list[LuaScript]) -> list[Any]:
+    """Run a non-transactional pipeline built by ``build(pipe)``; on NOSCRIPT (Redis
+    restarted and lost its script cache) load the scripts and run it again. Replies keep
+    per-command errors in place so one bad item cannot sink the rest of a batch."""
+    replies: list[Any] = []
+    for attempt in range(2):
+        pipe = r.pipeline(transaction=False)
+        build(pipe)
+        replies = pipe.execute(raise_on_error=False)
+        if attempt or not any(isinstance(x, NoScriptError) for x in replies):
+            break
+        for script in scripts:
+            script.load(r)
+    return replies
+
+
+def text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
