@@ -91,18 +91,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="16 requests instead of 64")
     ap.add_argument("--skip", nargs="*", default=[], help="systems to skip")
     ap.add_argument("--out", default=str(ROOT / "ops/bench/results/engine.json"))
-    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args()
     path = build_bench_model()
     jobs = main_workload(16 if args.quick else 64)
     hf = baselines.load_hf(path)
     ferry_kw = dict(max_num_seqs=64, max_num_batched_tokens=1024, num_blocks=3300,
-                    long_prefill_token_threshold=512, kv_cache_dtype=args.kv_cache_dtype)
+                    long_prefill_token_threshold=512)
     run_ferry(path, jobs[:4], **ferry_kw)  # warm-up: first-call costs out of the timing
     baselines.sequential(hf, [Job(jobs[0].prompt, 4)])
     profile: dict[str, float] = {}
     systems: list[tuple[str, Callable[[], list[list[int]]]]] = [
         ("ferry", lambda: run_ferry(path, jobs, profile, **ferry_kw)),
+        ("ferry (bf16 KV cache)",
+         lambda: run_ferry(path, jobs, **{**ferry_kw, "kv_cache_dtype": "bfloat16"})),
         ("hf generate_batch (512 tok, page 64)", lambda: baselines.hf_continuous(hf, jobs)),
         ("hf generate_batch (256 tok, page 32)",
          lambda: baselines.hf_continuous(hf, jobs, max_batch_tokens=256, page_size=32)),
@@ -115,9 +116,9 @@ def main() -> None:
             and n not in args.skip]
     base = "hf sequential generate" if any(r["system"] == "hf sequential generate"
                                            for r in rows) else rows[-1]["system"]
-    ferry_outs = rows[0]["_outs"]
-    agree = {r["system"]: sum(a == b for a, b in zip(ferry_outs, r["_outs"], strict=True))
-             for r in rows[1:]}
+    ref_outs = rows[-1]["_outs"]  # the last system run (sequential, unless skipped)
+    agree = {r["system"]: sum(a == b for a, b in zip(r["_outs"], ref_outs, strict=True))
+             for r in rows[:-1]}
 
     classic = classic_workload()
     print("classic 8-request example:", flush=True)
@@ -134,7 +135,7 @@ def main() -> None:
     total = sum(v for k, v in profile.items() if k != "attention")
     print(f"ferry step profile over {steps:.0f} steps ({total:.2f}s): " + ", ".join(
         f"{k} {v:.2f}s ({100 * v / total:.0f}%)" for k, v in profile.items()))
-    print(f"ferry outputs identical to {agree} of {len(jobs)} requests")
+    print(f"requests with outputs identical to {rows[-1]['system']} (of {len(jobs)}): {agree}")
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "threads": torch.get_num_threads(), "torch": torch.__version__},
