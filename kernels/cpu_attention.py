@@ -21,19 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import gather_kv
-
-
-def _key_mask(
-    num_keys: int, seq_lens: torch.Tensor, sliding_window: int | None, device: torch.device
-) -> torch.Tensor:
-    """[S, num_keys] True where the key is visible to the sequence's last token."""
-    pos = torch.arange(num_keys, device=device).view(1, -1)
-    lens = seq_lens.to(torch.long).view(-1, 1)
-    allowed = pos < lens
-    if sliding_window is not None and sliding_window > 0:
-        allowed &= pos >= lens - sliding_window
-    return allowed
+from kernels.reference import decode_key_mask, gather_kv
 
 
 def paged_decode_sdpa(
@@ -52,7 +40,7 @@ def paged_decode_sdpa(
     nb = max(1, -(-max_seq_len // block_size))
     k = gather_kv(k_cache, block_tables, nb).transpose(1, 2)  # [S, Hkv, L, D]
     v = gather_kv(v_cache, block_tables, nb).transpose(1, 2)
-    mask = _key_mask(nb * block_size, seq_lens, sliding_window, q.device)  # [S, L]
+    mask = decode_key_mask(nb * block_size, seq_lens, sliding_window)  # [S, L]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask.view(num_seqs, 1, 1, -1),
         scale=scale, enable_gqa=k.shape[1] != num_q_heads,
@@ -82,7 +70,7 @@ def paged_decode_fused(
     scores = (qg * k.float()).sum(-1) * scale  # [S, L, Hkv, G]
     if logits_soft_cap is not None and logits_soft_cap > 0:
         scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
-    allowed = _key_mask(nb * block_size, seq_lens, sliding_window, q.device)
+    allowed = decode_key_mask(nb * block_size, seq_lens, sliding_window)
     scores = scores.masked_fill(~allowed.view(num_seqs, -1, 1, 1), float("-inf"))
     probs = torch.softmax(scores, dim=1).unsqueeze(-1)  # [S, L, Hkv, G, 1]
     out = (probs * v.float()).sum(1)  # [S, Hkv, G, D]

@@ -52,6 +52,18 @@ def gather_kv(
     return gathered.flatten(1, 2)
 
 
+def decode_key_mask(
+    num_keys: int, seq_lens: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """[S, num_keys] True where key position is visible to the sequence's last token."""
+    pos = torch.arange(num_keys, device=seq_lens.device).view(1, -1)
+    lens = seq_lens.to(torch.long).view(-1, 1)
+    allowed = pos < lens
+    if sliding_window is not None and sliding_window > 0:
+        allowed &= pos >= lens - sliding_window
+    return allowed
+
+
 def _softcap(scores: torch.Tensor, logits_soft_cap: float | None) -> torch.Tensor:
     if logits_soft_cap is None or logits_soft_cap <= 0:
         return scores
@@ -100,11 +112,7 @@ def paged_decode_attention(
     k = gather_kv(k_cache, block_tables, nb).float().transpose(1, 2)  # [S, Hkv, L, D]
     v = gather_kv(v_cache, block_tables, nb).float().transpose(1, 2)
     qg = q.float().view(num_seqs, num_kv_heads, group, 1, head_dim)  # [S, Hkv, G, 1, D]
-    key_pos = torch.arange(nb * block_size, device=q.device)  # [L]
-    lens = seq_lens.to(torch.long).view(-1, 1)  # [S, 1]
-    allowed = key_pos.view(1, -1) < lens  # [S, L]
-    if sliding_window is not None and sliding_window > 0:
-        allowed &= key_pos.view(1, -1) >= lens - sliding_window
+    allowed = decode_key_mask(nb * block_size, seq_lens, sliding_window)  # [S, L]
     res = _attend(qg, k, v, allowed.view(num_seqs, 1, 1, 1, -1), scale, logits_soft_cap)
     res = res.view(num_seqs, num_q_heads, head_dim).to(q.dtype)
     if out is not None:
