@@ -13,7 +13,6 @@ either event by event (``observe_step``, ``preempted``) or from an ``EngineStats
 from __future__ import annotations
 
 import threading
-from typing import Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -24,6 +23,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from worker.outputs import EngineStats  # a plain dataclass: no torch
+
 PREFIX = "ferry_worker_"
 OUTCOMES = ("stop", "length", "cancelled", "timeout", "error", "abort")
 """Finish reasons of the protocol; used as the ``outcome`` label values."""
@@ -33,17 +34,6 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _TOKENS_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-
-
-class EngineStatsLike(Protocol):
-    """The fields of ``worker.outputs.EngineStats`` used here (kept structural: no import)."""
-
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    num_preemptions: int
-    tokens_generated: int
 
 
 class _Cumulative:
@@ -201,7 +191,7 @@ class WorkerMetrics:
         """Gap between consecutive tokens of one request (TPOT for streaming clients)."""
         self.inter_token.observe(seconds)
 
-    def set_engine(self, stats: EngineStatsLike) -> None:
+    def set_engine(self, stats: EngineStats) -> None:
         """Refresh batch/KV gauges and catch counters up with the engine's cumulative totals."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
