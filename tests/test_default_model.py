@@ -90,6 +90,6 @@ def test_ferry_engine_greedy_matches_transformers(model, tokenizer) -> None:
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                   max_new_tokens=n)[0, len(prompt_ids):].tolist()
         llm = LLM(model=default_model_path(), dtype="float32", device="cpu", kv_cache_blocks=8,
-                  max_num_seqs=1, compile_attention=False)
+                  max_num_seqs=1)
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         assert llm.generate([prompt_ids], params)[0].token_ids == expected, prompt

@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import structlog
 import torch
-import torch.nn.functional as F
 
-from kernels import cpu_attention, reference
+from kernels import cpu_decode_attention
 
+_log = structlog.get_logger("ferry.worker.attention")
 ATTENTION_NAME = "ferry_paged"
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, Hkv, D]
 
@@ -36,9 +37,10 @@ class AttentionMetadata:
     decode_buckets: list[tuple[int, int, int]]
     max_query_len: int
     max_seq_len: int
-    # True when no prefill sequence has cached context: attention then runs on the new
-    # K/V directly (dense causal), with no read back from the paged cache.
-    prefills_are_fresh: bool
+    # Host copies of query_start_loc and seq_lens, for backends that loop over
+    # sequences on the host (reading the tensors would sync a GPU).
+    query_start_host: list[int]
+    seq_lens_host: list[int]
 
 
 class AttentionBackend(Protocol):
@@ -64,99 +66,6 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_caches: list[KVCache]  # one per layer
     backend: AttentionBackend
-
-
-class TorchAttentionBackend:
-    """CPU path: all decodes in one batched call, fresh prefills as dense causal SDPA.
-
-    With ``compiled`` the decode runs ``kernels.cpu_attention``'s fused formulation under
-    ``torch.compile`` (gather fused into the dot products); otherwise gather + SDPA.
-    """
-
-    name = "torch"
-
-    def __init__(self, compiled: bool = False) -> None:
-        self.compiled = compiled
-
-    def forward(self, q, k, v, cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
-        k_cache, v_cache = cache
-        reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window, soft_cap)
-        if nd == meta.seq_lens.shape[0]:
-            return out
-        starts = meta.query_start_loc
-        if meta.prefills_are_fresh and not soft_cap:
-            _dense_causal(q, k, v, out, starts.tolist()[nd:], scale, sliding_window)
-        else:
-            out[starts[nd]:] = reference.paged_prefill_attention(
-                q[starts[nd]:], k_cache, v_cache, meta.block_tables[nd:],
-                starts[nd:] - starts[nd], meta.seq_lens[nd:], scale,
-                sliding_window=sliding_window, logits_soft_cap=soft_cap,
-            )
-        return out
-
-    def _decode(self, q, k_cache, v_cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
-        out = torch.empty_like(q)
-        for lo, hi, max_len in meta.decode_buckets:
-            tables, lens = meta.block_tables[lo:hi], meta.seq_lens[lo:hi]
-            if self.compiled:
-                out[lo:hi] = self._decode_compiled(
-                    q[lo:hi], k_cache, v_cache, tables, lens, max_len, scale, sliding_window,
-                    soft_cap,
-                )
-            elif soft_cap:
-                out[lo:hi] = reference.paged_decode_attention(
-                    q[lo:hi], k_cache, v_cache, tables, lens, scale,
-                    sliding_window=sliding_window, logits_soft_cap=soft_cap,
-                )
-            else:
-                out[lo:hi] = cpu_attention.paged_decode_sdpa(
-                    q[lo:hi], k_cache, v_cache, tables, lens, scale, max_len, sliding_window
-                )
-        return out
-
-    @staticmethod
-    def _decode_compiled(q, k_cache, v_cache, tables, lens, max_len, scale, window, soft_cap):  # type: ignore[no-untyped-def]
-        n = q.shape[0]
-        tables = _pad_columns(tables, max(2, -(-max_len // k_cache.shape[1])))
-        if n == 1:  # keep batch >= 2 so the compiled graph never specialises on 1
-            q, tables, lens = q.expand(2, -1, -1), tables.expand(2, -1), lens.expand(2)
-        # contiguous inputs: stride guards would otherwise trigger recompiles
-        res = cpu_attention.compiled_paged_decode()(
-            q.contiguous(), k_cache, v_cache, tables.contiguous(), lens.contiguous(),
-            scale, window, soft_cap,
-        )
-        return res[:n]
-
-
-def _pad_columns(tables: torch.Tensor, width: int) -> torch.Tensor:
-    """First ``width`` columns of a block table, zero-padded (masked out by seq_lens)."""
-    if tables.shape[1] >= width:
-        return tables[:, :width]
-    pad = tables.new_zeros(tables.shape[0], width - tables.shape[1])
-    return torch.cat([tables, pad], dim=1)
-
-
-def _dense_causal(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    starts: list[int], scale: float, sliding_window: int | None,
-) -> None:
-    """Causal SDPA per sequence over its own new tokens (no cached prefix)."""
-    for lo, hi in zip(starts[:-1], starts[1:], strict=True):
-        qi, ki, vi = (t[lo:hi].transpose(0, 1) for t in (q, k, v))  # [H, L, D]
-        mask = None
-        if sliding_window is not None and sliding_window > 0:
-            pos = torch.arange(hi - lo, device=q.device)
-            diff = pos.view(-1, 1) - pos.view(1, -1)
-            mask = (diff >= 0) & (diff < sliding_window)
-        res = F.scaled_dot_product_attention(
-            qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=qi.shape[0] != ki.shape[0],
-        )
-        out[lo:hi] = res.transpose(0, 1)
 
 
 class TritonAttentionBackend:
@@ -190,19 +99,30 @@ class TritonAttentionBackend:
         return out
 
 
-def make_backend(
-    name: str, device: torch.device, compile_attention: bool | None = None
-) -> AttentionBackend:
-    """``auto`` is Triton on CUDA, torch elsewhere; torch compiles its decode on CPU
-    unless ``compile_attention`` is False."""
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` is Triton on CUDA; on CPU the C++ decode kernel (``cpu``) when it builds
+    here, else pure ``torch`` (with a warning: decode is several times slower)."""
+    from worker import attention_torch
+
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        elif cpu_decode_attention.available():
+            name = "cpu"
+        else:
+            _log.warning("cpu_attention_kernel_unavailable",
+                         reason=cpu_decode_attention.unavailable_reason(), fallback="torch")
+            name = "torch"
+    if name == "cpu":
+        reason = cpu_decode_attention.unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"attention_backend 'cpu' is unavailable: {reason}")
+        return attention_torch.CpuAttentionBackend()
     if name == "torch":
-        compiled = device.type == "cpu" if compile_attention is None else compile_attention
-        return TorchAttentionBackend(compiled=compiled)
+        return attention_torch.TorchAttentionBackend()
     if name == "triton":
         return TritonAttentionBackend()
-    raise ValueError(f"attention_backend must be auto, torch or triton, not {name!r}")
+    raise ValueError(f"attention_backend must be auto, cpu, torch or triton, not {name!r}")
 
 
 def ferry_paged_attention(

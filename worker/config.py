@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-AttentionBackendName = Literal["auto", "torch", "triton"]
+AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,11 @@ class ModelConfig:
     model: str
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # auto: triton on CUDA; on CPU the C++ decode kernel (cpu), or pure torch without a
+    # compiler
     attention_backend: AttentionBackendName = "auto"
-    # CPU only: run decode attention under torch.compile (fused gather; ~20 s compile on
-    # first decode). None = on for CPU; short-lived processes (CLI, tests) turn it off.
-    compile_attention: bool | None = None
+    # CPU: linear layers on oneDNN with weights packed at load (worker/packed_linear.py)
+    pack_weights: bool = True
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     trust_remote_code: bool = False
 
@@ -69,9 +70,7 @@ class EngineConfig:
             "scheduler": SchedulerConfig.__dataclass_fields__,
         }
         for key, value in kwargs.items():
-            if value is None and key not in (
-                "num_blocks", "memory_bytes", "max_model_len", "compile_attention"
-            ):
+            if value is None and key not in ("num_blocks", "memory_bytes", "max_model_len"):
                 continue
             target = next((g for g, f in fields.items() if key in f), None)
             if key == "kv_cache_blocks":
@@ -99,11 +98,20 @@ class EngineConfig:
             raw = env.get(name)
             return int(raw) if raw not in (None, "") else None
 
+        def _bool(name: str) -> bool | None:
+            raw = env.get(name, "").strip().lower()
+            if raw in ("", "auto"):
+                return None
+            if raw not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError(f"{name} must be 1 or 0, got {raw!r}")
+            return raw in ("1", "true", "yes", "on")
+
         cfg = cls.create(
             model,
             dtype=env.get("FERRY_DTYPE"),
             device=env.get("FERRY_DEVICE"),
             attention_backend=env.get("FERRY_ATTENTION_BACKEND"),
+            pack_weights=_bool("FERRY_PACK_WEIGHTS"),
             max_model_len=_int("FERRY_MAX_MODEL_LEN"),
             block_size=_int("FERRY_BLOCK_SIZE"),
             num_blocks=_int("FERRY_KV_CACHE_BLOCKS"),

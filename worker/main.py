@@ -27,15 +27,15 @@ log = structlog.get_logger("ferry.worker")
 
 def engine_config(
     model: str | None, *, device: str | None = None, max_num_seqs: int | None = None,
-    kv_cache_blocks: int | None = None, compile_attention: bool | None = None,
+    kv_cache_blocks: int | None = None, attention_backend: str | None = None,
 ) -> EngineConfig:
     """``FERRY_*`` variables (``EngineConfig.from_env``), then explicit flags on top."""
     config = EngineConfig.from_env(model)
     model_cfg, cache, sched = config.model, config.cache, config.scheduler
     if device is not None:
         model_cfg = replace(model_cfg, device=device)
-    if compile_attention is not None and hasattr(model_cfg, "compile_attention"):
-        model_cfg = replace(model_cfg, compile_attention=compile_attention)
+    if attention_backend is not None:
+        model_cfg = replace(model_cfg, attention_backend=attention_backend)  # type: ignore[arg-type]
     if kv_cache_blocks is not None:
         cache = replace(cache, num_blocks=kv_cache_blocks)
     if max_num_seqs is not None:

@@ -14,6 +14,7 @@ import torch
 
 from worker import attention
 from worker.config import ModelConfig
+from worker.packed_linear import pack_linears
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,6 +86,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except OSError as exc:
         raise ValueError(f"cannot load model weights or tokenizer from {path!r}: {exc}") from exc
     model = model.to(device).eval()  # type: ignore[arg-type]
+    if device.type == "cpu" and cfg.pack_weights:
+        pack_linears(model)
     shape = model_shape(hf_config, cfg.max_model_len)
     return LoadedModel(model, tokenizer, shape, device, dtype, _eos_ids(model, tokenizer))
 

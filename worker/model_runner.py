@@ -16,7 +16,7 @@ from worker.model_loader import _DTYPES, LoadedModel, ModelShape, load_model
 from worker.scheduler import SchedulerOutput
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
-_DECODE_BUCKET = 16  # sequences per decode attention call on the CPU path
+_DECODE_BUCKET = 16  # sequences per decode attention call on the torch CPU path
 
 
 def decode_buckets(lens: list[int], size: int = _DECODE_BUCKET) -> list[tuple[int, int, int]]:
@@ -34,9 +34,7 @@ class ModelRunner:
         self.device = self.loaded.device
         self.shape: ModelShape = self.loaded.shape
         self.block_size = cache_cfg.block_size
-        self.backend = make_backend(
-            model_cfg.attention_backend, self.device, model_cfg.compile_attention
-        )
+        self.backend = make_backend(model_cfg.attention_backend, self.device)
         self.kv_dtype = self._kv_dtype(cache_cfg.kv_cache_dtype)
         self.num_blocks = self._num_blocks(cache_cfg)
         self.kv_caches = self._allocate_cache()
@@ -92,8 +90,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
-        fresh = True
-        for i, item in enumerate(sched.scheduled):
+        for item in sched.scheduled:
             req = item.request
             lo = req.num_computed_tokens
             hi = lo + item.num_new_tokens
@@ -106,8 +103,6 @@ class ModelRunner:
             tables.append(table)
             if item.sample:
                 sample_rows.append(starts[-1] - 1)
-            if i >= sched.num_decodes and lo > 0:
-                fresh = False
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
@@ -121,7 +116,8 @@ class ModelRunner:
             decode_buckets=decode_buckets(seq_lens[: sched.num_decodes]),
             max_query_len=max(b - a for a, b in zip(starts[:-1], starts[1:], strict=True)),
             max_seq_len=max(seq_lens),
-            prefills_are_fresh=fresh,
+            query_start_host=starts,
+            seq_lens_host=seq_lens,
         )
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),

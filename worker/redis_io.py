@@ -54,6 +54,9 @@ class WorkerSettings:
     drain_timeout_s: float = 30.0  # SIGTERM: finish in-flight work for this long
     heartbeat_interval_s: float = 1.0
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    # Entries held beyond the running batch (read but not started): small, so that a
+    # burst spreads over the idle workers instead of queueing behind one worker's prefills
+    prefetch: int = 4
     busy_block_ms: int = 50  # XREADGROUP BLOCK while the batch is running
     idle_block_ms: int = 1000  # ... and while it is empty
     max_outbox_events: int = 100_000  # buffered while Redis is away; then the loop waits
@@ -67,6 +70,8 @@ class WorkerSettings:
             raise ValueError("lease_s: must be > 0")
         if self.max_deliveries < 1:
             raise ValueError("max_deliveries: must be >= 1")
+        if self.prefetch < 1:
+            raise ValueError("prefetch: must be >= 1")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s: must be >= 0")
 

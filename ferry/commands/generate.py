@@ -28,7 +28,7 @@ def generate(
     chat: Annotated[bool, typer.Option(help="Send PROMPT as a chat user message.")] = False,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16")] = "auto",
-    attention_backend: Annotated[str, typer.Option(help="auto, torch, triton")] = "auto",
+    attention_backend: Annotated[str, typer.Option(help="auto, cpu, torch, triton")] = "auto",
     stats: Annotated[bool, typer.Option(help="Print token counts and speed.")] = True,
 ) -> None:
     if len(args) not in (1, 2):
@@ -56,7 +56,7 @@ def generate(
     try:
         engine = Engine(EngineConfig.create(
             model, device=device, dtype=dtype, attention_backend=attention_backend,
-            memory_bytes=256 << 20, compile_attention=False,  # one prompt: not worth ~20 s
+            memory_bytes=256 << 20,
         ))
         if chat:
             engine.add_request("cli", None, params, messages=[{"role": "user", "content": prompt}])

@@ -36,10 +36,11 @@ MaxDeliveries = Annotated[int, _opt("FERRY_MAX_DELIVERIES", "Deliveries before a
 DrainS = Annotated[float, _opt("FERRY_DRAIN_TIMEOUT_S", "SIGTERM: seconds to finish "
                                "in-flight requests before handing them back.")]
 HeartbeatS = Annotated[float, _opt("FERRY_HEARTBEAT_INTERVAL_S")]
+Prefetch = Annotated[int, _opt("FERRY_PREFETCH", "Entries held beyond the running batch; "
+                               "small, so a burst spreads over idle workers.")]
 TorchThreads = Annotated[int | None, _opt("FERRY_TORCH_THREADS", "torch.set_num_threads.")]
-Compile = Annotated[bool | None, _opt(
-    "FERRY_COMPILE_ATTENTION", "CPU: torch.compile the decode attention (slow first step).",
-    "--compile-attention/--no-compile-attention")]
+Backend = Annotated[str | None, _opt(
+    "FERRY_ATTENTION_BACKEND", "auto, cpu (C++ decode kernel), torch, triton.")]
 LogLevel = Annotated[str, _opt("FERRY_LOG_LEVEL")]
 
 
@@ -55,8 +56,9 @@ def worker(
     metrics_port: MetricsPort = 0, max_num_seqs: MaxNumSeqs = None,
     kv_cache_blocks: KvBlocks = None, device: Device = None, lease_s: LeaseS = 30.0,
     max_deliveries: MaxDeliveries = 3, drain_timeout_s: DrainS = 30.0,
-    heartbeat_interval_s: HeartbeatS = 1.0, torch_threads: TorchThreads = None,
-    compile_attention: Compile = None, log_level: LogLevel = "info",
+    heartbeat_interval_s: HeartbeatS = 1.0, prefetch: Prefetch = 4,
+    torch_threads: TorchThreads = None,
+    attention_backend: Backend = None, log_level: LogLevel = "info",
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
     from worker.main import engine_config, run_worker
@@ -65,13 +67,14 @@ def worker(
     try:
         config = engine_config(
             model, device=device, max_num_seqs=max_num_seqs, kv_cache_blocks=kv_cache_blocks,
-            compile_attention=compile_attention,
+            attention_backend=attention_backend,
         )
         settings = WorkerSettings(
             redis_url=redis_url, prefix=prefix, worker_id=worker_id or default_worker_id(),
             model_name=model_name or _name_for(config.model.model), lease_s=lease_s,
             max_deliveries=max_deliveries, drain_timeout_s=drain_timeout_s,
             heartbeat_interval_s=heartbeat_interval_s, metrics_port=metrics_port,
+            prefetch=prefetch,
         )
     except ValueError as exc:  # pydantic's ValidationError is a ValueError too
         raise typer.BadParameter(str(exc)) from exc

@@ -7,7 +7,8 @@
 # `runtime` copies only that venv onto a clean CUDA runtime image. Torch wheels from PyPI
 # bundle their CUDA libraries; the CUDA base supplies the matching driver-facing runtime
 # and is what the NVIDIA container toolkit expects. Triton compiles a small C launcher the
-# first time a kernel runs, so the runtime image keeps gcc and the Python headers.
+# first time a kernel runs, and CPU workers build the C++ decode-attention kernel on first
+# use (kernels/native_build.py), so the runtime image keeps gcc, g++ and the Python headers.
 
 ARG CUDA_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04
 
@@ -37,16 +38,17 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 FROM ${CUDA_IMAGE} AS runtime
 ARG DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev ca-certificates \
+ && apt-get install -y --no-install-recommends python3 python3-dev gcc g++ libc6-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --uid 10001 --create-home --shell /usr/sbin/nologin ferry \
- && mkdir -p /cache/huggingface /cache/triton /models \
+ && mkdir -p /cache/huggingface /cache/triton /cache/kernels /models \
  && chown -R ferry:ferry /cache
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HOME=/cache/huggingface \
     TRITON_CACHE_DIR=/cache/triton \
+    FERRY_KERNEL_CACHE=/cache/kernels \
     FERRY_LOG_JSON=1
 USER ferry
 WORKDIR /home/ferry

@@ -1,7 +1,8 @@
 """Every attention backend produces the same tokens through the whole engine.
 
 The Triton kernels run under ``TRITON_INTERPRET=1`` here (tests/conftest.py), so this
-checks the engine's use of them — metadata, slicing, output placement — on CPU.
+checks the engine's use of them — metadata, slicing, output placement — on CPU. The
+workload chunks prompts (so prefills attend over a cached prefix) and preempts.
 """
 
 from __future__ import annotations
@@ -39,11 +40,39 @@ def ckpt(tmp_path_factory):
     return build_checkpoint("mistral", tmp_path_factory.mktemp("backends"), hidden=32)
 
 
-def test_triton_backend_matches_torch(ckpt):
-    eager = run(ckpt, attention_backend="torch", compile_attention=False)
-    assert run(ckpt, attention_backend="triton") == eager
+@pytest.fixture(scope="module")
+def torch_tokens(ckpt):
+    return run(ckpt, attention_backend="torch")
 
 
-def test_compiled_cpu_decode_matches_eager(ckpt):
-    eager = run(ckpt, attention_backend="torch", compile_attention=False)
-    assert run(ckpt, attention_backend="torch", compile_attention=True) == eager
+def test_triton_backend_matches_torch(ckpt, torch_tokens):
+    assert run(ckpt, attention_backend="triton") == torch_tokens
+
+
+def test_cpu_kernel_backend_matches_torch(ckpt, torch_tokens):
+    assert run(ckpt, attention_backend="cpu") == torch_tokens
+
+
+def test_cpu_kernel_reads_a_bf16_cache_like_torch(ckpt):
+    want = run(ckpt, attention_backend="torch", kv_cache_dtype="bfloat16")
+    assert run(ckpt, attention_backend="cpu", kv_cache_dtype="bfloat16") == want
+
+
+def test_auto_is_the_cpu_kernel_on_cpu(ckpt):
+    engine = Engine(EngineConfig.create(ckpt, device="cpu", num_blocks=8))
+    assert engine.runner.backend.name == "cpu"
+
+
+def test_cpu_backend_without_compiler_is_a_clear_error(ckpt, monkeypatch, tmp_path):
+    from kernels import cpu_decode_attention
+
+    cpu_decode_attention._kernel.cache_clear()
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("FERRY_KERNEL_CACHE", str(tmp_path))
+    try:
+        with pytest.raises(ValueError, match="'cpu' is unavailable.*no-such-compiler"):
+            Engine(EngineConfig.create(ckpt, device="cpu", attention_backend="cpu"))
+        auto = Engine(EngineConfig.create(ckpt, device="cpu", num_blocks=8))
+        assert auto.runner.backend.name == "torch"
+    finally:
+        cpu_decode_attention._kernel.cache_clear()

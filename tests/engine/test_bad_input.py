@@ -19,9 +19,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(ckpt):
-    return Engine(EngineConfig.create(
-        ckpt, num_blocks=32, block_size=8, device="cpu", compile_attention=False
-    ))
+    return Engine(EngineConfig.create(ckpt, num_blocks=32, block_size=8, device="cpu"))
 
 
 def run_all(engine: Engine) -> dict[str, list[int]]:

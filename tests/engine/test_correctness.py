@@ -50,8 +50,7 @@ def test_greedy_matches_transformers(arch, tmp_path_factory):
     path = build_checkpoint(arch, tmp_path_factory.mktemp(arch))
     cfg = EngineConfig.create(
         path, num_blocks=40, block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
-        long_prefill_token_threshold=40, device="cpu", attention_backend="torch",
-        compile_attention=False,
+        long_prefill_token_threshold=40, device="cpu", attention_backend="cpu",
     )
     engine = Engine(cfg)
     vocab = engine.runner.shape.vocab_size

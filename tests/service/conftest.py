@@ -42,7 +42,7 @@ class Reference:
         from worker import LLM
 
         torch.set_num_threads(1)
-        self.llm = LLM(model, device="cpu", kv_cache_blocks=256, compile_attention=False)
+        self.llm = LLM(model, device="cpu", kv_cache_blocks=256)
         self._n = 0
 
     def run(self, prompt: "str | list[int] | None", params: object,

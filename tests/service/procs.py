@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER_ENV = {
     "FERRY_DEVICE": "cpu",
     "FERRY_TORCH_THREADS": "1",
-    "FERRY_COMPILE_ATTENTION": "0",
     "FERRY_KV_CACHE_BLOCKS": "256",
     "FERRY_LOG_JSON": "1",
     "HF_HUB_OFFLINE": "1",

@@ -38,8 +38,7 @@ def engine(checkpoint: str) -> Any:
     from worker import Engine, EngineConfig
 
     torch.set_num_threads(1)
-    return Engine(EngineConfig.create(checkpoint, device="cpu", num_blocks=256,
-                                      compile_attention=False))
+    return Engine(EngineConfig.create(checkpoint, device="cpu", num_blocks=256))
 
 
 class Running:
@@ -224,8 +223,7 @@ def test_chat_without_template_is_invalid_request(
     config = json.loads((plain / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (plain / "tokenizer_config.json").write_text(json.dumps(config))
-    engine = Engine(EngineConfig.create(str(plain), device="cpu", num_blocks=32,
-                                        compile_attention=False))
+    engine = Engine(EngineConfig.create(str(plain), device="cpu", num_blocks=32))
     request = GenerateRequest(messages=[{"role": "user", "content": "hi"}])  # type: ignore[list-item]
     with Running(engine, redis_server.url):
         events = _generate(client, request)

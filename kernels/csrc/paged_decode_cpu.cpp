@@ -1,0 +1,186 @@
+// Paged decode attention for the CPU engine path: one query token per sequence.
+//
+// The CPU is bound by moving K/V, so every byte of a sequence's context is read exactly
+// once, straight out of its pages: no gathered copy, no padding to the batch's longest
+// sequence. One work item is (sequence, KV head); it keeps the G = Hq / Hkv query heads
+// of its group in registers/L1 and walks the pages in order with an online softmax
+// (per page: scores for the page, one rescale of the running sums, then the weighted
+// values). Items run in parallel on the OpenMP runtime torch already loaded, so
+// torch.set_num_threads governs it too.
+//
+// Layout (shared with kernels/reference.py and the Triton kernels):
+//   q, out:           [S, Hq, D] float32, contiguous
+//   k_cache, v_cache: [num_blocks, block_size, Hkv, D] float32 or bfloat16, contiguous
+//   block_tables:     [S, table_stride] int32 (row stride table_stride)
+//   seq_lens:         [S] int32, context length including the current token
+// Plain C ABI (loaded with ctypes): no torch headers, so it compiles in about a second.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+struct Shape {
+  int num_kv_heads, group, head_dim, block_size;
+  int64_t table_stride;
+  float scale, soft_cap;
+  int window;
+};
+
+// Below any real score; used instead of -inf because the kernel builds with -ffast-math.
+constexpr float kNoScore = -1e30f;
+
+// Ask for a page before it is needed: pages are scattered, so the hardware prefetcher
+// cannot guess the next one, while the block table can.
+template <typename T>
+inline void prefetch_page(const T* page, int64_t elems) {
+  const char* p = reinterpret_cast<const char*>(page);
+  const int64_t bytes = elems * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
+}
+
+// One sequence, all heads. acc: [Hq, D]; scores: [Hq, BS]; run_max, run_sum: [Hq].
+template <typename T>
+void attend_seq(const Shape& sh, const float* q, const T* k_cache, const T* v_cache,
+                const int32_t* table, int seq_len, float* out, std::vector<float>& scratch) {
+  const int Hq = sh.num_kv_heads * sh.group, G = sh.group, D = sh.head_dim;
+  const int BS = sh.block_size;
+  const int64_t row = static_cast<int64_t>(sh.num_kv_heads) * D;  // one token, all heads
+  const int64_t page_elems = BS * row;
+  scratch.assign(static_cast<size_t>(Hq) * (D + BS + 2), 0.0f);
+  float* acc = scratch.data();
+  float* scores = acc + Hq * D;
+  float* run_max = scores + Hq * BS;
+  float* run_sum = run_max + Hq;
+  std::fill(run_max, run_max + Hq, kNoScore);
+  const int first = sh.window > 0 ? std::max(0, seq_len - sh.window) : 0;
+  const int last_page = (seq_len - 1) / BS;
+  for (int b = first / BS; b <= last_page; ++b) {
+    const T* kp = k_cache + table[b] * page_elems;
+    const T* vp = v_cache + table[b] * page_elems;
+    if (b < last_page) {
+      prefetch_page(k_cache + table[b + 1] * page_elems, page_elems);
+      prefetch_page(v_cache + table[b + 1] * page_elems, page_elems);
+    }
+    const int lo = std::max(first - b * BS, 0), hi = std::min(seq_len - b * BS, BS);
+    for (int j = lo; j < hi; ++j) {  // scores: each key row read once for all heads
+      const T* kj = kp + j * row;
+      for (int h = 0; h < Hq; ++h) {
+        const float* qh = q + h * D;
+        const T* kh = kj + (h / G) * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; ++d) dot += qh[d] * to_float(kh[d]);
+        scores[h * BS + j] = dot * sh.scale;
+      }
+    }
+    for (int h = 0; h < Hq; ++h) {  // online softmax: one rescale per page
+      float* sh_ = scores + h * BS;
+      if (sh.soft_cap > 0.0f) {
+        for (int j = lo; j < hi; ++j) sh_[j] = sh.soft_cap * std::tanh(sh_[j] / sh.soft_cap);
+      }
+      float page_max = kNoScore;
+      for (int j = lo; j < hi; ++j) page_max = std::max(page_max, sh_[j]);
+      const float new_max = std::max(run_max[h], page_max);
+      const float correction = std::exp(run_max[h] - new_max);
+      float page_sum = 0.0f;
+#pragma omp simd reduction(+ : page_sum)
+      for (int j = lo; j < hi; ++j) {
+        sh_[j] = std::exp(sh_[j] - new_max);
+        page_sum += sh_[j];
+      }
+      run_sum[h] = run_sum[h] * correction + page_sum;
+      run_max[h] = new_max;
+      float* ah = acc + h * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) ah[d] *= correction;
+    }
+    for (int j = lo; j < hi; ++j) {  // weighted values: each value row read once
+      const T* vj = vp + j * row;
+      for (int h = 0; h < Hq; ++h) {
+        const float p = scores[h * BS + j];
+        const T* vh = vj + (h / G) * D;
+        float* ah = acc + h * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) ah[d] += p * to_float(vh[d]);
+      }
+    }
+  }
+  for (int h = 0; h < Hq; ++h) {
+    const float inv = run_sum[h] > 0.0f ? 1.0f / run_sum[h] : 0.0f;
+    for (int d = 0; d < D; ++d) out[h * D + d] = acc[h * D + d] * inv;
+  }
+}
+
+template <typename T>
+void decode(const Shape& sh, int num_seqs, const float* q, const T* k_cache,
+            const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
+            float* out) {
+  const int64_t per_seq = static_cast<int64_t>(sh.num_kv_heads) * sh.group * sh.head_dim;
+#pragma omp parallel
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int s = 0; s < num_seqs; ++s) {
+      attend_seq(sh, q + s * per_seq, k_cache, v_cache, block_tables + s * sh.table_stride,
+                 seq_lens[s], out + s * per_seq, scratch);
+    }
+  }
+}
+
+// Every sequence's length must fit its table row and every page it reads must exist:
+// a bad table would otherwise read outside the cache. One cheap pass before any work.
+int check_tables(const int32_t* block_tables, int64_t table_width, int64_t table_stride,
+                 const int32_t* seq_lens, int num_seqs, int block_size, int64_t num_blocks) {
+  for (int s = 0; s < num_seqs; ++s) {
+    const int64_t len = seq_lens[s];
+    if (len < 1 || len > table_width * block_size) return 2;
+    const int32_t* row = block_tables + s * table_stride;
+    for (int64_t b = 0; b * block_size < len; ++b)
+      if (row[b] < 0 || row[b] >= num_blocks) return 3;
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0; 1 for bad shapes; 2 when a seq_len is < 1 or longer than its table row;
+// 3 when a table entry a sequence reads is not a page of the cache. Nothing is written
+// unless it returns 0. cache_is_bf16: 0 for a float32 cache, 1 for bfloat16.
+int ferry_paged_decode(const float* q, const void* k_cache, const void* v_cache,
+                       int64_t num_blocks, const int32_t* block_tables, int64_t table_width,
+                       int64_t table_stride, const int32_t* seq_lens, float* out,
+                       int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
+                       int block_size, float scale, int sliding_window, float soft_cap,
+                       int cache_is_bf16) {
+  if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || head_dim <= 0 ||
+      block_size <= 0 || num_seqs < 0)
+    return 1;
+  const int bad = check_tables(block_tables, table_width, table_stride, seq_lens, num_seqs,
+                               block_size, num_blocks);
+  if (bad) return bad;
+  const Shape sh{num_kv_heads, num_q_heads / num_kv_heads, head_dim, block_size,
+                 table_stride, scale, soft_cap, sliding_window};
+  if (cache_is_bf16)
+    decode(sh, num_seqs, q, static_cast<const uint16_t*>(k_cache),
+           static_cast<const uint16_t*>(v_cache), block_tables, seq_lens, out);
+  else
+    decode(sh, num_seqs, q, static_cast<const float*>(k_cache),
+           static_cast<const float*>(v_cache), block_tables, seq_lens, out);
+  return 0;
+}
+
+}  // extern "C"
