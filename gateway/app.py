@@ -31,6 +31,9 @@ def _redis(settings: GatewaySettings) -> aredis.Redis:
         socket_connect_timeout=min(settings.redis_timeout_s, 2.0),
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
         health_check_interval=30,
+        # redis-py's default pool (100) answered "Too many connections" (503) at ~64
+        # concurrent streams: each holds a pub/sub connection, and commands need more.
+        max_connections=settings.redis_max_connections,
     )
 
 

@@ -39,6 +39,10 @@ class GatewaySettings(BaseModel):
     disconnect_check_s: float = Field(default=1.0, gt=0)
     poll_interval_s: float = Field(default=1.0, gt=0)
     redis_timeout_s: float = Field(default=5.0, gt=0)
+    redis_max_connections: int = Field(
+        default=4096, ge=8,
+        description="Redis connection pool size: every open stream holds one pub/sub connection.",
+    )
     job_ttl_s: int = Field(default=24 * 3600, ge=1)
     events_ttl_s: int = Field(default=3600, ge=1)
     served_model_name: str = Field(default="ferry", description="Reported if none is asked.")

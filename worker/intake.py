@@ -1,10 +1,12 @@
 """The intake thread: stream entries -> started jobs on the engine loop's mailbox.
 
-It takes only as many entries as the worker can start soon (``Slots``: max_num_seqs minus
-requests held), so other workers get the rest; it BLOCKs long only while the batch is
-empty. Each pass first runs the reaper: XAUTOCLAIM of entries idle past the lease (their
-worker died or stalled), which are resumed from their replay log. Entries that cannot be
-decoded, or were delivered too often, go to the dead-letter stream; the worker keeps going.
+It takes only as many entries as the worker can start soon (``Slots``: free places in the
+batch, and at most ``prefetch`` entries waiting to start), so a burst spreads over every
+idle worker instead of queueing behind the first one's prefills; it BLOCKs long only
+while the batch is empty. Each pass first runs the reaper: XAUTOCLAIM of entries idle past
+the lease (their worker died or stalled), which are resumed from their replay log. Entries
+that cannot be decoded, or were delivered too often, go to the dead-letter stream; the
+worker keeps going.
 """
 
 from __future__ import annotations
@@ -32,11 +34,18 @@ log = structlog.get_logger("ferry.worker.intake")
 
 
 class Slots:
-    """Free places in the batch; the intake takes, the engine loop gives back."""
+    """Places the intake may fill: the intake takes, the engine loop gives back.
 
-    def __init__(self, total: int) -> None:
+    ``held`` counts every request this worker owns (on its way, waiting, running);
+    ``held - running`` of them have not started. The intake may take an entry while the
+    batch has room (``held < total``) and fewer than ``prefetch`` wait to start.
+    """
+
+    def __init__(self, total: int, prefetch: int) -> None:
         self.total = total
+        self.prefetch = prefetch
         self._held = 0
+        self._running = 0
         self._cond = threading.Condition()
 
     @property
@@ -44,13 +53,21 @@ class Slots:
         return self._held
 
     def free(self) -> int:
-        return self.total - self._held
+        return min(self.total - self._held, self.prefetch - (self._held - self._running))
 
     def wait_free(self, timeout: float) -> int:
         with self._cond:
-            if self._held >= self.total:
+            if self.free() <= 0:
                 self._cond.wait(timeout)
-            return self.total - self._held
+            return self.free()
+
+    def set_running(self, running: int) -> None:
+        """The engine loop, after each step: how many requests are in the running batch."""
+        if running == self._running:
+            return
+        with self._cond:
+            self._running = running
+            self._cond.notify_all()
 
     def take(self, n: int = 1) -> None:
         with self._cond:

@@ -49,7 +49,7 @@ class WorkerService:
         self.log = log.bind(worker_id=settings.worker_id)
         self.mailbox: queue.Queue[Admission | Command] = queue.Queue()
         self.held = HeldEntries()
-        self.slots = Slots(engine.config.scheduler.max_num_seqs)
+        self.slots = Slots(engine.config.scheduler.max_num_seqs, settings.prefetch)
         self.dead = DeadLetters(settings)
         self.outbox = Outbox(settings, self.held, self.mailbox, observer)
         self.intake = Intake(settings, self.held, self.slots, self.mailbox, self.outbox,
@@ -150,6 +150,7 @@ class WorkerService:
         start = time.perf_counter()
         outputs = self.engine.step()
         elapsed = time.perf_counter() - start
+        self.slots.set_running(len(self.engine.scheduler.running))
         batch: list[Outgoing] = []
         tokens = 0
         now = time.monotonic()

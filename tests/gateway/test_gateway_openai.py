@@ -152,3 +152,34 @@ def test_models_and_metrics(gateway: GatewayServer, worker: FakeWorker) -> None:
     for name in ("ferry_gateway_inflight_streams", "ferry_gateway_time_to_first_token_seconds",
                  "ferry_gateway_request_latency_seconds", "ferry_gateway_enqueue_errors"):
         assert name in text
+
+
+def test_more_open_streams_than_redis_pys_default_pool(
+    gateway: GatewayServer, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """Each open stream holds a pub/sub connection: 120 must not exhaust the pool (the
+    default of 100 answered 503 "Too many connections" from about 64 streams on)."""
+    import asyncio
+
+    n = 120
+    redis_client.delete(KEYS.requests)
+
+    async def one(http: httpx.AsyncClient, i: int) -> str:
+        body = {"prompt": f"p{i}", "max_tokens": 3, "stream": True, "request_id": f"many-{i}"}
+        async with http.stream("POST", "/v1/completions", json=body) as reply:
+            assert reply.status_code == 200, await reply.aread()
+            text = "".join([line async for line in reply.aiter_lines()])
+        return "".join(json.loads(d)["choices"][0]["text"] for d in _sse_data(
+            text.replace("data: ", "\ndata: ")) if d.startswith("{"))
+
+    async def run() -> list[str]:
+        limits = httpx.Limits(max_connections=n + 8)
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60, limits=limits) as http:
+            tasks = [asyncio.create_task(one(http, i)) for i in range(n)]
+            while redis_client.xlen(KEYS.requests) < n:  # all subscribed and enqueued
+                assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
+                await asyncio.sleep(0.05)
+            with FakeWorker(redis_server.url, Script(tokens=["Hel", "lo", "!"])):
+                return await asyncio.gather(*tasks)
+
+    assert asyncio.run(run()) == ["Hello!"] * n
