@@ -32,7 +32,8 @@ def _redis(settings: GatewaySettings) -> aredis.Redis:
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
         health_check_interval=30,
         # redis-py's default pool (100) answered "Too many connections" (503) at ~64
-        # concurrent streams: each holds a pub/sub connection, and commands need more.
+        # concurrent streams when each held its own pub/sub connection; now they share one
+        # (protocol/pubsub_hub.py), but a burst of requests still runs commands at once.
         max_connections=settings.redis_max_connections,
     )
 

@@ -41,7 +41,8 @@ class GatewaySettings(BaseModel):
     redis_timeout_s: float = Field(default=5.0, gt=0)
     redis_max_connections: int = Field(
         default=4096, ge=8,
-        description="Redis connection pool size: every open stream holds one pub/sub connection.",
+        description="Redis connection pool size, for commands of concurrent requests (the "
+        "streams themselves share one pub/sub connection).",
     )
     job_ttl_s: int = Field(default=24 * 3600, ge=1)
     events_ttl_s: int = Field(default=3600, ge=1)

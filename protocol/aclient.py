@@ -20,6 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from protocol.codec import ProtocolError, decode_event, decode_heartbeat, status_from_hash
 from protocol.keys import Keys
 from protocol.models import GenerateRequest, JobStatus, TokenEvent, WorkerHeartbeat
+from protocol.pubsub_hub import Inbox, PubSubHub
 from protocol.store import DuplicateRequestError, Ttls, as_str, cancel_script, enqueue_script
 from protocol.streaming import (
     EventSequencer,
@@ -34,13 +35,17 @@ SUBSCRIBE_TIMEOUT_S = 10.0
 
 
 class AsyncSubscription:
-    """One request's event feed; ``async with`` it *before* enqueueing."""
+    """One request's event feed; ``async with`` it *before* enqueueing.
+
+    Messages arrive through the client's shared ``PubSubHub`` (one pub/sub connection
+    for all subscriptions); gaps and quiet intervals are filled from the replay log.
+    """
 
     def __init__(self, client: AsyncFerryClient, request_id: str, after_seq: int = -1) -> None:
         self._client = client
         self._seq = EventSequencer(request_id, after_seq)
-        self._pubsub = client.redis.pubsub()
         self._channel = client.keys.tokens(request_id)
+        self._inbox: Inbox[Any] | None = None
         self._backfilled = False
         self._outage = Outage(client.reconnect_timeout_s)
 
@@ -55,20 +60,16 @@ class AsyncSubscription:
     async def open(self, timeout: float = SUBSCRIBE_TIMEOUT_S) -> AsyncSubscription:
         """SUBSCRIBE and wait for the confirmation, so later publishes are guaranteed heard."""
         try:
-            await self._pubsub.subscribe(self._channel)
-            deadline = time.monotonic() + timeout
-            while (left := deadline - time.monotonic()) > 0:
-                msg = await self._pubsub.get_message(timeout=left)
-                if msg is not None and msg["type"] == "subscribe":
-                    return self
-        except BaseException:
-            await self.close()
-            raise
-        await self.close()
-        raise StreamTimeout(f"subscribe to {self._channel} not confirmed in {timeout}s")
+            self._inbox = await self._client.hub.subscribe(self._channel, timeout)
+        except asyncio.TimeoutError:
+            raise StreamTimeout(
+                f"subscribe to {self._channel} not confirmed in {timeout}s") from None
+        return self
 
     async def close(self) -> None:
-        await self._pubsub.aclose()
+        if self._inbox is not None:
+            inbox, self._inbox = self._inbox, None
+            await self._client.hub.unsubscribe(self._channel, inbox)
 
     async def __aenter__(self) -> AsyncSubscription:
         return await self.open()
@@ -88,12 +89,16 @@ class AsyncSubscription:
         if not self._backfilled:
             self._backfilled = True
             return await self._fill_from_log()
-        msg = await self._pubsub.get_message(timeout=wait)
-        if msg is None or msg["type"] == "subscribe":
-            return await self._fill_from_log()  # quiet, or resubscribed: maybe one was lost
-        if msg["type"] != "message":
-            return []
-        ready = self._seq.push([decode_event(msg["data"])])
+        if self._inbox is None:
+            raise RuntimeError("subscription is not open")
+        try:
+            data = self._inbox.get_nowait() if not self._inbox.empty() or wait <= 0 \
+                else await asyncio.wait_for(self._inbox.get(), wait)
+        except (asyncio.QueueEmpty, asyncio.TimeoutError):
+            data = None
+        if data is None:
+            return await self._fill_from_log()  # quiet, or reconnected: maybe one was lost
+        ready = self._seq.push([decode_event(data)])
         return ready + await self._fill_from_log() if self._seq.has_gap else ready
 
     async def next_events(self, timeout: float) -> list[TokenEvent]:
@@ -139,12 +144,22 @@ class AsyncFerryClient:
         self.ttls = ttls or Ttls()
         self.poll_interval_s = poll_interval_s
         self.reconnect_timeout_s = reconnect_timeout_s
+        self._hub: PubSubHub | None = None
+
+    @property
+    def hub(self) -> PubSubHub:
+        """The shared pub/sub connection, created on first use (in the running loop)."""
+        if self._hub is None:
+            self._hub = PubSubHub(self.redis)
+        return self._hub
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "ferry", **kwargs: Any) -> AsyncFerryClient:
         return cls(aredis.Redis.from_url(url), keys=Keys(prefix), **kwargs)
 
     async def aclose(self) -> None:
+        if self._hub is not None:
+            await self._hub.aclose()
         await self.redis.aclose()
 
     async def ensure_group(self) -> None:

@@ -157,8 +157,8 @@ def test_models_and_metrics(gateway: GatewayServer, worker: FakeWorker) -> None:
 def test_more_open_streams_than_redis_pys_default_pool(
     gateway: GatewayServer, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
-    """Each open stream holds a pub/sub connection: 120 must not exhaust the pool (the
-    default of 100 answered 503 "Too many connections" from about 64 streams on)."""
+    """120 open streams, all waiting for a worker: none is refused (with a pub/sub
+    connection per stream, redis-py's default pool of 100 answered 503 from ~64 on)."""
     import asyncio
 
     n = 120
