@@ -114,6 +114,8 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
                          reason=cpu_decode_attention.unavailable_reason(), fallback="torch")
             name = "torch"
     if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}")
         reason = cpu_decode_attention.unavailable_reason()
         if reason is not None:
             raise ValueError(f"attention_backend 'cpu' is unavailable: {reason}")

@@ -76,3 +76,12 @@ def test_cpu_backend_without_compiler_is_a_clear_error(ckpt, monkeypatch, tmp_pa
         assert auto.runner.backend.name == "torch"
     finally:
         cpu_decode_attention._kernel.cache_clear()
+
+
+def test_cpu_backend_refuses_a_gpu_device():
+    import torch
+
+    from worker.attention import make_backend
+
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        make_backend("cpu", torch.device("cuda"))
