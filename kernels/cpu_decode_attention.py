@@ -41,16 +41,8 @@ def _kernel() -> Callable[..., int]:
     return fn  # type: ignore[no-any-return]
 
 
-def available() -> bool:
-    """Whether the kernel builds and loads here (a C++ compiler is needed)."""
-    try:
-        _kernel()
-    except NativeBuildError:
-        return False
-    return True
-
-
 def unavailable_reason() -> str | None:
+    """None when the kernel builds and loads here (a C++ compiler is needed), else why."""
     try:
         _kernel()
     except NativeBuildError as exc:

@@ -104,15 +104,13 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
     here, else pure ``torch`` (with a warning: decode is several times slower)."""
     from worker import attention_torch
 
-    if name == "auto":
-        if device.type == "cuda":
-            name = "triton"
-        elif cpu_decode_attention.available():
-            name = "cpu"
-        else:
-            _log.warning("cpu_attention_kernel_unavailable",
-                         reason=cpu_decode_attention.unavailable_reason(), fallback="torch")
-            name = "torch"
+    if name == "auto" and device.type == "cuda":
+        name = "triton"
+    elif name == "auto":
+        reason = cpu_decode_attention.unavailable_reason()
+        if reason is not None:
+            _log.warning("cpu_attention_kernel_unavailable", reason=reason, fallback="torch")
+        name = "cpu" if reason is None else "torch"
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}")
