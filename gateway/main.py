@@ -26,7 +26,7 @@ def serve(
     if redis_url is not None:
         overrides["redis_url"] = redis_url
     settings = GatewaySettings.from_env(**overrides)
-    from ferry.logging import configure_logging
+    from observability.logging import configure_logging
 
     configure_logging(level=log_level)  # structlog owns the handlers, uvicorn's too
     uvicorn.run(

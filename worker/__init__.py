@@ -1,6 +1,6 @@
 """Ferry's inference worker: continuous-batching engine over a paged KV cache.
 
-Names are resolved lazily so that torch-free modules of this package (``worker.metrics``)
+Names are resolved lazily so that torch-free modules of this package (``worker.service.metrics``)
 can be imported without loading torch and transformers.
 """
 
@@ -11,21 +11,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from protocol.sampling import SamplingParams
-    from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from worker.engine import Engine
-    from worker.llm import LLM
-    from worker.outputs import CompletionOutput, EngineStats, StepOutput
+    from worker.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from worker.engine.engine import Engine
+    from worker.engine.llm import LLM
+    from worker.engine.outputs import CompletionOutput, EngineStats, StepOutput
 
 _EXPORTS = {
-    "LLM": "worker.llm",
-    "Engine": "worker.engine",
-    "EngineConfig": "worker.config",
-    "ModelConfig": "worker.config",
-    "CacheConfig": "worker.config",
-    "SchedulerConfig": "worker.config",
-    "CompletionOutput": "worker.outputs",
-    "EngineStats": "worker.outputs",
-    "StepOutput": "worker.outputs",
+    "LLM": "worker.engine.llm",
+    "Engine": "worker.engine.engine",
+    "EngineConfig": "worker.engine.config",
+    "ModelConfig": "worker.engine.config",
+    "CacheConfig": "worker.engine.config",
+    "SchedulerConfig": "worker.engine.config",
+    "CompletionOutput": "worker.engine.outputs",
+    "EngineStats": "worker.engine.outputs",
+    "StepOutput": "worker.engine.outputs",
     "SamplingParams": "protocol.sampling",
 }
 __all__ = [

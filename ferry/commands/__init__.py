@@ -1,0 +1,1 @@
+"""One module per ``ferry`` subcommand, each importing its heavy dependencies lazily."""

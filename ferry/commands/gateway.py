@@ -22,8 +22,8 @@ def gateway(
     log_level: Annotated[str, typer.Option(envvar="FERRY_LOG_LEVEL")] = "info",
 ) -> None:
     """Serve the HTTP API; other settings come from FERRY_* variables (docs/operations.md)."""
-    from ferry.logging import configure_logging
     from gateway.main import serve
+    from observability.logging import configure_logging
 
     configure_logging(level=log_level)
     opts = {"prefix": prefix} if prefix is not None else {}

@@ -50,7 +50,7 @@ def generate(
     except ValidationError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if model is None:
-        from ferry.models import default_model_path
+        from worker.models import default_model_path
 
         model = default_model_path()
     try:

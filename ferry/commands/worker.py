@@ -61,8 +61,8 @@ def worker(
     attention_backend: Backend = None, log_level: LogLevel = "info",
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
-    from worker.main import engine_config, run_worker
-    from worker.redis_io import WorkerSettings, default_worker_id
+    from worker.service.main import engine_config, run_worker
+    from worker.service.redis_io import WorkerSettings, default_worker_id
 
     try:
         config = engine_config(

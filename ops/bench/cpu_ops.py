@@ -5,7 +5,7 @@
    beside the ``torch`` backend's gather + SDPA and the reference. Reported as K/V bytes
    read per second, since decode reads every cached byte once.
 2. The benchmark model's linear layers (8 layers of q, k, v, o, gate, up, down): oneDNN
-   with packed weights (``worker/packed_linear.py``) beside ``nn.Linear`` (MKL sgemm),
+   with packed weights (``worker/engine/packed_linear.py``) beside ``nn.Linear`` (MKL sgemm),
    at the row counts of decode and prefill steps.
 
     .venv/bin/python ops/bench/cpu_ops.py      # writes ops/bench/results/cpu_ops.json
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kernels import cpu_attention, cpu_decode_attention, reference  # noqa: E402
-from worker.packed_linear import PackedLinear  # noqa: E402
+from worker.engine.packed_linear import PackedLinear  # noqa: E402
 
 
 def _ms(fn: Callable[[], object], reps: int) -> float:

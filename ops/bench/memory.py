@@ -54,7 +54,7 @@ def main() -> None:
     engine = Engine(EngineConfig.create(build_bench_model(), device="cpu", num_blocks=2048))
     rng = random.Random(0)
     # Warm-up: allocator pools, and oneDNN's primitive per (weight, row bucket) on CPU
-    # (worker/packed_linear.py), which fill within ~1,000 requests and then stay put.
+    # (worker/engine/packed_linear.py), which fill within ~1,000 requests and then stay put.
     for n in range(WARMUP_WAVES):
         wave(engine, rng, n * 100, 100)
     before = rss_mib()

@@ -114,8 +114,8 @@ def _start_gateway(stack: Stack, url: str) -> str:
 def worker_mode(path: str, url: str, worker_id: str, trace: str) -> int:
     """A ``ferry worker`` (same ``run_worker``, settings from the same FERRY_* variables)
     that also writes ``request_id seq emitted_at sent_at`` per event it sends."""
-    from worker.main import engine_config, run_worker
-    from worker.redis_io import WorkerSettings
+    from worker.service.main import engine_config, run_worker
+    from worker.service.redis_io import WorkerSettings
 
     out = open(trace, "w", buffering=1 << 20)  # noqa: SIM115 - closed below
 

@@ -5,7 +5,7 @@
 #
 # The project is installed with --no-deps, so pyproject's torch/transformers/triton are
 # never pulled in; the gateway's own dependencies come from gateway-requirements.txt
-# (tests/ops/test_deploy_files.py checks it covers every import of protocol/, gateway/
+# (tests/ops/test_images.py checks it covers every import of protocol/, gateway/
 # and the CLI). The same image also runs `ferry top`.
 
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -21,6 +21,7 @@ COPY protocol ./protocol
 COPY gateway ./gateway
 COPY worker ./worker
 COPY kernels ./kernels
+COPY observability ./observability
 COPY ferry ./ferry
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install --no-deps . \

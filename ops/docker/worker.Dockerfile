@@ -30,6 +30,7 @@ COPY protocol ./protocol
 COPY gateway ./gateway
 COPY worker ./worker
 COPY kernels ./kernels
+COPY observability ./observability
 COPY ferry ./ferry
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install . \

@@ -7,7 +7,7 @@ Run from the repository root after ``train_default.py`` (which calls it at the e
 It scores the *saved* bf16 weights, not the fp32 training copy, so the figures in
 ``docs/model.md`` describe exactly what ships: held-out bits per byte beside ``gzip -9`` on
 the same files, greedy samples, the loss curve (``docs/model-loss.png``) and the sha256 of
-``model.safetensors`` that ``tests/test_default_model.py`` checks against.
+``model.safetensors`` that ``tests/worker/test_default_model.py`` checks against.
 """
 
 from __future__ import annotations

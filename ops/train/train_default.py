@@ -6,7 +6,7 @@ Run from the repository root (~45 minutes on one core, report included)::
 
 It trains a byte-level BPE tokenizer and a Llama-architecture causal LM on the running
 interpreter's stdlib sources, holding out every 20th file, saves both in Hugging Face format
-(bf16 safetensors) into ``ferry/models/default/`` and then runs ``report.py`` to measure the
+(bf16 safetensors) into ``worker/models/default/`` and then runs ``report.py`` to measure the
 shipped weights and write ``docs/model.md`` and ``docs/model-loss.png``.
 
 It uses exactly one CPU thread (the machines it is meant for share their other cores), a
@@ -44,7 +44,7 @@ from transformers import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_OUT = REPO / "ferry" / "models" / "default"
+DEFAULT_OUT = REPO / "worker" / "models" / "default"
 DEFAULT_LOG = REPO / "ops" / "train" / "loss.csv"
 MAX_POSITIONS = 2048  # RoPE: usable beyond the 256-token training windows, with degradation
 

@@ -19,7 +19,7 @@ COMPOSE = ROOT / "docker-compose.yml"
 K8S = ROOT / "ops" / "k8s"
 DOCKER = ROOT / "ops" / "docker"
 DOCS = ROOT / "docs" / "operations.md"
-SOURCE_DIRS = ("protocol", "gateway", "worker", "kernels", "ferry", "ops")
+SOURCE_DIRS = ("protocol", "gateway", "worker", "kernels", "observability", "ferry", "ops")
 # Names that appear in docstrings as placeholders, not variables anyone reads.
 PLACEHOLDER_ENV = frozenset({"FERRY_X"})
 FERRY_VAR = re.compile(r"\bFERRY_[A-Z0-9_]*[A-Z0-9]")

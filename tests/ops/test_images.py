@@ -19,12 +19,12 @@ import yaml
 
 from tests.ops import deploy_files as files
 
-GATEWAY_IMAGE_MODULES = ["gateway.app", "gateway.main", "ferry.cli", "ferry.logging",
+GATEWAY_IMAGE_MODULES = ["gateway.app", "gateway.main", "ferry.cli", "observability.logging",
                          "ferry.commands.top", "protocol.client", "protocol.aclient"]
 # Import name -> distribution, where they differ; fastapi brings starlette and anyio.
 DISTRIBUTION = {"prometheus_client": "prometheus-client", "starlette": "fastapi",
                 "anyio": "fastapi"}
-FIRST_PARTY = {"protocol", "gateway", "worker", "kernels", "ferry"}
+FIRST_PARTY = {"protocol", "gateway", "worker", "kernels", "observability", "ferry"}
 
 
 def _requirement_names(lines: list[str]) -> dict[str, str]:
@@ -63,7 +63,8 @@ def test_gateway_image_runs_without_torch() -> None:
 def test_gateway_requirements_cover_its_imports_and_match_pyproject() -> None:
     reqs = _gateway_requirements()
     sources = [p for top in ("protocol", "gateway") for p in (files.ROOT / top).rglob("*.py")]
-    sources += [files.ROOT / "ferry" / n for n in ("cli.py", "logging.py", "__init__.py")]
+    sources += [files.ROOT / "ferry" / n for n in ("cli.py", "__init__.py")]
+    sources += list((files.ROOT / "observability").glob("*.py"))
     sources += list((files.ROOT / "ferry" / "commands").glob("top.py"))
     third_party = set()
     for path in sources:
@@ -110,6 +111,15 @@ def test_dockerfiles_copy_only_what_exists_and_is_not_ignored() -> None:
                 assert src not in ignored, f"{name}: COPY {src} is excluded by .dockerignore"
     for secretish in (".git", ".venv", "tests", ".env", "models"):
         assert secretish in ignored
+
+
+def test_dockerfiles_copy_every_package_pyproject_installs() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    find = tomllib.loads((files.ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {p.rstrip("*") for p in find["packages"]["find"]["include"]}
+    for name, text in files.dockerfiles().items():
+        copied = set(re.findall(r"^COPY (\w+) \./\1$", text, re.MULTILINE))
+        assert packages <= copied, f"{name} lacks COPY of {sorted(packages - copied)}"
 
 
 def _by_kind() -> dict[tuple[str, str], dict[str, Any]]:

@@ -1,0 +1,3 @@
+"""Process-wide observability setup shared by every Ferry process (worker, gateway, CLI):
+``observability.logging`` configures structured logs. Torch-free and importable by every
+layer, so nothing below the CLI has to import ``ferry``."""

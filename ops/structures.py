@@ -1,0 +1,86 @@
+"""Regenerate the module map of ``docs/structures.md`` from the modules' own docstrings.
+
+    python ops/structures.py          # rewrite the map, keep the lifecycle sections
+    python ops/structures.py --check  # exit 1 if the file is out of date (the test does this)
+
+One line per module: its docstring's first sentence. The sections below the map (from
+``## Request lifecycle`` on) are hand-written and kept as they are. Why generated: a map
+written by hand drifted every time a module moved; the docstrings move with the code.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "structures.md"
+LIFECYCLE_MARK = "## Request lifecycle"
+
+# (folder, heading caption); each section lists that folder's modules (not sub-folders)
+SECTIONS = [
+    ("protocol", "torch-free wire contract"),
+    ("gateway", "FastAPI, no torch"),
+    ("worker", "the worker package: lazy exports"),
+    ("worker/engine", "the inference engine: one step, no I/O"),
+    ("worker/service", "the Redis worker process around the engine"),
+    ("worker/models", "models shipped as package data"),
+    ("kernels", "Triton kernels, the C++ CPU kernel, their pure-torch twins"),
+    ("observability", "logging shared by every process"),
+    ("ferry", "the CLI, on top of everything"),
+    ("ferry/commands", "one module per subcommand"),
+]
+EXTRA = {
+    "kernels": ["- `kernels/csrc/paged_decode_cpu.cpp` — The C++ CPU paged decode kernel "
+                "(online softmax per page, next page prefetched, OpenMP per sequence)."],
+    "worker/models": ["- `worker/models/default/` — the embedded default model (Hugging Face "
+                      "format; see docs/model.md)."],
+}
+
+
+def first_sentence(path: Path) -> str:
+    """The docstring's first sentence, on one line."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    paragraph = " ".join(doc.split("\n\n")[0].split())
+    if not paragraph:
+        raise SystemExit(f"{path.relative_to(ROOT)}: no module docstring")
+    match = re.match(r"(.+?\.)(\s|$)", paragraph)
+    return match.group(1) if match else paragraph + "."
+
+
+def module_map() -> str:
+    lines = ["# Structures", "",
+             "One line per module, generated from the module docstrings by "
+             "`python ops/structures.py`; the lifecycle sections below are written by hand."]
+    for folder, caption in SECTIONS:
+        lines += ["", f"## {folder}/ ({caption})"]
+        for path in sorted((ROOT / folder).glob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            lines.append(f"- `{rel}` — {first_sentence(path)}")
+        lines += EXTRA.get(folder, [])
+    return "\n".join(lines) + "\n\n"
+
+
+def render() -> str:
+    text = DOC.read_text()
+    at = text.find(LIFECYCLE_MARK)
+    if at < 0:
+        raise SystemExit(f"{DOC}: no '{LIFECYCLE_MARK}' section to keep")
+    return module_map() + text[at:]
+
+
+def main() -> int:
+    wanted = render()
+    if "--check" in sys.argv[1:]:
+        if DOC.read_text() != wanted:
+            print(f"{DOC.relative_to(ROOT)} is out of date: run python ops/structures.py")
+            return 1
+        return 0
+    DOC.write_text(wanted)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

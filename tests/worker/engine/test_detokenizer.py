@@ -1,0 +1,87 @@
+import pytest
+
+from tests.checkpoints import build_tokenizer
+from worker.engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def stream(tok, ids, prompt=(), **kw):
+    d = IncrementalDetokenizer(tok, list(prompt), **kw)
+    pieces, stopped = [], False
+    for t in ids:
+        r = d.step(t)
+        pieces.append(r.text_delta)
+        if r.stopped:
+            stopped = True
+            break
+    if not stopped:
+        pieces.append(d.flush())
+    return pieces, stopped
+
+
+def byte_tokens(tok, text):
+    """One token per UTF-8 byte, so multi-byte characters are split across tokens."""
+    vocab = tok.get_vocab()
+    byte_to_char = _byte_level_map()
+    return [vocab[byte_to_char[b]] for b in text.encode("utf-8")]
+
+
+def _byte_level_map():
+    """GPT-2's byte -> printable character table used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=False)}
+
+
+@pytest.mark.parametrize("text", ["héllo wörld", "日本語", "🚀 go 🔥", "a€b"])
+def test_multibyte_characters_split_across_tokens(tok, text):
+    ids = byte_tokens(tok, text)
+    pieces, _ = stream(tok, ids, prompt=tok("x = 1")["input_ids"])
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_regular_tokens_roundtrip(tok):
+    text = "def fibonacci(n):\n    return a"
+    pieces, _ = stream(tok, tok(text)["input_ids"])
+    assert "".join(pieces) == text
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_across_token_boundaries(tok, include):
+    text = "abc STOPPER xyz"
+    ids = byte_tokens(tok, text)
+    pieces, stopped = stream(tok, ids, stop=["STOP"], include_stop_str_in_output=include)
+    assert stopped
+    assert "".join(pieces) == ("abc STOP" if include else "abc ")
+    # nothing that belongs to the stop string leaks out before the match
+    assert all("S" not in p for p in pieces[:-1]) or include
+
+
+def test_partial_stop_prefix_is_flushed_when_not_a_stop(tok):
+    ids = byte_tokens(tok, "value END")
+    pieces, stopped = stream(tok, ids, stop=["ENDING"])
+    assert not stopped and "".join(pieces) == "value END"
+
+
+def test_earliest_of_several_stop_strings(tok):
+    ids = byte_tokens(tok, "one two three")
+    pieces, stopped = stream(tok, ids, stop=["three", "two"])
+    assert stopped and "".join(pieces) == "one "
+
+
+def test_resume_with_prior_output_sends_only_new_text(tok):
+    full = byte_tokens(tok, "héllo there")
+    d = IncrementalDetokenizer(tok, [], prior_output_ids=full[:3])  # 'h' + both bytes of 'é'
+    rest = "".join(d.step(t).text_delta for t in full[3:]) + d.flush()
+    assert rest == "llo there"

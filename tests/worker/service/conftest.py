@@ -1,0 +1,66 @@
+"""Fixtures for the service tests: a private redis-server per module, a tiny checkpoint.
+
+Worker processes are real ``ferry worker`` subprocesses (``tests/worker/service/procs.py``) on a
+random 2-layer Llama built once per session; they run one torch thread each so the suite
+stays light on a shared machine.
+"""
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_ROOT = str(Path(__file__).resolve().parents[3])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from tests.redis_server import redis_client, redis_server  # noqa: E402, F401
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random tiny Llama with a real BPE tokenizer and a chat template."""
+    from tests.checkpoints import build_checkpoint
+
+    return build_checkpoint("llama", tmp_path_factory.mktemp("service-ckpt"))
+
+
+@pytest.fixture
+def log_dir(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "logs"
+    path.mkdir()
+    yield path
+
+
+class Reference:
+    """The in-process engine on the same checkpoint: what a request alone must produce."""
+
+    def __init__(self, model: str) -> None:
+        import torch
+
+        from worker import LLM
+
+        torch.set_num_threads(1)
+        self.llm = LLM(model, device="cpu", kv_cache_blocks=256)
+        self._n = 0
+
+    def run(self, prompt: "str | list[int] | None", params: object,
+            messages: "list[dict[str, str]] | None" = None) -> "tuple[list[int], str]":
+        """Tokens and text of one request run alone."""
+        engine = self.llm.engine
+        self._n += 1
+        rid = f"ref-{self._n}"
+        engine.add_request(rid, prompt, params, messages=messages)  # type: ignore[arg-type]
+        ids: list[int] = []
+        text = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                ids += out.new_token_ids
+                text += out.text
+        return ids, text
+
+
+@pytest.fixture(scope="session")
+def reference(checkpoint: str) -> Reference:
+    return Reference(checkpoint)

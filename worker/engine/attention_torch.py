@@ -1,0 +1,117 @@
+"""The CPU attention backends: the C++ decode kernel (``cpu``) and pure torch (``torch``).
+
+Both store the step's K/V into the paged cache and run prefill chunks as one SDPA call
+per sequence: over its new K/V when it has no cached prefix (a fresh prompt), else over
+its gathered context with an explicit causal mask (a later chunk of a long prompt, or a
+request resumed after preemption). They differ only in the decode rows:
+
+* ``cpu`` (the default on CPU): ``kernels/cpu_decode_attention.py`` reads each
+  sequence's pages in place, exactly up to its length.
+* ``torch`` (no compiler needed; the fallback): gather + one masked SDPA per bucket of
+  length-sorted rows, each bucket padded only to its own longest sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_attention, cpu_decode_attention, reference
+from worker.engine.attention_metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, q, k, v, cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
+        k_cache, v_cache = cache
+        reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window, soft_cap)
+        for i in range(nd, len(meta.seq_lens_host)):
+            lo, hi = meta.query_start_host[i], meta.query_start_host[i + 1]
+            out[lo:hi] = _prefill_one(q[lo:hi], k[lo:hi], v[lo:hi], k_cache, v_cache, meta, i,
+                                      scale, sliding_window, soft_cap)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
+        out = torch.empty_like(q)
+        for lo, hi, max_len in meta.decode_buckets:
+            tables, lens = meta.block_tables[lo:hi], meta.seq_lens[lo:hi]
+            if soft_cap:
+                out[lo:hi] = reference.paged_decode_attention(
+                    q[lo:hi], k_cache, v_cache, tables, lens, scale,
+                    sliding_window=sliding_window, logits_soft_cap=soft_cap,
+                )
+            else:
+                out[lo:hi] = cpu_attention.paged_decode_sdpa(
+                    q[lo:hi], k_cache, v_cache, tables, lens, scale, max_len, sliding_window
+                )
+        return out
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def _decode(self, q, k_cache, v_cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
+        if k_cache.dtype not in cpu_decode_attention.CACHE_DTYPES:  # a float16 cache
+            return super()._decode(q, k_cache, v_cache, meta, scale, sliding_window, soft_cap)
+        nd = meta.num_decodes
+        return cpu_decode_attention.paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+            sliding_window=sliding_window, logits_soft_cap=soft_cap,
+        )
+
+
+def _prefill_one(
+    q: torch.Tensor,  # [Lq, Hq, D] this sequence's new tokens
+    k: torch.Tensor,  # [Lq, Hkv, D]
+    v: torch.Tensor,  # [Lq, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seq: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    """Attention for one sequence's prefill chunk; returns [Lq, Hq, D]."""
+    ctx = meta.seq_lens_host[seq]
+    if soft_cap:  # SDPA has no soft cap: the reference handles it (Gemma 2 only)
+        return reference.paged_prefill_attention(
+            q, k_cache, v_cache, meta.block_tables[seq:seq + 1],
+            meta.query_start_loc.new_tensor([0, q.shape[0]]), meta.seq_lens[seq:seq + 1],
+            scale, sliding_window=sliding_window, logits_soft_cap=soft_cap,
+        )
+    if ctx > q.shape[0]:  # a cached prefix: attend to the whole context from the pages
+        nb = -(-ctx // k_cache.shape[1])
+        table = meta.block_tables[seq:seq + 1]
+        k = reference.gather_kv(k_cache, table, nb)[0, :ctx].to(q.dtype)  # [L, Hkv, D]
+        v = reference.gather_kv(v_cache, table, nb)[0, :ctx].to(q.dtype)
+    return causal_sdpa(q, k, v, scale, sliding_window)
+
+
+def causal_sdpa(
+    q: torch.Tensor,  # [Lq, Hq, D], the last Lq positions of the context
+    k: torch.Tensor,  # [L, Hkv, D], the whole context
+    v: torch.Tensor,  # [L, Hkv, D]
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal (optionally windowed) SDPA with queries aligned to the end; [Lq, Hq, D]."""
+    q_len, ctx = q.shape[0], k.shape[0]
+    mask = None
+    windowed = sliding_window is not None and sliding_window > 0
+    if q_len != ctx or windowed:  # SDPA's is_causal aligns queries to the start
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device).view(-1, 1)
+        k_pos = torch.arange(ctx, device=q.device).view(1, -1)
+        mask = k_pos <= q_pos
+        if windowed:
+            mask &= k_pos > q_pos - sliding_window  # type: ignore[operator]
+    res = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+        is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+    )  # [Hq, Lq, D]
+    return res.transpose(0, 1)

@@ -1,0 +1,132 @@
+"""Frozen engine configuration: one small typed object per concern, one ``from_env``.
+
+Passing these objects (instead of loose keyword arguments) keeps constructors short and
+makes the whole set of knobs visible in one place; ``EngineConfig.from_env`` is how
+worker processes started by docker-compose or Kubernetes read them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to load and how to run it."""
+
+    model: str
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # auto: triton on CUDA; on CPU the C++ decode kernel (cpu), or pure torch without a
+    # compiler
+    attention_backend: AttentionBackendName = "auto"
+    # CPU: linear layers on oneDNN with weights packed at load (worker/packed_linear.py)
+    pack_weights: bool = True
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size and how many blocks to preallocate."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # explicit pool size wins over memory_bytes
+    memory_bytes: int | None = None  # default: 2 GiB on CPU, 90% of free memory on CUDA
+    kv_cache_dtype: str = "auto"  # auto (= model dtype) | bfloat16 | float16 | float32
+    watermark: float = 0.01  # share of blocks kept free when admitting new requests
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batch limits for iteration-level scheduling."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # A prefill chunk never takes more than this many tokens of one step's budget, so a
+    # long prompt is spread over steps and never stalls the running decodes.
+    long_prefill_token_threshold: int = 512
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+
+    @classmethod
+    def create(cls, model: str, **kwargs: object) -> EngineConfig:
+        """Build from flat keyword arguments (the ``LLM(...)`` and CLI surface)."""
+        groups: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}}
+        top: dict[str, object] = {}
+        fields = {
+            "model": ModelConfig.__dataclass_fields__,
+            "cache": CacheConfig.__dataclass_fields__,
+            "scheduler": SchedulerConfig.__dataclass_fields__,
+        }
+        for key, value in kwargs.items():
+            if value is None and key not in ("num_blocks", "memory_bytes", "max_model_len"):
+                continue
+            target = next((g for g, f in fields.items() if key in f), None)
+            if key == "kv_cache_blocks":
+                groups["cache"]["num_blocks"] = value
+            elif key == "seed":
+                top["seed"] = value
+            elif target is None:
+                raise TypeError(f"unknown engine option: {key!r}")
+            else:
+                groups[target][key] = value
+        return cls(
+            model=ModelConfig(model=model, **groups["model"]),  # type: ignore[arg-type]
+            cache=CacheConfig(**groups["cache"]),  # type: ignore[arg-type]
+            scheduler=SchedulerConfig(**groups["scheduler"]),  # type: ignore[arg-type]
+            **top,  # type: ignore[arg-type]
+        )
+
+    @classmethod
+    def from_env(cls, model: str | None = None, env: dict[str, str] | None = None) -> EngineConfig:
+        """Read ``FERRY_*`` variables (the names in docs/operations.md)."""
+        env = dict(os.environ if env is None else env)
+        model = model or env.get("FERRY_MODEL") or _default_model()
+
+        def _int(name: str) -> int | None:
+            raw = env.get(name)
+            return int(raw) if raw not in (None, "") else None
+
+        def _bool(name: str) -> bool | None:
+            raw = env.get(name, "").strip().lower()
+            if raw in ("", "auto"):
+                return None
+            if raw not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError(f"{name} must be 1 or 0, got {raw!r}")
+            return raw in ("1", "true", "yes", "on")
+
+        cfg = cls.create(
+            model,
+            dtype=env.get("FERRY_DTYPE"),
+            device=env.get("FERRY_DEVICE"),
+            attention_backend=env.get("FERRY_ATTENTION_BACKEND"),
+            pack_weights=_bool("FERRY_PACK_WEIGHTS"),
+            max_model_len=_int("FERRY_MAX_MODEL_LEN"),
+            block_size=_int("FERRY_BLOCK_SIZE"),
+            num_blocks=_int("FERRY_KV_CACHE_BLOCKS"),
+            memory_bytes=_int("FERRY_KV_CACHE_BYTES"),
+            kv_cache_dtype=env.get("FERRY_KV_CACHE_DTYPE"),
+            max_num_seqs=_int("FERRY_MAX_NUM_SEQS"),
+            max_num_batched_tokens=_int("FERRY_MAX_NUM_BATCHED_TOKENS"),
+        )
+        return cfg
+
+    def with_model(self, model: str) -> EngineConfig:
+        return replace(self, model=replace(self.model, model=model))
+
+
+def _default_model() -> str:
+    from worker.models import default_model_path
+
+    return default_model_path()

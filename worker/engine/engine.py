@@ -1,0 +1,221 @@
+"""The engine: add requests, step, abort, read events — no I/O inside a step.
+
+``step()`` is schedule -> execute -> sample -> update. The service drives it from one
+thread; anything arriving from other threads (new requests, cancels) is handed over
+between steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocol.sampling import SamplingParams
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import EngineConfig
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.model_runner import ModelRunner
+from worker.engine.outputs import EngineStats, StepOutput
+from worker.engine.request import FinishReason, Request
+from worker.engine.sampler import Sampler, SamplingRow
+from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.step_timer import StepTimer
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config.model, config.cache)
+        self.tokenizer = self.runner.loaded.tokenizer
+        self.max_model_len = self.runner.shape.max_model_len
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.cache.block_size, config.cache.watermark
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.sampler = Sampler(config.seed)
+        self.timer = StepTimer()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._tokens_generated = 0
+        self._steps = 0
+
+    # -- requests ----------------------------------------------------------------------
+    def tokenize(
+        self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, prompt_token_ids, messages")
+        if messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("messages: this model has no chat template")
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            return list(ids)
+        if prompt is not None:
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return list(prompt_token_ids or [])
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int] | None = None,
+        params: SamplingParams | dict[str, Any] | None = None, *,
+        messages: list[dict[str, Any]] | None = None, priority: int = 0,
+        prior_output_ids: list[int] | None = None,
+    ) -> Request:
+        """Validate and queue a request; raises ValueError naming the problem.
+
+        ``prior_output_ids`` resumes a request whose first tokens were already produced
+        (and sent) elsewhere: generation continues after them.
+        """
+        params = _as_params(params)
+        if isinstance(prompt, list):
+            ids = self.tokenize(prompt_token_ids=prompt)
+        else:
+            ids = self.tokenize(prompt=prompt, messages=messages)
+        prior = list(prior_output_ids or [])
+        self._validate(ids, prior, params)
+        request = Request(
+            request_id, ids, params, eos_token_ids=self.runner.loaded.eos_token_ids,
+            priority=priority, output_token_ids=prior,
+        )
+        self.scheduler.add(request)
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, ids, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens, prior_output_ids=prior,
+        )
+        return request
+
+    def _validate(self, ids: list[int], prior: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.runner.shape.vocab_size
+        bad = [t for t in ids + prior if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} outside [0, {vocab})")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"= {total} exceeds the model's context of {self.max_model_len} tokens"
+            )
+        if len(prior) >= params.max_tokens:
+            raise ValueError("prior_output_ids: already has max_tokens tokens")
+        need = self.block_manager.blocks_needed(total)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(
+                f"max_tokens: the request needs {need} KV blocks but the pool has "
+                f"{self.block_manager.num_blocks}"
+            )
+
+    def abort(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT
+    ) -> StepOutput | None:
+        """Drop a waiting or running request now; returns its final event (None if unknown)."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, reason)
+        return self._final(request, [], "")
+
+    # -- stepping ----------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        timer = self.timer
+        with timer.phase("schedule"):
+            sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        self._steps += 1
+        try:
+            with timer.phase("forward"):
+                logits = self.runner.execute(sched, self.block_manager)
+            with timer.phase("sample"):
+                rows = [_row(s.request) for s in sched.scheduled if s.sample]
+                sampled = self.sampler(logits, rows)
+        except Exception as exc:  # a failed forward fails its batch, not the worker
+            return self._fail_batch(sched, exc)
+        with timer.phase("update"):
+            return self._update(sched, sampled.token_ids, sampled.logprobs)
+
+    def _update(
+        self, sched: SchedulerOutput, tokens: list[int], logprobs: list[Any]
+    ) -> list[StepOutput]:
+        it = iter(zip(tokens, logprobs, strict=True))
+        aligned: list[int | None] = []
+        lp_by_id: dict[str, Any] = {}
+        for item in sched.scheduled:
+            if item.sample:
+                token, lp = next(it)
+                aligned.append(token)
+                lp_by_id[item.request.request_id] = lp
+            else:
+                aligned.append(None)
+        outputs = []
+        for request, token in self.scheduler.update(sched, aligned):
+            self._tokens_generated += 1
+            result = self._detok[request.request_id].step(token)
+            if result.stopped and not request.is_finished:
+                self.scheduler.finish(request, FinishReason.STOP)
+            lp = lp_by_id.get(request.request_id)
+            if request.is_finished:
+                outputs.append(self._final(request, [token], result.text_delta, lp))
+            else:
+                outputs.append(StepOutput(
+                    request.request_id, [token], result.text_delta,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_output_tokens=request.num_output_tokens,
+                    logprobs=[lp] if lp is not None else None,
+                ))
+        return outputs
+
+    def _final(self, request: Request, tokens: list[int], text: str, lp: Any = None) -> StepOutput:
+        detok = self._detok.pop(request.request_id, None)
+        if detok is not None and request.finish_reason is not FinishReason.STOP:
+            text += detok.flush()
+        return StepOutput(
+            request.request_id, tokens, text, finished=True,
+            finish_reason=str(request.finish_reason), error=request.error,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            logprobs=[lp] if lp is not None else None,
+        )
+
+    def _fail_batch(self, sched: SchedulerOutput, exc: Exception) -> list[StepOutput]:
+        message = f"{type(exc).__name__}: {exc}"
+        outputs = []
+        for item in sched.scheduled:
+            if not item.request.is_finished:
+                self.scheduler.finish(item.request, FinishReason.ERROR, error=message)
+                outputs.append(self._final(item.request, [], ""))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.block_manager.num_blocks,
+            kv_blocks_free=self.block_manager.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            tokens_generated=self._tokens_generated, steps=self._steps,
+        )
+
+
+def _as_params(params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, dict):
+        return SamplingParams(**params)  # pydantic ValidationError is a ValueError
+    raise TypeError(f"params must be SamplingParams or dict, not {type(params).__name__}")
+
+
+def _row(request: Request) -> SamplingRow:
+    return SamplingRow(
+        request.params, request.num_output_tokens, request.prompt_token_ids,
+        request.output_token_ids,
+    )
+
+

@@ -1,0 +1,83 @@
+"""Offline batch generation with the interface vLLM users know: ``LLM(...).generate``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from protocol.sampling import SamplingParams
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.outputs import CompletionOutput
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_blocks: int | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        attention_backend: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        if model is None:
+            from worker.models import default_model_path
+
+            model = default_model_path()
+        config = EngineConfig.create(
+            model, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, num_blocks=kv_cache_blocks,
+            dtype=dtype, device=device, attention_backend=attention_backend, **kwargs,
+        )
+        self.engine = Engine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Run every prompt to completion, sharing the batch; outputs in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise ValueError(
+                    f"params: got {len(param_list)} SamplingParams for {len(prompt_list)} prompts"
+                )
+        results: dict[str, CompletionOutput] = {}
+        order: list[str] = []
+        for prompt, p in zip(prompt_list, param_list, strict=True):
+            rid = f"llm-{next(self._ids)}"
+            request = self.engine.add_request(rid, prompt, p)
+            results[rid] = CompletionOutput(rid, list(request.prompt_token_ids))
+            order.append(rid)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                done = results[out.request_id]
+                done.token_ids.extend(out.new_token_ids)
+                done.text += out.text
+                if out.logprobs is not None:
+                    done.logprobs = (done.logprobs or []) + out.logprobs
+                if out.finished:
+                    done.finish_reason = out.finish_reason
+                    done.error = out.error
+        return [results[rid] for rid in order]

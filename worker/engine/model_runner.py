@@ -1,0 +1,145 @@
+"""Owns the model and the KV tensors; turns a SchedulerOutput into logits.
+
+Inputs are one flattened ragged batch with no padding: input ids, positions, slot
+mapping, query start offsets, context lengths and block tables, built on the host with
+plain lists (cheap at serving batch sizes) and moved to the device once per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.engine.attention import make_backend
+from worker.engine.attention_metadata import AttentionMetadata, ForwardContext, KVCache
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import CacheConfig, ModelConfig
+from worker.engine.model_loader import _DTYPES, LoadedModel, ModelShape, load_model
+from worker.engine.scheduler import SchedulerOutput
+
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+_DECODE_BUCKET = 16  # sequences per decode attention call on the torch CPU path
+
+
+def decode_buckets(lens: list[int], size: int = _DECODE_BUCKET) -> list[tuple[int, int, int]]:
+    """(start, end, longest) slices of the length-sorted decode rows."""
+    return [(lo, min(lo + size, len(lens)), max(lens[lo:lo + size]))
+            for lo in range(0, len(lens), size)]
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig) -> None:
+        if not 1 <= cache_cfg.block_size <= 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {cache_cfg.block_size}")
+        self.loaded: LoadedModel = load_model(model_cfg)
+        self.model = self.loaded.model
+        self.device = self.loaded.device
+        self.shape: ModelShape = self.loaded.shape
+        self.block_size = cache_cfg.block_size
+        self.backend = make_backend(model_cfg.attention_backend, self.device)
+        self.kv_dtype = self._kv_dtype(cache_cfg.kv_cache_dtype)
+        self.num_blocks = self._num_blocks(cache_cfg)
+        self.kv_caches = self._allocate_cache()
+
+    def _kv_dtype(self, name: str) -> torch.dtype:
+        if name == "auto":
+            return self.loaded.dtype
+        if name not in _DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
+        return _DTYPES[name]
+
+    @property
+    def bytes_per_block(self) -> int:
+        s = self.shape
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
+
+    def _num_blocks(self, cfg: CacheConfig) -> int:
+        if cfg.num_blocks is not None:
+            if cfg.num_blocks < 1:
+                raise ValueError(f"kv_cache_blocks must be >= 1, got {cfg.num_blocks}")
+            return cfg.num_blocks
+        budget = cfg.memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.9)
+            else:
+                budget = _DEFAULT_CPU_KV_BYTES
+        num = budget // self.bytes_per_block
+        if num < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block")
+        return int(num)
+
+    def _allocate_cache(self) -> list[KVCache]:
+        """The whole pool, allocated once: [layers][k|v] of [blocks, block_size, Hkv, D]."""
+        s = self.shape
+        pool = torch.zeros(
+            (s.num_layers, 2, self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim),
+            dtype=self.kv_dtype, device=self.device,
+        )
+        return [(pool[i, 0], pool[i, 1]) for i in range(s.num_layers)]
+
+    def prepare(
+        self, sched: SchedulerOutput, blocks: BlockManager
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flatten the step: (input_ids [T], positions [T], metadata, logits rows [n])."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for item in sched.scheduled:
+            req = item.request
+            lo = req.num_computed_tokens
+            hi = lo + item.num_new_tokens
+            table = blocks.block_table(req.request_id)
+            ids.extend(req.all_token_ids[lo:hi])
+            positions.extend(range(lo, hi))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(lo, hi))
+            starts.append(starts[-1] + item.num_new_tokens)
+            seq_lens.append(hi)
+            tables.append(table)
+            if item.sample:
+                sample_rows.append(starts[-1] - 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            num_decodes=sched.num_decodes,
+            max_decode_seq_len=max(seq_lens[: sched.num_decodes], default=0),
+            decode_buckets=decode_buckets(seq_lens[: sched.num_decodes]),
+            max_query_len=max(b - a for a, b in zip(starts[:-1], starts[1:], strict=True)),
+            max_seq_len=max(seq_lens),
+            query_start_host=starts,
+            seq_lens_host=seq_lens,
+        )
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, blocks: BlockManager) -> torch.Tensor:
+        """Run one step; returns logits [num_sampled, vocab] for the rows that sample."""
+        input_ids, positions, meta, sample_rows = self.prepare(sched, blocks)
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+        if sample_rows.numel() == 0:
+            self.model.base_model(
+                input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                ferry_ctx=ctx,
+            )
+            return torch.empty(0, self.shape.vocab_size, device=self.device)
+        out = self.model(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+            logits_to_keep=sample_rows, ferry_ctx=ctx,
+        )
+        return out.logits[0]  # type: ignore[no-any-return]

@@ -1,0 +1,175 @@
+"""Iteration-level scheduler: every step re-decides the whole batch.
+
+``schedule()`` picks, for this step, how many new tokens each request computes:
+running requests first (decodes and unfinished prefill chunks), then waiting requests
+while blocks, ``max_num_seqs`` and the token budget allow. ``update()`` applies the
+sampled tokens and finishes requests, freeing their blocks in the same step. No I/O and
+no tensors here: the scheduler is tested on CPU with fake runner output.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import SchedulerConfig
+from worker.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step: [num_computed, num_computed + n)
+    sample: bool  # the chunk reaches the last known token, so a new token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    # Single-token rows first (decodes, by increasing context), then prefill chunks: the
+    # attention backend relies on this order to batch decodes in a few calls.
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []  # kept sorted by Request.sort_key
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- membership --------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a waiting or running request now; returns it, or None if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish(request, FinishReason.ABORT)
+        return request
+
+    def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.error = error
+        self.block_manager.free(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        self.running.sort(key=Request.sort_key)
+        pending = list(self.running)  # highest priority first; victims come off the end
+        while pending and budget > 0:
+            request = pending.pop(0)
+            num_new = self._chunk(request, budget)
+            while self.block_manager.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new
+            ) is None:
+                victim = pending.pop() if pending else request
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+        if not out.preempted:
+            budget = self._admit(scheduled, budget)
+        # Decodes first, shortest context first: attention then reads them in length
+        # buckets that are contiguous slices, with little padding.
+        scheduled.sort(key=lambda s: (s.num_new_tokens != 1, s.num_new_tokens == 1
+                                      and s.request.num_tokens))
+        out.scheduled = scheduled
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _admit(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = self._chunk(request, budget)
+            if self.block_manager.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new, admitting=True
+            ) is None:
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        return min(remaining, budget, self.config.long_prefill_token_threshold)
+
+    @staticmethod
+    def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
+        reaches_end = request.num_computed_tokens + num_new == request.num_tokens
+        return ScheduledRequest(request, num_new, sample=reaches_end)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop the KV, go back to waiting, keep outputs."""
+        self.block_manager.free(request.request_id)
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    def update(
+        self, output: SchedulerOutput, sampled: Sequence[int | None]
+    ) -> list[tuple[Request, int]]:
+        """Advance counters, append sampled tokens, finish on token-level stops.
+
+        ``sampled`` is aligned with ``output.scheduled`` (None where nothing was sampled).
+        Returns (request, token) for every request that got a token this step.
+        """
+        new_tokens: list[tuple[Request, int]] = []
+        for item, token in zip(output.scheduled, sampled, strict=True):
+            request = item.request
+            if request.is_finished:
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            if not item.sample or token is None:
+                continue
+            request.append_output_token(token)
+            new_tokens.append((request, token))
+            reason = request.check_token_stop(self.max_model_len)
+            if reason is not None:
+                self.finish(request, reason)
+        return new_tokens

@@ -1,0 +1,169 @@
+"""The control thread: cancel listener, heartbeat, lease renewal.
+
+One thread, one pub/sub connection on ``{prefix}:control`` plus a command connection.
+Between pub/sub reads (at most 100 ms each) it writes the heartbeat every
+``heartbeat_interval_s`` and renews the leases on every held entry every ``lease_s / 3``.
+The renewal also reads each held request's cancel mark, which catches a cancel whose
+pub/sub message was lost (e.g. while reconnecting after a Redis restart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from protocol.codec import ProtocolError, decode_cancel
+from protocol.models import WorkerHeartbeat
+from protocol.store import remove_heartbeat, write_heartbeat
+from worker.service.jobs import Command
+from worker.service.leases import RENEW, SCRIPTS, HeldEntries, lost_ids
+from worker.service.redis_io import (
+    TRANSIENT_ERRORS,
+    Backoff,
+    WorkerSettings,
+    connect,
+    execute_scripts,
+    text,
+)
+
+log = structlog.get_logger("ferry.worker.control")
+
+StatsFn = Callable[[], dict[str, float | int | str]]
+
+
+class Control(threading.Thread):
+    def __init__(
+        self, settings: WorkerSettings, held: HeldEntries, mailbox: queue.Queue[Any],
+        stats: StatsFn,
+    ) -> None:
+        super().__init__(name="ferry-control", daemon=True)
+        self.settings = settings
+        self.keys = settings.keys
+        self.held = held
+        self.mailbox = mailbox
+        self.stats = stats
+        self.redis = connect(settings.redis_url)
+        self.started_at = time.time()
+        self.stopped = threading.Event()
+        self.queue_lag = 0
+        self.queue_depth = 0
+        self.beats = 0
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread and remove the heartbeat (the worker is no longer live)."""
+        self.stopped.set()
+        self.join(timeout)
+        try:
+            pipe = self.redis.pipeline()
+            remove_heartbeat(pipe, self.keys, self.settings.worker_id)
+            pipe.execute()
+        except TRANSIENT_ERRORS as exc:
+            log.warning("heartbeat_remove_failed", error=str(exc))
+        self.redis.close()
+
+    def run(self) -> None:
+        backoff = Backoff()
+        pubsub: Any = None
+        next_beat = next_renew = 0.0
+        while not self.stopped.is_set():
+            try:
+                if pubsub is None:
+                    pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                    pubsub.subscribe(self.keys.control)
+                msg = pubsub.get_message(timeout=0.1)
+                if msg is not None and msg.get("type") == "message":
+                    self._on_cancel(msg["data"])
+                now = time.monotonic()
+                if now >= next_renew:
+                    self.renew()
+                    next_renew = now + self.settings.renew_interval_s
+                if now >= next_beat:
+                    self.beat()
+                    next_beat = now + self.settings.heartbeat_interval_s
+                backoff.reset()
+            except TRANSIENT_ERRORS as exc:
+                if backoff.failures == 0:
+                    log.warning("control_redis_unavailable", error=str(exc))
+                pubsub = _close(pubsub)
+                backoff.wait(self.stopped)
+            except Exception:  # never let a bug stop heartbeats and renewals silently
+                log.exception("control_failed")
+                pubsub = _close(pubsub)
+                backoff.wait(self.stopped)
+        _close(pubsub)
+
+    def _on_cancel(self, data: Any) -> None:
+        try:
+            cancel = decode_cancel(data)
+        except ProtocolError as exc:
+            log.warning("bad_control_message", error=str(exc))
+            return
+        if self.held.holds_request(cancel.request_id):
+            self.mailbox.put(Command("cancel", cancel.request_id, cancel.reason))
+
+    def renew(self) -> None:
+        """Extend the lease on every held entry; report lost ones and cancel marks."""
+        held = self.held.snapshot()
+        if not held:
+            return
+        keys, ids = self.keys, list(held)
+
+        def build(pipe: Any) -> None:
+            RENEW.queue(pipe, [keys.requests], [keys.group, self.settings.worker_id, *ids])
+            for entry_id in ids:
+                pipe.get(keys.cancelled(held[entry_id]))
+
+        replies = execute_scripts(self.redis, build, SCRIPTS)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        for entry_id in lost_ids(replies[0]):
+            request_id = self.held.discard(entry_id)
+            if request_id is not None:
+                log.warning("lease_lost", request_id=request_id, entry_id=entry_id)
+                self.mailbox.put(Command("lost", request_id))
+        for entry_id, reason in zip(ids, replies[1:], strict=True):
+            if reason is not None and entry_id in self.held:
+                self.mailbox.put(Command("cancel", held[entry_id], text(reason)))
+
+    def beat(self) -> None:
+        self.queue_depth, self.queue_lag = _queue(self.redis, self.keys.requests, self.keys.group)
+        now = time.time()
+        beat = WorkerHeartbeat(
+            worker_id=self.settings.worker_id, model=self.settings.model_name,
+            started_at=self.started_at, updated_at=now, stats=self.stats(),
+        )
+        pipe = self.redis.pipeline()
+        write_heartbeat(pipe, self.keys, beat, self.settings.ttls)
+        pipe.execute()
+        self.beats += 1
+
+
+def _queue(r: Any, stream: str, group: str) -> tuple[int, int]:
+    """(XLEN, the group's undelivered count); zeros where Redis cannot tell."""
+    pipe = r.pipeline(transaction=False)
+    pipe.xlen(stream)
+    pipe.xinfo_groups(stream)
+    depth, groups = pipe.execute(raise_on_error=False)
+    if isinstance(depth, Exception) or isinstance(groups, Exception):
+        return 0, 0  # stream missing (e.g. Redis lost its data): nothing queued here
+    for info in groups:
+        if text(info.get("name", "")) == group:
+            lag = info.get("lag")  # None after deletions: undelivered = length - pending
+            return int(depth), int(lag) if lag is not None else max(
+                0, int(depth) - int(info.get("pending") or 0))
+    return int(depth), int(depth)
+
+
+def _close(pubsub: Any) -> Any:
+    """Close a pub/sub (ignoring errors: it may be broken already); returns None."""
+    if pubsub is not None:
+        with contextlib.suppress(Exception):
+            pubsub.close()
+    return None

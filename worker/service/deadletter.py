@@ -1,0 +1,108 @@
+"""Dead-lettering: entries no worker can run leave the stream with a reason, never a crash.
+
+Two kinds reach here: entries that do not decode (bad msgpack, unknown version, schema
+errors) and entries delivered more than ``max_deliveries`` times (every worker that took
+them died: a poison request). Both are copied to ``{prefix}:requests:dead`` with the
+reason and acknowledged. When a request id can be recovered, its client also gets a
+terminal error event and the job hash says ``failed``, so nobody waits forever.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import msgpack
+import redis
+import structlog
+
+from protocol.codec import REQUEST_FIELD, request_fields
+from protocol.models import ID_PATTERN, ErrorKind, GenerateRequest, JobStatus, TokenEvent, Usage
+from protocol.store import dead_letter
+from worker.service.jobs import Outgoing
+from worker.service.leases import SCRIPTS
+from worker.service.outbox import queue_push
+from worker.service.redis_io import WorkerSettings, execute_scripts
+
+log = structlog.get_logger("ferry.worker.deadletter")
+_ID_RE = re.compile(ID_PATTERN)
+
+
+def recover_request_id(fields: dict[Any, Any]) -> str | None:
+    """The entry's ``request_id`` if the payload is at least a msgpack map holding one."""
+    raw = fields.get(REQUEST_FIELD.encode(), fields.get(REQUEST_FIELD))
+    try:
+        obj = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else None
+    except Exception:  # garbage of any kind: no id to report to
+        return None
+    rid = obj.get("request_id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) and _ID_RE.match(rid) else None
+
+
+class DeadLetters:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.count = 0
+
+    def undecodable(
+        self, r: redis.Redis, entry_id: str, fields: dict[Any, Any], reason: str
+    ) -> None:
+        rid = recover_request_id(fields)
+        self._send(r, entry_id, fields, f"undecodable: {reason}", rid,
+                   f"invalid request: {reason}", "invalid_request")
+
+    def too_many_deliveries(
+        self, r: redis.Redis, entry_id: str, fields: dict[Any, Any], request: GenerateRequest,
+        times: int,
+    ) -> None:
+        limit = self.settings.max_deliveries
+        reason = f"delivered {times} times (max_deliveries={limit}); workers kept failing on it"
+        self._send(r, entry_id, fields, reason, request.request_id,
+                   f"the request was abandoned after {times - 1} failed attempts", "internal")
+
+    def unrunnable(
+        self, r: redis.Redis, entry_id: str, request: GenerateRequest, reason: str
+    ) -> None:
+        """A decodable request the worker still cannot run (e.g. its replay log is corrupt)."""
+        self._send(r, entry_id, request_fields(request), reason, request.request_id, reason,
+                   "internal")
+
+    def duplicate(
+        self, r: redis.Redis, entry_id: str, fields: dict[Any, Any], request_id: str
+    ) -> None:
+        """A second entry for a request this worker is running: dead-letter it without an
+        event (the running one owns the request's stream)."""
+        self._send(r, entry_id, fields, f"duplicate request_id {request_id!r} in flight",
+                   None, "", "invalid_request")
+
+    def _send(
+        self, r: redis.Redis, entry_id: str, fields: dict[Any, Any], reason: str,
+        rid: str | None, error: str, kind: ErrorKind,
+    ) -> None:
+        self.count += 1
+        log.warning("entry_dead_lettered", entry_id=entry_id, request_id=rid, reason=reason)
+        keys = self.settings.keys
+        out = None
+        if rid is not None:
+            out = self._terminal(rid, entry_id, int(r.llen(keys.events(rid))), error, kind)
+
+        def build(pipe: Any) -> None:
+            if out is not None:  # event + failed job hash + XACK, fenced like any other
+                queue_push(pipe, self.settings, [out])
+            dead_letter(pipe, keys, entry_id, fields, reason)
+            pipe.xdel(keys.requests, entry_id)
+
+        for reply in execute_scripts(r, build, SCRIPTS):
+            if isinstance(reply, Exception) or (isinstance(reply, list) and reply != [b"ok"]):
+                log.error("dead_letter_event_failed", entry_id=entry_id, reply=str(reply))
+
+    def _terminal(
+        self, rid: str, entry_id: str, seq: int, error: str, kind: ErrorKind
+    ) -> Outgoing:
+        now, worker = time.time(), self.settings.worker_id
+        event = TokenEvent(request_id=rid, seq=seq, finish_reason="error", error=error,
+                           error_kind=kind, usage=Usage(), worker_id=worker)
+        status = JobStatus(request_id=rid, state="failed", finish_reason="error", error=error,
+                           error_kind=kind, usage=Usage(), worker_id=worker, finished_at=now)
+        return Outgoing(entry_id, rid, seq, [], "", None, event, status, now)

@@ -1,0 +1,101 @@
+"""Worker process wiring: logging, torch threads, engine, service, signals, exit code.
+
+``ferry worker`` (``ferry/commands/worker.py``) parses flags and ``FERRY_*`` variables
+into a ``WorkerSettings`` and an ``EngineConfig`` and calls ``run_worker``. Signals:
+the first SIGTERM or SIGINT stops intake and drains (finish in-flight work for up to
+``drain_timeout_s``, hand the rest back, exit 0); a second one ends the drain at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import replace
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from worker.engine.config import EngineConfig
+from worker.service.redis_io import WorkerSettings
+
+if TYPE_CHECKING:
+    from worker.service.outbox import Observer
+
+log = structlog.get_logger("ferry.worker")
+
+
+def engine_config(
+    model: str | None, *, device: str | None = None, max_num_seqs: int | None = None,
+    kv_cache_blocks: int | None = None, attention_backend: str | None = None,
+) -> EngineConfig:
+    """``FERRY_*`` variables (``EngineConfig.from_env``), then explicit flags on top."""
+    config = EngineConfig.from_env(model)
+    model_cfg, cache, sched = config.model, config.cache, config.scheduler
+    if device is not None:
+        model_cfg = replace(model_cfg, device=device)
+    if attention_backend is not None:
+        model_cfg = replace(model_cfg, attention_backend=attention_backend)  # type: ignore[arg-type]
+    if kv_cache_blocks is not None:
+        cache = replace(cache, num_blocks=kv_cache_blocks)
+    if max_num_seqs is not None:
+        sched = replace(sched, max_num_seqs=max_num_seqs)
+    return replace(config, model=model_cfg, cache=cache, scheduler=sched)
+
+
+class _Signals:
+    """First signal: drain. Second: stop now. Works before the service exists, too."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.service: Any = None
+        self.received = threading.Event()
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.count += 1
+        self.received.set()
+        log.info("signal_received", signal=signal.Signals(signum).name, count=self.count)
+        if self.service is not None:
+            self.service.request_stop(force=self.count > 1)
+
+
+def run_worker(
+    config: EngineConfig, settings: WorkerSettings, *, torch_threads: int | None = None,
+    log_level: str = "info", observer: Observer | None = None,
+) -> int:
+    """Load the model, serve until signalled, drain; returns the exit code. ``observer``
+    sees every batch of events once sent (benchmarks use it to time them)."""
+    from observability.logging import configure_logging
+
+    configure_logging(level=log_level)
+    structlog.contextvars.bind_contextvars(worker_id=settings.worker_id)
+    signals = _Signals()
+    signals.install()
+
+    import torch
+
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    from worker.engine.engine import Engine
+    from worker.service.metrics import WorkerMetrics
+    from worker.service.service import WorkerService
+
+    log.info("loading_model", model=config.model.model, device=config.model.device,
+             max_num_seqs=config.scheduler.max_num_seqs, torch_threads=torch.get_num_threads())
+    engine = Engine(config)
+    if signals.received.is_set():
+        log.info("stopped_before_serving")
+        return 0
+    service = WorkerService(engine, settings, WorkerMetrics(), observer=observer)
+    signals.service = service
+    if signals.received.is_set():  # signalled between the two checks
+        service.request_stop()
+    stats = engine.stats()
+    log.info("model_loaded", kv_blocks=stats.kv_blocks_total,
+             device=str(getattr(engine.runner, "device", config.model.device)))
+    return service.run()
+
