@@ -104,7 +104,8 @@ class BodyLimitMiddleware:
         return f"body: request body exceeds the limit of {self.max_bytes} bytes"
 
     async def _reject(self, send: Send) -> None:
-        body = json.dumps(error_body(self._message(), "invalid_request_error", "body", 413))
+        body = json.dumps(error_body(self._message(), "invalid_request_error", "body",
+                                     "request_too_large"))
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"connection", b"close")]})

@@ -17,6 +17,7 @@ from gateway.admission import BodyLimitMiddleware
 from gateway.engine import Engine
 from gateway.errors import install_error_handlers
 from gateway.metrics import Metrics, MetricsMiddleware
+from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
 from protocol.aclient import AsyncFerryClient
 
@@ -49,6 +50,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             _redis(settings), settings.keys, settings.ttls, settings.poll_interval_s
         )
         app.state.engine = Engine(client, settings, metrics)
+        app.state.served = ServedModels(client, settings.served_model_name)
         try:
             await client.ensure_group()  # so queue lag is measurable before a worker starts
         except (RedisError, OSError) as exc:

@@ -2,6 +2,9 @@
 
 OpenAI SDKs surface ``message`` to the user, so every message starts with the field it is
 about (``"max_tokens: 9000 exceeds the limit of 8192"``) and ``param`` names it again.
+Invalid input is a 400 with type ``invalid_request_error``, as OpenAI and vLLM answer
+(clients branch on 400, not on FastAPI's 422); ``code`` is a short string (OpenAI's
+``model_not_found``, or one derived from the status), never a bare number.
 """
 
 from __future__ import annotations
@@ -24,14 +27,18 @@ log = structlog.get_logger("ferry.gateway")
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
-    404: "not_found_error",
+    404: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
-    422: "invalid_request_error",
     429: "rate_limit_error",
     499: "cancelled",
     503: "service_unavailable",
     504: "timeout",
+}
+_CODES = {
+    400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 409: "conflict",
+    413: "request_too_large", 429: "rate_limit_exceeded", 499: "cancelled",
+    500: "internal_error", 502: "bad_gateway", 503: "unavailable", 504: "timeout",
 }
 
 
@@ -45,6 +52,7 @@ class APIError(Exception):
         param: str | None = None,
         type_: str | None = None,
         headers: Mapping[str, str] | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -52,16 +60,17 @@ class APIError(Exception):
         self.param = param
         self.type = type_ or _TYPES.get(status, "server_error" if status >= 500 else "error")
         self.headers = dict(headers) if headers else None
+        self.code = code or _CODES.get(status, "error")
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.status)
+        return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(
-    message: str, type_: str, param: str | None, code: int | str | None
+    message: str, type_: str, param: str | None, code: str | None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -86,7 +95,7 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         skip = 1 if errors and tuple(errors[0].get("loc", ()))[:1] == ("body",) else 0
         loc = tuple(errors[0].get("loc", ()))[skip:] if errors else ()
         param = ".".join(str(p) for p in loc) or None
-        return APIError(422, describe_errors(errors, skip_loc=skip), param=param).response()
+        return APIError(400, describe_errors(errors, skip_loc=skip), param=param).response()
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
@@ -100,7 +109,13 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         log.error("bad_message_from_queue", error=str(exc))
         return APIError(502, f"bad message from the queue: {exc}", type_="server_error").response()
 
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Never a plain-text 500: an OpenAI-shaped body, and the traceback in the log.
+        log.error("unhandled_error", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        return APIError(500, f"internal error: {type(exc).__name__}").response()
+
     app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(Exception, on_unexpected)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(RedisConnectionError, on_redis)

@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from gateway.admission import require_api_key
 from gateway.engine import Engine
 from gateway.errors import APIError, unavailable
-from gateway.routes_openai import get_engine
+from gateway.routes_openai import get_engine, get_served
 from gateway.schemas import JobCreate
 from gateway.sse import PING, EventStreamResponse, sse
 from protocol.aclient import AsyncSubscription
@@ -44,7 +44,11 @@ async def _status_or_404(engine: Engine, job_id: str) -> JobStatus:
 
 
 @router.post("", status_code=202)
-async def create_job(body: JobCreate, engine: Engine = Depends(get_engine)) -> JSONResponse:
+async def create_job(
+    body: JobCreate, http: Request, engine: Engine = Depends(get_engine)
+) -> JSONResponse:
+    if body.model is not None:
+        await get_served(http).resolve(body.model)
     request = body.to_generate_request()
     await engine.admit(request)
     try:

@@ -15,6 +15,7 @@ from gateway.engine import ClientGone, Engine, Generation
 from gateway.errors import APIError, unavailable
 from gateway.openai_format import Formatter, failure
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.served_models import ServedModels
 from gateway.sse import DONE, PING, EventStreamResponse, sse
 from protocol.codec import ProtocolError
 from protocol.streaming import StreamTimeout
@@ -25,6 +26,11 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 def get_engine(request: Request) -> Engine:
     engine: Engine = request.app.state.engine
     return engine
+
+
+def get_served(request: Request) -> ServedModels:
+    served: ServedModels = request.app.state.served
+    return served
 
 
 @router.post("/completions")
@@ -42,14 +48,13 @@ async def chat_completions(
 
 
 @router.get("/models")
-async def models(engine: Engine = Depends(get_engine)) -> dict[str, Any]:
-    """Models that live workers advertise in their heartbeats."""
-    workers = await engine.client.live_workers()
-    names = sorted({w.model for w in workers})
+async def models(served: ServedModels = Depends(get_served)) -> dict[str, Any]:
+    """The served model names: the configured one and those live workers advertise."""
+    workers = await served.workers()
     started = {w.model: int(min(x.started_at for x in workers if x.model == w.model))
                for w in workers}
-    data = [{"id": name, "object": "model", "created": started[name], "owned_by": "ferry"}
-            for name in names]
+    data = [{"id": name, "object": "model", "created": started.get(name, 0),
+             "owned_by": "ferry"} for name in await served.names()]
     return {"object": "list", "data": data}
 
 
@@ -57,10 +62,11 @@ async def _serve(
     body: CompletionRequest | ChatCompletionRequest, http: Request, engine: Engine, chat: bool
 ) -> Response:
     received_at = time.time()
-    request = body.to_generate_request(engine.settings)
+    model = await get_served(http).resolve(body.model)
+    request = body.to_generate_request(engine.settings).model_copy(update={"model": model})
     await engine.admit(request)
     generation = await engine.start(request, received_at)
-    fmt = Formatter(request.request_id, request.model or engine.settings.served_model_name, chat)
+    fmt = Formatter(request.request_id, model, chat)
     if body.stream:
         return EventStreamResponse(
             _stream(generation, fmt, body.include_usage), on_close=generation.close

@@ -1,8 +1,9 @@
 """HTTP request bodies (OpenAI-compatible, plus the jobs API) and their mapping to the protocol.
 
 Unknown OpenAI fields are ignored, as OpenAI-compatible servers do, because SDKs and
-frameworks send many; fields whose meaning we cannot honour (``n > 1``, ``tools``, ...)
-are refused with 400 rather than silently dropped.
+frameworks send many harmless ones (``user``, ``metadata``, ``store``); fields whose meaning
+we cannot honour (``tools``, ``functions``, ``tool_choice: "required"``, audio, ...) are
+refused with 400 rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -20,8 +21,18 @@ from protocol.sampling import SamplingParams
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "ignore_eos", "min_tokens", "stop_token_ids",
-    "skip_special_tokens", "include_stop_str_in_output",
+    "skip_special_tokens", "include_stop_str_in_output", "logit_bias",
 )
+# OpenAI chat fields that change what the answer must be, which Ferry cannot produce.
+# Each maps to the values that are harmless (an empty/"none" choice means "no tools").
+_UNSUPPORTED_CHAT = {
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "tool_choice": (None, "none", "auto"),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+}
 
 
 class StreamOptions(BaseModel):
@@ -54,6 +65,7 @@ class _OpenAIBase(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    logit_bias: dict[str, float] | None = None
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
     # Ferry extras
     request_id: str | None = Field(default=None, pattern=ID_PATTERN)
@@ -74,22 +86,30 @@ class _OpenAIBase(BaseModel):
         try:
             return SamplingParams.model_validate(values)
         except ValidationError as exc:
-            first = exc.errors()[0]["loc"]
-            raise APIError(422, describe_validation_error(exc),
-                           param=str(first[0]) if first else None) from None
+            message = describe_validation_error(exc)
+            raise APIError(400, message, param=_param_of(exc, message)) from None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _param_of(exc: ValidationError, message: str) -> str | None:
+    """The top-level field an error is about: its location, else the field that a model
+    validator's message starts with (``"logit_bias: ..."``)."""
+    loc = exc.errors()[0]["loc"]
+    if loc:
+        return str(loc[0])
+    named = message.split(":", 1)[0]
+    return named.split(".")[0] if named and " " not in named else None
+
+
 def _build(**fields: Any) -> GenerateRequest:
     try:
         return GenerateRequest(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
-        first = exc.errors()[0]["loc"]
-        raise APIError(422, describe_validation_error(exc),
-                       param=str(first[0]) if first else None) from None
+        message = describe_validation_error(exc)
+        raise APIError(400, message, param=_param_of(exc, message)) from None
 
 
 class CompletionRequest(_OpenAIBase):
@@ -153,11 +173,26 @@ class ChatCompletionRequest(_OpenAIBase):
     top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    tool_choice: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    def _check_chat_supported(self) -> None:
+        if self.tools:
+            raise APIError(400, "tools: tool calling is not supported", param="tools")
+        for name, harmless in _UNSUPPORTED_CHAT.items():
+            if getattr(self, name) not in harmless:
+                raise APIError(400, f"{name}: not supported by this server", param=name)
+        if self.modalities not in (None, ["text"]):
+            raise APIError(400, "modalities: only ['text'] is supported", param="modalities")
 
     def to_generate_request(self, settings: GatewaySettings) -> GenerateRequest:
         self._check_supported()
-        if self.tools:
-            raise APIError(400, "tools: tool calling is not supported", param="tools")
+        self._check_chat_supported()
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise APIError(400, "response_format: only 'text' is supported",
                            param="response_format")

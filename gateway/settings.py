@@ -46,7 +46,11 @@ class GatewaySettings(BaseModel):
     )
     job_ttl_s: int = Field(default=24 * 3600, ge=1)
     events_ttl_s: int = Field(default=3600, ge=1)
-    served_model_name: str = Field(default="ferry", description="Reported if none is asked.")
+    served_model_name: str | None = Field(
+        default=None, max_length=256,
+        description="The model name this gateway answers to (besides the names live workers "
+        "advertise); requests naming another model get 404.",
+    )
 
     @property
     def keys(self) -> Keys:

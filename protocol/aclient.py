@@ -21,7 +21,15 @@ from protocol.codec import ProtocolError, decode_event, decode_heartbeat, status
 from protocol.keys import Keys
 from protocol.models import GenerateRequest, JobStatus, TokenEvent, WorkerHeartbeat
 from protocol.pubsub_hub import Inbox, PubSubHub
-from protocol.store import DuplicateRequestError, Ttls, as_str, cancel_script, enqueue_script
+from protocol.store import (
+    DuplicateRequestError,
+    Ttls,
+    as_str,
+    cancel_script,
+    enqueue_script,
+    queue_commands,
+    queue_lags,
+)
 from protocol.streaming import (
     EventSequencer,
     Outage,
@@ -163,13 +171,13 @@ class AsyncFerryClient:
         await self.redis.aclose()
 
     async def ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(
-                self.keys.requests, self.keys.group, id="0", mkstream=True
-            )
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        """Create every lane's stream and consumer group if missing. Idempotent."""
+        for stream in self.keys.request_streams:
+            try:
+                await self.redis.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
     async def enqueue(self, request: GenerateRequest) -> str:
         """Record the job as queued and XADD it; returns the request id."""
@@ -215,21 +223,14 @@ class AsyncFerryClient:
         return bool(await self.redis.ping())  # type: ignore[misc]
 
     async def queue_lag(self) -> int:
-        """Entries not yet delivered to any worker (the consumer group's lag)."""
-        try:
-            groups = await self.redis.xinfo_groups(self.keys.requests)
-        except ResponseError as exc:
-            if "no such key" in str(exc).lower():
-                return 0
-            raise
-        for group in groups:
-            if as_str(group["name"]) == self.keys.group:
-                if group.get("lag") is not None:
-                    return int(group["lag"])
-                # Redis cannot tell the lag after some deletions: estimate from the length.
-                length = int(await self.redis.xlen(self.keys.requests))
-                return max(0, length - int(group.get("pending") or 0))
-        return int(await self.redis.xlen(self.keys.requests))  # no group yet: all waiting
+        """Entries not yet delivered to any worker, summed over the priority lanes."""
+        pipe = self.redis.pipeline(transaction=False)
+        queue_commands(pipe, self.keys)
+        replies = await pipe.execute(raise_on_error=False)
+        for reply in replies:  # a missing stream is an empty lane; anything else is real
+            if isinstance(reply, (RedisConnectionError, RedisTimeoutError)):
+                raise reply
+        return sum(lag for _depth, lag in queue_lags(replies, self.keys).values())
 
     async def live_workers(self) -> list[WorkerHeartbeat]:
         """Heartbeats of workers whose key has not expired; prunes dead ids from the set."""

@@ -13,6 +13,15 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "ferry"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
+PRIORITY_BANDS = ("high", "normal", "low")
+"""Request-stream lanes, in the order workers read them. A request's band follows from its
+``priority`` (lower runs first): < 0 is ``high``, 0 is ``normal``, > 0 is ``low``."""
+
+
+def band_of(priority: int) -> str:
+    """The lane of a request with this ``priority`` (see ``PRIORITY_BANDS``)."""
+    return "high" if priority < 0 else "low" if priority > 0 else "normal"
+
 
 @dataclass(frozen=True)
 class Keys:
@@ -27,12 +36,29 @@ class Keys:
     # --- shared -------------------------------------------------------------------------
     @property
     def requests(self) -> str:
-        """Stream of msgpack GenerateRequests (field ``data``); never trimmed by producers."""
+        """The ``normal`` lane: stream of msgpack GenerateRequests (field ``data``) of
+        priority 0; never trimmed by producers. Its name predates the lanes."""
         return f"{self.prefix}:requests"
+
+    def requests_band(self, band: str) -> str:
+        """The request stream of one lane: ``{prefix}:requests:high``, ``{prefix}:requests``
+        (normal), ``{prefix}:requests:low``."""
+        if band not in PRIORITY_BANDS:
+            raise ValueError(f"band: {band!r} is not one of {', '.join(PRIORITY_BANDS)}")
+        return self.requests if band == "normal" else f"{self.requests}:{band}"
+
+    def requests_for(self, priority: int) -> str:
+        """The request stream a request of this ``priority`` is enqueued on."""
+        return self.requests_band(band_of(priority))
+
+    @property
+    def request_streams(self) -> tuple[str, ...]:
+        """Every lane's stream, highest priority first: the order workers read them in."""
+        return tuple(self.requests_band(band) for band in PRIORITY_BANDS)
 
     @property
     def group(self) -> str:
-        """The one consumer group all workers read ``requests`` in."""
+        """The consumer group all workers read in; each lane's stream has one by this name."""
         return f"{self.prefix}-workers"
 
     @property

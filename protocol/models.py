@@ -60,6 +60,26 @@ def _out_of_int64(value: object, path: str) -> str | None:
     return None
 
 
+def _unencodable(value: object, path: str) -> str | None:
+    """Path of the first string that is not valid Unicode text (a lone surrogate, which
+    JSON's ``\\ud800`` escape can produce): msgpack and UTF-8 cannot carry it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "(value)"
+        return None
+    items: Any = (
+        value.items() if isinstance(value, dict)
+        else enumerate(value) if isinstance(value, list) else ()
+    )
+    for key, item in items:
+        found = _unencodable(item, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -108,9 +128,13 @@ class GenerateRequest(_Wire):
             raise ValueError("prompt_token_ids: token ids must be >= 0")
         if self.messages is not None and not self.messages:
             raise ValueError("messages: at least one message is required")
-        too_big = _out_of_int64(self.model_dump(), "")
+        dumped = self.model_dump()
+        too_big = _out_of_int64(dumped, "")
         if too_big:
             raise ValueError(f"{too_big}: integer out of the 64-bit range")
+        broken = _unencodable(dumped, "")
+        if broken:
+            raise ValueError(f"{broken}: not valid Unicode text (a lone surrogate?)")
         return self
 
 

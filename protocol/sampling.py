@@ -7,10 +7,20 @@ the request reaches a worker, let alone a GPU.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 1024
 
 
 class SamplingParams(BaseModel):
@@ -36,6 +46,30 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logit_bias: dict[int, float] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS,
+        description="Token id -> bias in [-100, 100] added to its logit (OpenAI's meaning).",
+    )
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_id_keys(cls, value: Any) -> Any:
+        """OpenAI sends token ids as JSON object keys (strings), and msgpack maps on the
+        wire carry string keys too: accept decimal strings, keep ints inside."""
+        if not isinstance(value, dict):
+            return value
+        out: dict[Any, Any] = {}
+        for key, bias in value.items():
+            if isinstance(key, str):
+                if not key.strip().isdigit():
+                    raise ValueError(f"logit_bias: key {key!r} is not a token id")
+                key = int(key)
+            out[key] = bias
+        return out
+
+    @field_serializer("logit_bias")
+    def _string_keys(self, value: dict[int, float] | None) -> dict[str, float] | None:
+        return None if value is None else {str(k): v for k, v in value.items()}
 
     @model_validator(mode="after")
     def _check_consistency(self) -> SamplingParams:
@@ -45,6 +79,12 @@ class SamplingParams(BaseModel):
             raise ValueError("stop_token_ids: token ids must be >= 0")
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens: must not exceed max_tokens")
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0:
+                raise ValueError(f"logit_bias: token id {token} must be >= 0")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias: bias {bias} for token {token} is outside "
+                                 "[-100, 100]")
         return self
 
     @property

@@ -30,7 +30,7 @@ from protocol.codec import (
 from protocol.keys import Keys
 from protocol.models import Cancel, GenerateRequest, JobStatus, TokenEvent, Usage, WorkerHeartbeat
 
-StartDecision = Literal["run", "skip", "cancel"]
+StartDecision = Literal["run", "skip", "cancel", "duplicate"]
 
 
 @dataclass(frozen=True)
@@ -45,15 +45,19 @@ class Ttls:
 
 _TERMINAL_LUA = "state == 'done' or state == 'failed' or state == 'cancelled' or state == 'timeout'"
 
-# KEYS: job, requests, events, cancelled. ARGV: request_id, created_at, model or '', job ttl,
-# msgpack request. Refuses (returns nil) a request id whose job hash still exists.
+# KEYS: job, the request's lane stream, events, cancelled. ARGV: request_id, created_at,
+# model or '', job ttl, msgpack request. Refuses (returns nil) a request id whose job hash
+# still exists. The hash records which stream entry is *the* job (``entry_id``, ``stream``):
+# workers never write a job's hash, log or channel for any other entry (a duplicate XADD).
 ENQUEUE_LUA = f"""
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 redis.call('DEL', KEYS[3], KEYS[4])
-redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'state', 'queued', 'created_at', ARGV[2])
+local id = redis.call('XADD', KEYS[2], '*', '{REQUEST_FIELD}', ARGV[5])
+redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'state', 'queued', 'created_at', ARGV[2],
+           'entry_id', id, 'stream', KEYS[2])
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'model', ARGV[3]) end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
-return redis.call('XADD', KEYS[2], '*', '{REQUEST_FIELD}', ARGV[5])
+return id
 """
 
 # KEYS: job, cancelled, events. ARGV: reason, now, cancelled ttl, control channel,
@@ -77,19 +81,26 @@ end
 return state or 'unknown'
 """
 
-# KEYS: job, cancelled. ARGV: request_id, worker_id, now, job ttl.
+# KEYS: job, cancelled. ARGV: request_id, worker_id, now, job ttl, entry id, stream.
+# 'duplicate': the job belongs to another stream entry (or finished before entries were
+#   recorded): this entry must not touch it; dead-letter the entry.
 # 'skip': already finished (e.g. reclaimed after its worker wrote the result): just XACK.
 # 'cancel': cancelled while queued/running: emit a terminal 'cancelled' event, then XACK.
+# An entry with no job hash (a producer that XADDed directly) claims the id here.
 START_JOB_LUA = f"""
+local owner = redis.call('HMGET', KEYS[1], 'entry_id', 'stream')
 local state = redis.call('HGET', KEYS[1], 'state')
-if {_TERMINAL_LUA} then return 'skip' end
-if redis.call('EXISTS', KEYS[2]) == 1 then return 'cancel' end
-redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'state', 'running',
-           'worker_id', ARGV[2], 'started_at', ARGV[3])
+if owner[1] and (owner[1] ~= ARGV[5] or owner[2] ~= ARGV[6]) then return 'duplicate' end
+if {_TERMINAL_LUA} then
+  if owner[1] then return 'skip' end
+  return 'duplicate'
+end
+redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'entry_id', ARGV[5], 'stream', ARGV[6])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
+if redis.call('EXISTS', KEYS[2]) == 1 then return 'cancel' end
+redis.call('HSET', KEYS[1], 'state', 'running', 'worker_id', ARGV[2], 'started_at', ARGV[3])
 return 'run'
 """
-
 
 class DuplicateRequestError(ValueError):
     """The request id is already in use (its job hash has not expired)."""
@@ -103,7 +114,8 @@ def enqueue_script(
 ) -> tuple[str, list[str], list[Any]]:
     """(script, KEYS, ARGV) for ``EVAL``: job hash state=queued, then XADD the request."""
     rid = request.request_id
-    script_keys = [keys.job(rid), keys.requests, keys.events(rid), keys.cancelled(rid)]
+    stream = keys.requests_for(request.priority)
+    script_keys = [keys.job(rid), stream, keys.events(rid), keys.cancelled(rid)]
     argv = [rid, repr(request.created_at), request.model or "", ttls.job_s,
             encode_request(request)]
     return ENQUEUE_LUA, script_keys, argv
@@ -134,14 +146,17 @@ def as_str(value: Any) -> str:
 
 
 def start_job(
-    r: Any, keys: Keys, request_id: str, worker_id: str, ttls: Ttls, now: float | None = None
+    r: Any, keys: Keys, request_id: str, worker_id: str, ttls: Ttls, now: float | None = None,
+    *, entry_id: str | bytes, stream: str | None = None,
 ) -> StartDecision:
-    """Atomically move a job to running unless it is finished or cancelled (sync client)."""
+    """Atomically move a job to running unless it is finished, cancelled or owned by
+    another entry (sync client). ``stream`` defaults to the normal lane."""
     now = time.time() if now is None else now
     script_keys = [keys.job(request_id), keys.cancelled(request_id)]
-    out = r.eval(START_JOB_LUA, 2, *script_keys, request_id, worker_id, repr(now), ttls.job_s)
+    out = r.eval(START_JOB_LUA, 2, *script_keys, request_id, worker_id, repr(now), ttls.job_s,
+                 as_str(entry_id), stream or keys.requests)
     decision = as_str(out)
-    if decision not in ("run", "skip", "cancel"):
+    if decision not in ("run", "skip", "cancel", "duplicate"):
         raise RuntimeError(f"start_job: unexpected script reply {decision!r}")
     return decision  # type: ignore[return-value]
 
@@ -160,29 +175,34 @@ def write_result(pipe: Any, keys: Keys, status: JobStatus, ttls: Ttls) -> None:
     pipe.expire(keys.job(status.request_id), ttls.job_s)
 
 
-def ack(pipe: Any, keys: Keys, entry_id: str | bytes) -> None:
-    """Queue XACK of a requests-stream entry; do it last, after the terminal event."""
-    pipe.xack(keys.requests, keys.group, entry_id)
+def ack(pipe: Any, keys: Keys, entry_id: str | bytes, stream: str | None = None) -> None:
+    """Queue XACK of a request-stream entry (normal lane unless ``stream``); do it last,
+    after the terminal event."""
+    pipe.xack(stream or keys.requests, keys.group, entry_id)
 
 
 def finish(
     pipe: Any, keys: Keys, event: TokenEvent, status: JobStatus, entry_id: str | bytes,
-    ttls: Ttls,
+    ttls: Ttls, stream: str | None = None,
 ) -> None:
     """Queue everything a terminal step needs, in contract order: event, result, XACK."""
     push_event(pipe, keys, event, ttls)
     write_result(pipe, keys, status, ttls)
-    ack(pipe, keys, entry_id)
+    ack(pipe, keys, entry_id, stream)
 
 
 def dead_letter(
-    pipe: Any, keys: Keys, entry_id: str | bytes, fields: dict[Any, Any], reason: str
+    pipe: Any, keys: Keys, entry_id: str | bytes, fields: dict[Any, Any], reason: str,
+    stream: str | None = None,
 ) -> None:
-    """Queue moving an undecodable entry to the dead-letter stream, then XACK it."""
+    """Queue moving an entry no worker can run to the dead-letter stream (one for every
+    lane; ``stream`` names where it came from), then XACK it."""
+    stream = stream or keys.requests
     raw = fields.get(REQUEST_FIELD.encode(), fields.get(REQUEST_FIELD, b""))
-    entry = {"entry_id": as_str(entry_id), "reason": reason[:2000], REQUEST_FIELD: raw}
+    entry = {"entry_id": as_str(entry_id), "stream": stream, "reason": reason[:2000],
+             REQUEST_FIELD: raw}
     pipe.xadd(keys.dead_letter, entry, maxlen=100_000, approximate=True)
-    ack(pipe, keys, entry_id)
+    ack(pipe, keys, entry_id, stream)
 
 
 def write_heartbeat(pipe: Any, keys: Keys, heartbeat: WorkerHeartbeat, ttls: Ttls) -> None:
@@ -198,9 +218,40 @@ def remove_heartbeat(pipe: Any, keys: Keys, worker_id: str) -> None:
 
 
 def ensure_group(r: Any, keys: Keys) -> None:
-    """Create the stream and consumer group if missing (sync client). Idempotent."""
-    try:
-        r.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
-    except ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
+    """Create every lane's stream and consumer group if missing (sync client). Idempotent."""
+    for stream in keys.request_streams:
+        try:
+            r.xgroup_create(stream, keys.group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+
+def group_lag(depth: int, groups: list[dict[Any, Any]] | Exception, group: str) -> int:
+    """Entries of one stream not yet delivered to ``group``, from XLEN and XINFO GROUPS
+    (an error reply, e.g. the stream is missing: nothing queued; no group yet: all of it)."""
+    if isinstance(groups, Exception):
+        return 0
+    for info in groups:
+        if as_str(info.get("name", "")) == group:
+            lag = info.get("lag")  # None after deletions: undelivered = length - pending
+            return int(lag) if lag is not None else max(0, depth - int(info.get("pending") or 0))
+    return depth
+
+
+def queue_commands(pipe: Any, keys: Keys) -> None:
+    """Queue XLEN + XINFO GROUPS of every lane (read the replies with ``queue_lags``)."""
+    for stream in keys.request_streams:
+        pipe.xlen(stream)
+        pipe.xinfo_groups(stream)
+
+
+def queue_lags(replies: list[Any], keys: Keys) -> dict[str, tuple[int, int]]:
+    """Per lane stream: (length, undelivered), from the replies of ``queue_commands``
+    executed with ``raise_on_error=False``."""
+    out = {}
+    for i, stream in enumerate(keys.request_streams):
+        depth, groups = replies[2 * i], replies[2 * i + 1]
+        depth = 0 if isinstance(depth, Exception) else int(depth)
+        out[stream] = (depth, group_lag(depth, groups, keys.group))
+    return out

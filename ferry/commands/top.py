@@ -27,7 +27,7 @@ from rich.text import Text
 
 from protocol.codec import ProtocolError, decode_heartbeat
 from protocol.keys import Keys
-from protocol.store import as_str
+from protocol.store import as_str, queue_commands, queue_lags
 
 SPARK = "▁▂▃▄▅▆▇█"
 HISTORY_LEN = 20
@@ -85,21 +85,22 @@ class History:
 
 
 def _queue(redis: Any, keys: Keys) -> QueueView:
-    """XLEN and XINFO GROUPS of the request stream; zeros before the stream exists."""
-    view = QueueView(depth=int(redis.xlen(keys.requests)))
+    """XLEN and XINFO GROUPS of every priority lane, summed; zeros before streams exist."""
+    pipe = redis.pipeline(transaction=False)
+    queue_commands(pipe, keys)
+    replies = pipe.execute(raise_on_error=False)
+    lanes = queue_lags(replies, keys)
+    view = QueueView(depth=sum(d for d, _ in lanes.values()))
     view.dead_letters = int(redis.xlen(keys.dead_letter))
-    if view.depth == 0 and not redis.exists(keys.requests):
-        return view
-    for group in redis.xinfo_groups(keys.requests):
-        if as_str(group["name"]) != keys.group:
-            continue
-        view.group_exists = True
-        view.pending = int(group.get("pending") or 0)
-        view.consumers = int(group.get("consumers") or 0)
-        lag = group.get("lag")
-        view.lag = int(lag) if lag is not None else None
-    if not view.group_exists:
-        view.lag = view.depth  # no worker group yet: everything waits
+    view.lag = sum(lag for _, lag in lanes.values())
+    for i in range(len(keys.request_streams)):
+        groups = replies[2 * i + 1]
+        for group in [] if isinstance(groups, Exception) else groups:
+            if as_str(group["name"]) != keys.group:
+                continue
+            view.group_exists = True
+            view.pending += int(group.get("pending") or 0)
+            view.consumers = max(view.consumers, int(group.get("consumers") or 0))
     return view
 
 

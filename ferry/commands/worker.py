@@ -23,8 +23,10 @@ RedisUrl = Annotated[str, _opt("FERRY_REDIS_URL")]
 WorkerId = Annotated[str | None, _opt("FERRY_WORKER_ID", "Consumer name (default: "
                                       "host-pid-random).")]
 Prefix = Annotated[str, _opt("FERRY_PREFIX", "Redis key prefix.")]
-ModelName = Annotated[str | None, _opt("FERRY_MODEL_NAME", "Name in heartbeats and "
-                                       "/v1/models (default: the model's directory name).")]
+ModelName = Annotated[str | None, typer.Option(
+    "--served-model-name", "--model-name", envvar=["FERRY_SERVED_MODEL_NAME", "FERRY_MODEL_NAME"],
+    help="The model's name in heartbeats, /v1/models and responses; requests naming another "
+    "model get 404 (default: the model's directory name).")]
 MetricsPort = Annotated[int, _opt("FERRY_METRICS_PORT", "Prometheus port (0: off).")]
 MaxNumSeqs = Annotated[int | None, _opt("FERRY_MAX_NUM_SEQS", "Requests in the batch.")]
 KvBlocks = Annotated[int | None, _opt("FERRY_KV_CACHE_BLOCKS", "KV cache size in blocks.")]

@@ -1,4 +1,4 @@
-"""Admission control and error mapping: 429, 413, 400, 422, 401, 503, health endpoints."""
+"""Admission control and error mapping: 429, 413, 400, 401, 404, 503, health endpoints."""
 
 from __future__ import annotations
 
@@ -101,23 +101,23 @@ def test_over_caps_give_400_naming_the_field(
         ("/v1/jobs", {"prompt_token_ids": [1, 2**70]}, "prompt_token_ids.1"),
     ],
 )
-def test_schema_errors_give_422_naming_the_field(
+def test_schema_errors_give_400_naming_the_field(
     gateway: GatewayServer, redis_client: redis.Redis, path: str, body: object, field: str
 ) -> None:
     reply = _post(gateway, path, body)
-    assert reply.status_code == 422, reply.text
+    assert reply.status_code == 400, reply.text
     assert _error(reply)[0].startswith(f"{field}:"), reply.text
 
 
 def test_api_keys_give_401(redis_server: RedisServer, redis_client: redis.Redis) -> None:
     settings = GatewaySettings(redis_url=redis_server.url, api_keys=("k1", "k2"))
     with GatewayServer(settings) as gw:
-        body = {"prompt": "x", "temperature": "hot"}  # 422 once past auth
+        body = {"prompt": "x", "temperature": "hot"}  # 400 once past auth
         assert _post(gw, "/v1/completions", body).status_code == 401
         bad = _post(gw, "/v1/completions", body, headers={"Authorization": "Bearer nope"})
         assert bad.status_code == 401 and bad.headers["www-authenticate"] == "Bearer"
         good = _post(gw, "/v1/completions", body, headers={"Authorization": "Bearer k2"})
-        assert good.status_code == 422
+        assert good.status_code == 400
         assert httpx.get(f"{gw.url}/v1/models").status_code == 401
         assert httpx.get(f"{gw.url}/healthz").status_code == 200  # probes need no key
 

@@ -53,7 +53,7 @@ def test_completion_non_stream(gateway: GatewayServer, worker: FakeWorker) -> No
 
 
 def test_chat_stream_sse_framing(gateway: GatewayServer, worker: FakeWorker) -> None:
-    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True},
+    body = {"model": "fake-model", "stream": True, "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body,
                       timeout=10) as reply:
@@ -75,11 +75,11 @@ def test_chat_stream_sse_framing(gateway: GatewayServer, worker: FakeWorker) -> 
 def test_openai_sdk_works(gateway: GatewayServer, worker: FakeWorker) -> None:
     sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
     chat = sdk.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4
+        model="fake-model", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4
     )
     assert chat.choices[0].message.content == "Hello!"
     pieces = [c.choices[0].text for c in sdk.completions.create(
-        model="m", prompt=[1, 2, 3], stream=True) if c.choices]
+        model="fake-model", prompt=[1, 2, 3], stream=True) if c.choices]
     assert "".join(pieces) == "Hello!"
     assert worker.seen[-1].prompt_token_ids == [1, 2, 3]
     assert worker.seen[-2].params.max_tokens == 4

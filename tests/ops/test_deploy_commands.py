@@ -81,21 +81,27 @@ def test_compose_interpolations_are_documented() -> None:
     assert not missing, f"document these compose variables in docs/operations.md: {missing}"
 
 
-def _keda_trigger() -> dict[str, Any]:
+def _scaled_object() -> dict[str, Any]:
     for _, doc in files.k8s_docs():
         if doc["kind"] == "ScaledObject":
-            return doc["spec"]["triggers"][0]  # type: ignore[no-any-return]
+            return doc  # type: ignore[no-any-return]
     raise AssertionError("no ScaledObject in ops/k8s")
 
 
-def test_keda_scales_on_our_stream_and_group() -> None:
-    trigger = _keda_trigger()
+def test_keda_scales_on_every_lane_and_our_group() -> None:
+    """One redis-streams trigger per priority lane, their lags summed by the formula."""
+    spec = _scaled_object()["spec"]
     keys = Keys(GatewaySettings().prefix)
-    meta = trigger["metadata"]
-    assert trigger["type"] == "redis-streams"
-    assert (meta["stream"], meta["consumerGroup"]) == (keys.requests, keys.group)
-    assert int(meta["lagCount"]) > 0 and "pendingEntriesCount" not in meta
-    assert meta["address"].split(".")[0] == "ferry-redis"  # the Service in redis.yaml
+    triggers = spec["triggers"]
+    assert [t["metadata"]["stream"] for t in triggers] == list(keys.request_streams)
+    for trigger in triggers:
+        meta = trigger["metadata"]
+        assert trigger["type"] == "redis-streams" and meta["consumerGroup"] == keys.group
+        assert int(meta["lagCount"]) > 0 and "pendingEntriesCount" not in meta
+        assert meta["address"].split(".")[0] == "ferry-redis"  # the Service in redis.yaml
+    formula = spec["advanced"]["scalingModifiers"]["formula"]
+    assert sorted(formula.replace(" ", "").split("+")) == sorted(t["name"] for t in triggers)
+    trigger = triggers[0]
     names = {(d["kind"], d["metadata"]["name"]) for _, d in files.k8s_docs()}
     assert ("TriggerAuthentication", trigger["authenticationRef"]["name"]) in names
 

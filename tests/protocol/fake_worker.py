@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -58,6 +59,7 @@ class FakeWorker(threading.Thread):
         self.redis = redis.Redis.from_url(url)
         self.script = script or Script()
         self.keys = keys or Keys()
+        self._stream = self.keys.requests
         self.worker_id = worker_id
         self.model = model
         self.ttls = ttls or Ttls(heartbeat_s=5)
@@ -91,10 +93,11 @@ class FakeWorker(threading.Thread):
     def run(self) -> None:
         while not self._stop_flag.is_set():
             self.heartbeat()
-            reply = self.redis.xreadgroup(
-                self.keys.group, self.worker_id, {self.keys.requests: ">"}, count=8, block=100
-            )
-            for _stream, entries in reply or []:
+            lanes: dict[Any, Any] = {stream: ">" for stream in self.keys.request_streams}
+            reply = self.redis.xreadgroup(self.keys.group, self.worker_id, lanes, count=8,
+                                          block=100)
+            for stream, entries in reply or []:
+                self._stream = stream.decode()  # the lane of the entries served next
                 for entry_id, fields in entries:
                     self._serve(entry_id, fields)
 
@@ -104,13 +107,14 @@ class FakeWorker(threading.Thread):
         except ProtocolError as exc:
             self.dead.append(str(exc))
             pipe = self.redis.pipeline()
-            dead_letter(pipe, self.keys, entry_id, fields, str(exc))
+            dead_letter(pipe, self.keys, entry_id, fields, str(exc), self._stream)
             pipe.execute()
             return
         self.seen.append(request)
-        decision = start_job(self.redis, self.keys, request.request_id, self.worker_id, self.ttls)
-        if decision == "skip":
-            self.redis.xack(self.keys.requests, self.keys.group, entry_id)
+        decision = start_job(self.redis, self.keys, request.request_id, self.worker_id, self.ttls,
+                             entry_id=entry_id, stream=self._stream)
+        if decision in ("skip", "duplicate"):
+            self.redis.xack(self._stream, self.keys.group, entry_id)
         elif decision == "cancel":
             self._finish(request, entry_id, [], "cancelled")
         else:
@@ -158,5 +162,5 @@ class FakeWorker(threading.Thread):
             worker_id=self.worker_id, created_at=request.created_at, finished_at=time.time(),
         )
         pipe = self.redis.pipeline()
-        finish(pipe, self.keys, event, status, entry_id, self.ttls)
+        finish(pipe, self.keys, event, status, entry_id, self.ttls, self._stream)
         pipe.execute()

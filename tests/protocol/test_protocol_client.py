@@ -155,12 +155,16 @@ def test_cancel_queued_finishes_it_at_once(client: FerryClient, redis_client: re
 
 def test_cancel_running_and_finished(client: FerryClient, redis_client: redis.Redis) -> None:
     client.enqueue(GenerateRequest(prompt="x", request_id="c2"))
-    assert start_job(redis_client, KEYS, "c2", "w1", TTLS) == "run"
+    entry = redis_client.hget(KEYS.job("c2"), "entry_id")
+    assert entry is not None and redis_client.xrange(KEYS.requests)[-1][0] == entry
+    assert start_job(redis_client, KEYS, "c2", "w1", TTLS, entry_id=entry) == "run"
     assert client.cancel("c2") == "running"
     assert redis_client.exists(KEYS.cancelled("c2"))
     assert client.result("c2").state == "running"  # type: ignore[union-attr]
-    assert start_job(redis_client, KEYS, "c2", "w2", TTLS) == "cancel"  # e.g. after reclaim
+    assert start_job(redis_client, KEYS, "c2", "w2", TTLS, entry_id=entry) == "cancel"
     redis_client.hset(KEYS.job("c2"), "state", "done")
     assert client.cancel("c2") == "done"
-    assert start_job(redis_client, KEYS, "c2", "w2", TTLS) == "skip"
+    assert start_job(redis_client, KEYS, "c2", "w2", TTLS, entry_id=entry) == "skip"
+    # another entry carrying the same id (a producer that bypassed the enqueue script)
+    assert start_job(redis_client, KEYS, "c2", "w2", TTLS, entry_id="1-1") == "duplicate"
     assert client.cancel("never-seen") == "unknown"

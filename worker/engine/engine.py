@@ -15,6 +15,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, StepOutput
+from worker.engine.prompts import PromptBuilder, PromptLimits
 from worker.engine.request import FinishReason, Request
 from worker.engine.sampler import Sampler, SamplingRow
 from worker.engine.scheduler import Scheduler, SchedulerOutput
@@ -31,6 +32,10 @@ class Engine:
             self.runner.num_blocks, config.cache.block_size, config.cache.watermark
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.prompts = PromptBuilder(self.tokenizer, PromptLimits(
+            vocab_size=self.runner.shape.vocab_size, max_model_len=self.max_model_len,
+            num_blocks=self.block_manager.num_blocks, block_size=config.cache.block_size,
+        ))
         self.sampler = Sampler(config.seed)
         self.timer = StepTimer()
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -38,75 +43,45 @@ class Engine:
         self._steps = 0
 
     # -- requests ----------------------------------------------------------------------
-    def tokenize(
-        self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-        messages: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
-        if sum(given) != 1:
-            raise ValueError("give exactly one of prompt, prompt_token_ids, messages")
-        if messages is not None:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("messages: this model has no chat template")
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            return list(ids)
-        if prompt is not None:
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        return list(prompt_token_ids or [])
-
     def add_request(
         self, request_id: str, prompt: str | list[int] | None = None,
         params: SamplingParams | dict[str, Any] | None = None, *,
         messages: list[dict[str, Any]] | None = None, priority: int = 0,
         prior_output_ids: list[int] | None = None,
     ) -> Request:
-        """Validate and queue a request; raises ValueError naming the problem.
+        """Tokenize, validate and queue a request; raises ValueError naming the problem.
 
         ``prior_output_ids`` resumes a request whose first tokens were already produced
         (and sent) elsewhere: generation continues after them.
         """
         params = _as_params(params)
-        if isinstance(prompt, list):
-            ids = self.tokenize(prompt_token_ids=prompt)
-        else:
-            ids = self.tokenize(prompt=prompt, messages=messages)
+        ids = self.prompts.build(
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=prompt if isinstance(prompt, list) else None,
+            messages=messages, params=params, prior_output_ids=prior_output_ids,
+        )
+        return self.add_tokens(request_id, ids, params, priority=priority,
+                               prior_output_ids=prior_output_ids)
+
+    def add_tokens(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+        priority: int = 0, prior_output_ids: list[int] | None = None,
+    ) -> Request:
+        """Queue a prompt that ``self.prompts.build`` already tokenized and validated (on
+        any thread): the engine loop's cost no longer depends on the prompt's text size."""
         prior = list(prior_output_ids or [])
-        self._validate(ids, prior, params)
         request = Request(
-            request_id, ids, params, eos_token_ids=self.runner.loaded.eos_token_ids,
-            priority=priority, output_token_ids=prior,
+            request_id, prompt_token_ids, params,
+            eos_token_ids=self.runner.loaded.eos_token_ids, priority=priority,
+            output_token_ids=prior,
         )
         self.scheduler.add(request)
         self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, ids, stop=params.stop,
+            self.tokenizer, prompt_token_ids, stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, prior_output_ids=prior,
         )
         return request
-
-    def _validate(self, ids: list[int], prior: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.runner.shape.vocab_size
-        bad = [t for t in ids + prior if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} outside [0, {vocab})")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"= {total} exceeds the model's context of {self.max_model_len} tokens"
-            )
-        if len(prior) >= params.max_tokens:
-            raise ValueError("prior_output_ids: already has max_tokens tokens")
-        need = self.block_manager.blocks_needed(total)
-        if need > self.block_manager.num_blocks:
-            raise ValueError(
-                f"max_tokens: the request needs {need} KV blocks but the pool has "
-                f"{self.block_manager.num_blocks}"
-            )
 
     def abort(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT

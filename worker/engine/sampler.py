@@ -43,6 +43,7 @@ class Sampler:
         """logits: [num_rows, vocab] (any float dtype, any device)."""
         logits = logits.float()
         logits = apply_penalties(logits, rows)
+        logits = apply_logit_bias(logits, rows)
         logprobs_wanted = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if logprobs_wanted else None
         if all(r.params.greedy for r in rows):
@@ -109,6 +110,28 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
             )
             row.copy_(torch.where(seen, penalised, row))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` to its logits (greedy rows too: a bias of -100 bans a
+    token, +100 all but forces it, which classification jobs rely on). logits: [B, V]."""
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        for token, bias in (row.params.logit_bias or {}).items():
+            row_idx.append(i)
+            token_idx.append(token)
+            values.append(bias)
+    if not values:
+        return logits
+    device = logits.device
+    logits = logits.clone()
+    logits.index_put_(
+        (torch.tensor(row_idx, device=device), torch.tensor(token_idx, device=device)),
+        torch.tensor(values, device=device, dtype=logits.dtype), accumulate=True,
+    )
     return logits
 
 

@@ -118,19 +118,50 @@ class Scheduler:
         return out
 
     def _admit(self, scheduled: list[ScheduledRequest], budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        """Admit waiting requests, highest priority first, while room allows; a waiting
+        request of strictly higher priority than a running one preempts it for room."""
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if len(self.running) >= self.config.max_num_seqs:
+                refund = self._preempt_for(request, scheduled)
+                if refund is None:
+                    break
+                budget += refund
+                continue
             num_new = self._chunk(request, budget)
             if self.block_manager.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new, admitting=True
             ) is None:
-                break
+                refund = self._preempt_for(request, scheduled)
+                if refund is None:
+                    break
+                budget += refund
+                continue
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         return budget
+
+    def _preempt_for(
+        self, request: Request, scheduled: list[ScheduledRequest]
+    ) -> int | None:
+        """Preempt the lowest-priority running request if ``request`` outranks it; returns
+        the token budget that frees this step (None: nothing ranks below ``request``)."""
+        if not self.running:
+            return None
+        victim = max(self.running, key=Request.sort_key)
+        if victim.priority <= request.priority:
+            return None
+        refund = 0
+        for item in scheduled:
+            if item.request is victim:
+                scheduled.remove(item)
+                refund = item.num_new_tokens
+                break
+        self._preempt(victim)
+        return refund
 
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens

@@ -19,10 +19,11 @@ from typing import Any
 import structlog
 
 from protocol.codec import ProtocolError, decode_cancel
+from protocol.keys import Keys
 from protocol.models import WorkerHeartbeat
-from protocol.store import remove_heartbeat, write_heartbeat
+from protocol.store import queue_commands, queue_lags, remove_heartbeat, write_heartbeat
 from worker.service.jobs import Command
-from worker.service.leases import RENEW, SCRIPTS, HeldEntries, lost_ids
+from worker.service.leases import RENEW, SCRIPTS, HeldEntries, by_stream, lost_ids
 from worker.service.redis_io import (
     TRANSIENT_ERRORS,
     Backoff,
@@ -112,28 +113,32 @@ class Control(threading.Thread):
         held = self.held.snapshot()
         if not held:
             return
-        keys, ids = self.keys, list(held)
+        keys, entries = self.keys, list(held)
+        streams = by_stream(entries)
 
         def build(pipe: Any) -> None:
-            RENEW.queue(pipe, [keys.requests], [keys.group, self.settings.worker_id, *ids])
-            for entry_id in ids:
-                pipe.get(keys.cancelled(held[entry_id]))
+            for stream, ids in streams.items():
+                RENEW.queue(pipe, [stream], [keys.group, self.settings.worker_id, *ids])
+            for entry in entries:
+                pipe.get(keys.cancelled(held[entry]))
 
         replies = execute_scripts(self.redis, build, SCRIPTS)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        for entry_id in lost_ids(replies[0]):
-            request_id = self.held.discard(entry_id)
-            if request_id is not None:
-                log.warning("lease_lost", request_id=request_id, entry_id=entry_id)
-                self.mailbox.put(Command("lost", request_id))
-        for entry_id, reason in zip(ids, replies[1:], strict=True):
-            if reason is not None and entry_id in self.held:
-                self.mailbox.put(Command("cancel", held[entry_id], text(reason)))
+        for stream, reply in zip(streams, replies, strict=False):
+            for entry_id in lost_ids(reply):
+                request_id = self.held.discard((stream, entry_id))
+                if request_id is not None:
+                    log.warning("lease_lost", request_id=request_id, entry_id=entry_id,
+                                stream=stream)
+                    self.mailbox.put(Command("lost", request_id))
+        for entry, reason in zip(entries, replies[len(streams):], strict=True):
+            if reason is not None and entry in self.held:
+                self.mailbox.put(Command("cancel", held[entry], text(reason)))
 
     def beat(self) -> None:
-        self.queue_depth, self.queue_lag = _queue(self.redis, self.keys.requests, self.keys.group)
+        self.queue_depth, self.queue_lag = _queue(self.redis, self.keys)
         now = time.time()
         beat = WorkerHeartbeat(
             worker_id=self.settings.worker_id, model=self.settings.model_name,
@@ -145,20 +150,12 @@ class Control(threading.Thread):
         self.beats += 1
 
 
-def _queue(r: Any, stream: str, group: str) -> tuple[int, int]:
-    """(XLEN, the group's undelivered count); zeros where Redis cannot tell."""
+def _queue(r: Any, keys: Keys) -> tuple[int, int]:
+    """(entries in every lane, entries not yet delivered to any worker), summed over lanes."""
     pipe = r.pipeline(transaction=False)
-    pipe.xlen(stream)
-    pipe.xinfo_groups(stream)
-    depth, groups = pipe.execute(raise_on_error=False)
-    if isinstance(depth, Exception) or isinstance(groups, Exception):
-        return 0, 0  # stream missing (e.g. Redis lost its data): nothing queued here
-    for info in groups:
-        if text(info.get("name", "")) == group:
-            lag = info.get("lag")  # None after deletions: undelivered = length - pending
-            return int(depth), int(lag) if lag is not None else max(
-                0, int(depth) - int(info.get("pending") or 0))
-    return int(depth), int(depth)
+    queue_commands(pipe, keys)
+    lanes = queue_lags(pipe.execute(raise_on_error=False), keys)
+    return sum(d for d, _ in lanes.values()), sum(lag for _, lag in lanes.values())
 
 
 def _close(pubsub: Any) -> Any:

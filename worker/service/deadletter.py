@@ -21,7 +21,7 @@ from protocol.codec import REQUEST_FIELD, request_fields
 from protocol.models import ID_PATTERN, ErrorKind, GenerateRequest, JobStatus, TokenEvent, Usage
 from protocol.store import dead_letter
 from worker.service.jobs import Outgoing
-from worker.service.leases import SCRIPTS
+from worker.service.leases import SCRIPTS, Entry
 from worker.service.outbox import queue_push
 from worker.service.redis_io import WorkerSettings, execute_scripts
 
@@ -46,63 +46,73 @@ class DeadLetters:
         self.count = 0
 
     def undecodable(
-        self, r: redis.Redis, entry_id: str, fields: dict[Any, Any], reason: str
+        self, r: redis.Redis, entry: Entry, fields: dict[Any, Any], reason: str
     ) -> None:
         rid = recover_request_id(fields)
-        self._send(r, entry_id, fields, f"undecodable: {reason}", rid,
+        self._send(r, entry, fields, f"undecodable: {reason}", rid,
                    f"invalid request: {reason}", "invalid_request")
 
     def too_many_deliveries(
-        self, r: redis.Redis, entry_id: str, fields: dict[Any, Any], request: GenerateRequest,
+        self, r: redis.Redis, entry: Entry, fields: dict[Any, Any], request: GenerateRequest,
         times: int,
     ) -> None:
         limit = self.settings.max_deliveries
         reason = f"delivered {times} times (max_deliveries={limit}); workers kept failing on it"
-        self._send(r, entry_id, fields, reason, request.request_id,
+        self._send(r, entry, fields, reason, request.request_id,
                    f"the request was abandoned after {times - 1} failed attempts", "internal")
 
     def unrunnable(
-        self, r: redis.Redis, entry_id: str, request: GenerateRequest, reason: str
+        self, r: redis.Redis, entry: Entry, request: GenerateRequest, reason: str
     ) -> None:
         """A decodable request the worker still cannot run (e.g. its replay log is corrupt)."""
-        self._send(r, entry_id, request_fields(request), reason, request.request_id, reason,
+        self._send(r, entry, request_fields(request), reason, request.request_id, reason,
                    "internal")
 
     def duplicate(
-        self, r: redis.Redis, entry_id: str, fields: dict[Any, Any], request_id: str
+        self, r: redis.Redis, entry: Entry, fields: dict[Any, Any], request_id: str,
+        in_flight: bool = True,
     ) -> None:
-        """A second entry for a request this worker is running: dead-letter it without an
-        event (the running one owns the request's stream)."""
-        self._send(r, entry_id, fields, f"duplicate request_id {request_id!r} in flight",
+        """A second entry for a request id that belongs to another entry (running here, or
+        any job whose hash names its own entry): dead-letter it without an event, so the
+        job it collides with is never touched."""
+        where = "in flight on this worker" if in_flight else "owned by another entry"
+        self._send(r, entry, fields, f"duplicate request_id {request_id!r} {where}",
                    None, "", "invalid_request")
 
     def _send(
-        self, r: redis.Redis, entry_id: str, fields: dict[Any, Any], reason: str,
+        self, r: redis.Redis, entry: Entry, fields: dict[Any, Any], reason: str,
         rid: str | None, error: str, kind: ErrorKind,
     ) -> None:
         self.count += 1
-        log.warning("entry_dead_lettered", entry_id=entry_id, request_id=rid, reason=reason)
+        stream, entry_id = entry
+        log.warning("entry_dead_lettered", entry_id=entry_id, stream=stream, request_id=rid,
+                    reason=reason)
         keys = self.settings.keys
         out = None
         if rid is not None:
-            out = self._terminal(rid, entry_id, int(r.llen(keys.events(rid))), error, kind)
+            out = self._terminal(rid, entry, int(r.llen(keys.events(rid))), error, kind)
 
         def build(pipe: Any) -> None:
             if out is not None:  # event + failed job hash + XACK, fenced like any other
                 queue_push(pipe, self.settings, [out])
-            dead_letter(pipe, keys, entry_id, fields, reason)
-            pipe.xdel(keys.requests, entry_id)
+            dead_letter(pipe, keys, entry_id, fields, reason, stream)
+            pipe.xdel(stream, entry_id)
 
-        for reply in execute_scripts(r, build, SCRIPTS):
+        replies = execute_scripts(r, build, SCRIPTS)
+        if out is not None and replies and replies[0] == [b"foreign"]:
+            log.info("dead_letter_event_skipped", entry_id=entry_id, request_id=rid,
+                     why="the request id belongs to another entry's job")
+            replies = replies[1:]
+        for reply in replies:
             if isinstance(reply, Exception) or (isinstance(reply, list) and reply != [b"ok"]):
                 log.error("dead_letter_event_failed", entry_id=entry_id, reply=str(reply))
 
     def _terminal(
-        self, rid: str, entry_id: str, seq: int, error: str, kind: ErrorKind
+        self, rid: str, entry: Entry, seq: int, error: str, kind: ErrorKind
     ) -> Outgoing:
         now, worker = time.time(), self.settings.worker_id
         event = TokenEvent(request_id=rid, seq=seq, finish_reason="error", error=error,
                            error_kind=kind, usage=Usage(), worker_id=worker)
         status = JobStatus(request_id=rid, state="failed", finish_reason="error", error=error,
                            error_kind=kind, usage=Usage(), worker_id=worker, finished_at=now)
-        return Outgoing(entry_id, rid, seq, [], "", None, event, status, now)
+        return Outgoing(entry, rid, seq, [], "", None, event, status, now)

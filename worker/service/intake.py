@@ -1,12 +1,13 @@
-"""The intake thread: stream entries -> started jobs on the engine loop's mailbox.
+"""The intake thread: stream entries -> started jobs, prompts built off the engine loop.
 
-It takes only as many entries as the worker can start soon (``Slots``: free places in the
-batch, and at most ``prefetch`` entries waiting to start), so a burst spreads over every
-idle worker instead of queueing behind the first one's prefills; it BLOCKs long only
-while the batch is empty. Each pass first runs the reaper: XAUTOCLAIM of entries idle past
-the lease (their worker died or stalled), which are resumed from their replay log. Entries
-that cannot be decoded, or were delivered too often, go to the dead-letter stream; the
-worker keeps going.
+It reads the priority lanes highest first (``protocol.keys.PRIORITY_BANDS``), and takes only
+as many entries as the worker can start soon (``Slots``), so a burst spreads over every
+idle worker instead of queueing behind the first one's prefills; it BLOCKs long only while
+the batch is empty. Each pass first runs the reaper: XAUTOCLAIM of entries idle past the
+lease (their worker died or stalled), which are resumed from their replay log. Entries that
+cannot be decoded, were delivered too often, or reuse another job's request id go to the
+dead-letter stream; the worker keeps going. Started jobs get their prompt tokenized on the
+``PromptPool`` before they reach the engine loop.
 """
 
 from __future__ import annotations
@@ -20,70 +21,26 @@ from typing import Any
 import structlog
 from redis.exceptions import ResponseError
 
-from protocol.codec import ProtocolError, decode_entry
+from protocol.codec import ProtocolError, decode_entry, request_fields
 from protocol.models import GenerateRequest
 from protocol.store import START_JOB_LUA, ensure_group
 from protocol.streaming import decode_log
 from worker.service.deadletter import DeadLetters
 from worker.service.jobs import ActiveJob, Admission
-from worker.service.leases import HeldEntries
+from worker.service.leases import Entry, HeldEntries
 from worker.service.outbox import Outbox
+from worker.service.prompt_pool import PromptPool
 from worker.service.redis_io import TRANSIENT_ERRORS, Backoff, WorkerSettings, connect, text
+from worker.service.slots import Slots
 
 log = structlog.get_logger("ferry.worker.intake")
-
-
-class Slots:
-    """Places the intake may fill: the intake takes, the engine loop gives back.
-
-    ``held`` counts every request this worker owns (on its way, waiting, running);
-    ``held - running`` of them have not started. The intake may take an entry while the
-    batch has room (``held < total``) and fewer than ``prefetch`` wait to start.
-    """
-
-    def __init__(self, total: int, prefetch: int) -> None:
-        self.total = total
-        self.prefetch = prefetch
-        self._held = 0
-        self._running = 0
-        self._cond = threading.Condition()
-
-    @property
-    def held(self) -> int:
-        return self._held
-
-    def free(self) -> int:
-        return min(self.total - self._held, self.prefetch - (self._held - self._running))
-
-    def wait_free(self, timeout: float) -> int:
-        with self._cond:
-            if self.free() <= 0:
-                self._cond.wait(timeout)
-            return self.free()
-
-    def set_running(self, running: int) -> None:
-        """The engine loop, after each step: how many requests are in the running batch."""
-        if running == self._running:
-            return
-        with self._cond:
-            self._running = running
-            self._cond.notify_all()
-
-    def take(self, n: int = 1) -> None:
-        with self._cond:
-            self._held += n
-
-    def release(self, n: int = 1) -> None:
-        with self._cond:
-            self._held = max(0, self._held - n)
-            self._cond.notify_all()
 
 
 class Intake(threading.Thread):
     def __init__(
         self, settings: WorkerSettings, held: HeldEntries, slots: Slots,
         mailbox: queue.Queue[Any], outbox: Outbox, busy: Callable[[], bool],
-        dead: DeadLetters,
+        dead: DeadLetters, prompts: PromptPool,
     ) -> None:
         super().__init__(name="ferry-intake", daemon=True)
         self.settings = settings
@@ -94,11 +51,13 @@ class Intake(threading.Thread):
         self.outbox = outbox
         self.busy = busy
         self.dead = dead
+        self.prompts = prompts
+        self.streams = self.keys.request_streams  # highest priority first
         # BLOCK must end well before the socket timeout, or a quiet stream looks dead.
         self.redis = connect(settings.redis_url, socket_timeout=settings.idle_block_ms / 1000 + 5)
         self.stopped = threading.Event()
         self.reclaimed = 0
-        self._cursor = "0-0"
+        self._cursors = {stream: "0-0" for stream in self.streams}
         self._next_reap = 0.0
 
     def stop(self) -> None:
@@ -126,73 +85,98 @@ class Intake(threading.Thread):
                 backoff.wait(self.stopped)
         self.redis.close()
 
-    def _tick(self) -> None:
+    def _rooms(self) -> dict[str, int]:
+        """Entries each lane may deliver now (the urgent lane ignores batch room)."""
         free = self.slots.wait_free(timeout=0.2)
-        if free <= 0 or self.stopped.is_set():
+        urgent = self.slots.free_urgent()
+        return {stream: urgent if i == 0 else free for i, stream in enumerate(self.streams)}
+
+    def _tick(self) -> None:
+        rooms = self._rooms()
+        if max(rooms.values()) <= 0 or self.stopped.is_set():
             return
+        taken = 0
         if time.monotonic() >= self._next_reap:
-            free -= self._reap(free)
-        if free <= 0:
+            taken += self._reap(max(rooms.values()))
+        for stream, room in rooms.items():  # highest lane first, without blocking
+            if room - taken <= 0:
+                continue
+            reply: Any = self.redis.xreadgroup(
+                self.keys.group, self.settings.worker_id, {stream: ">"}, count=room - taken)
+            for _name, entries in reply or []:
+                taken += len(entries)
+                self._process(stream, entries, {})
+        if taken:
             return
+        open_lanes: dict[Any, Any] = {s: ">" for s, room in rooms.items() if room > 0}
         block = self.settings.busy_block_ms if self.busy() else self.settings.idle_block_ms
-        reply: Any = self.redis.xreadgroup(
-            self.keys.group, self.settings.worker_id, {self.keys.requests: ">"},
-            count=free, block=block,
-        )
-        for item in reply or []:
-            self._process(item[1], {})
+        reply = self.redis.xreadgroup(self.keys.group, self.settings.worker_id, open_lanes,
+                                      count=1, block=block)
+        for name, entries in sorted(reply or [], key=lambda r: self.streams.index(text(r[0]))):
+            self._process(text(name), entries, {})
 
     def _reap(self, limit: int) -> int:
-        """Claim up to ``limit`` entries idle past the lease; returns how many."""
-        next_id, claimed, *_ = self.redis.xautoclaim(
-            self.keys.requests, self.keys.group, self.settings.worker_id,
-            min_idle_time=self.settings.lease_ms, start_id=self._cursor, count=limit,
-        )
-        self._cursor = text(next_id)
+        """Claim up to ``limit`` entries idle past the lease, highest lane first."""
+        total = 0
+        wrapped = True
+        for stream in self.streams:
+            if total >= limit:
+                wrapped = False
+                break
+            next_id, claimed, *_ = self.redis.xautoclaim(
+                stream, self.keys.group, self.settings.worker_id,
+                min_idle_time=self.settings.lease_ms, start_id=self._cursors[stream],
+                count=limit - total,
+            )
+            self._cursors[stream] = text(next_id)
+            wrapped = wrapped and self._cursors[stream] == "0-0"
+            if claimed:
+                total += len(claimed)
+                self._process(stream, claimed, self._deliveries(stream, claimed))
         # A partial scan continues on the next pass; a full one waits for the interval.
-        wrapped = self._cursor == "0-0"
         self._next_reap = time.monotonic() + (self.settings.reap_interval_s if wrapped else 0)
-        if not claimed:
-            return 0
+        return total
+
+    def _deliveries(self, stream: str, claimed: list[Any]) -> dict[str, int]:
         pipe = self.redis.pipeline(transaction=False)
         for entry_id, _fields in claimed:
-            pipe.xpending_range(self.keys.requests, self.keys.group, entry_id, entry_id, 1)
+            pipe.xpending_range(stream, self.keys.group, entry_id, entry_id, 1)
         deliveries = {}
         for (entry_id, _fields), rows in zip(claimed, pipe.execute(), strict=True):
             deliveries[text(entry_id)] = int(rows[0]["times_delivered"]) if rows else 1
         self.reclaimed += len(claimed)
-        log.info("entries_reclaimed", count=len(claimed), ids=list(deliveries)[:8])
-        self._process(claimed, deliveries)
-        return len(claimed)
+        log.info("entries_reclaimed", count=len(claimed), stream=stream,
+                 ids=list(deliveries)[:8])
+        return deliveries
 
-    def _process(self, entries: list[Any], deliveries: dict[str, int]) -> None:
+    def _process(self, stream: str, entries: list[Any], deliveries: dict[str, int]) -> None:
         """Decode, dead-letter the bad, then start the good ones in one round trip."""
-        good: list[tuple[str, GenerateRequest]] = []
+        good: list[tuple[Entry, GenerateRequest]] = []
         for raw_id, fields in entries:
-            entry_id = text(raw_id)
+            entry = (stream, text(raw_id))
             if fields is None:  # deleted from the stream while pending: nothing to run
-                self.redis.xack(self.keys.requests, self.keys.group, entry_id)
+                self.redis.xack(stream, self.keys.group, entry[1])
                 continue
             try:
                 request = decode_entry(fields)
             except ProtocolError as exc:
-                self.dead.undecodable(self.redis, entry_id, fields, str(exc))
+                self.dead.undecodable(self.redis, entry, fields, str(exc))
                 continue
-            if entry_id in self.held:  # our own entry, reclaimed after renewals failed
+            if entry in self.held:  # our own entry, reclaimed after renewals failed
                 continue
-            times = deliveries.get(entry_id, 1)
+            times = deliveries.get(entry[1], 1)
             if times > self.settings.max_deliveries:
-                self.dead.too_many_deliveries(self.redis, entry_id, fields, request, times)
+                self.dead.too_many_deliveries(self.redis, entry, fields, request, times)
                 continue
             if self.held.holds_request(request.request_id):  # a producer bypassed ENQUEUE_LUA
-                self.dead.duplicate(self.redis, entry_id, fields, request.request_id)
+                self.dead.duplicate(self.redis, entry, fields, request.request_id)
                 continue
-            self.held.add(entry_id, request.request_id)
-            good.append((entry_id, request))
+            self.held.add(entry, request.request_id)
+            good.append((entry, request))
         if good:
             self._start(good)
 
-    def _start(self, good: list[tuple[str, GenerateRequest]]) -> None:
+    def _start(self, good: list[tuple[Entry, GenerateRequest]]) -> None:
         """start_job + replay log + cancel mark for every entry, in one round trip.
 
         If Redis fails midway, the entries not dispatched are released (no longer renewed),
@@ -202,40 +186,47 @@ class Intake(threading.Thread):
         done = 0
         try:
             pipe = self.redis.pipeline(transaction=False)
-            for _entry_id, request in good:
+            for (stream, entry_id), request in good:
                 rid = request.request_id
                 pipe.eval(START_JOB_LUA, 2, keys.job(rid), keys.cancelled(rid), rid,
-                          self.settings.worker_id, now, self.settings.ttls.job_s)
+                          self.settings.worker_id, now, self.settings.ttls.job_s, entry_id,
+                          stream)
                 pipe.lrange(keys.events(rid), 0, -1)
                 pipe.get(keys.cancelled(rid))
             replies = pipe.execute()
-            for i, (entry_id, request) in enumerate(good):
+            for i, (entry, request) in enumerate(good):
                 decision, log_items, reason = replies[3 * i: 3 * i + 3]
-                self._dispatch(entry_id, request, text(decision), log_items, reason)
+                self._dispatch(entry, request, text(decision), log_items, reason)
                 done += 1
         finally:
-            for entry_id, _request in good[done:]:
-                self.held.discard(entry_id)
+            for entry, _request in good[done:]:
+                self.held.discard(entry)
 
     def _dispatch(
-        self, entry_id: str, request: GenerateRequest, decision: str, log_items: list[Any],
+        self, entry: Entry, request: GenerateRequest, decision: str, log_items: list[Any],
         reason: Any,
     ) -> None:
+        if decision == "duplicate":  # another entry owns this request id: leave it alone
+            self.held.discard(entry)
+            self.dead.duplicate(self.redis, entry, request_fields(request), request.request_id,
+                                in_flight=False)
+            return
         try:
             events = decode_log(log_items)
         except ProtocolError as exc:
-            self.held.discard(entry_id)
-            self.dead.unrunnable(self.redis, entry_id, request, f"replay log unreadable: {exc}")
+            self.held.discard(entry)
+            self.dead.unrunnable(self.redis, entry, request, f"replay log unreadable: {exc}")
             return
         admission = Admission(
-            entry_id, request, [t for e in events for t in e.token_ids],
+            entry, request, [t for e in events for t in e.token_ids],
             "".join(e.text for e in events), len(events),
         )
         if decision == "skip" or (events and events[-1].is_final):
-            self.held.discard(entry_id)
+            self.held.discard(entry)
+            stream, entry_id = entry
             pipe = self.redis.pipeline(transaction=False)
-            pipe.xack(self.keys.requests, self.keys.group, entry_id)
-            pipe.xdel(self.keys.requests, entry_id)
+            pipe.xack(stream, self.keys.group, entry_id)
+            pipe.xdel(stream, entry_id)
             pipe.execute()
         elif decision == "cancel":
             job = ActiveJob(admission, self.settings.worker_id)
@@ -246,4 +237,4 @@ class Intake(threading.Thread):
                 log.info("request_resumed", request_id=request.request_id,
                          next_seq=len(events), prior_tokens=len(admission.prior_token_ids))
             self.slots.take()
-            self.mailbox.put(admission)
+            self.prompts.submit(admission)

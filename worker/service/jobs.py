@@ -25,6 +25,7 @@ from protocol.models import (
     state_for_finish,
 )
 from worker.engine.outputs import StepOutput
+from worker.service.leases import Entry
 
 TokenText = Callable[[int], str]
 
@@ -33,11 +34,14 @@ TokenText = Callable[[int], str]
 class Admission:
     """A request the intake took from the stream and started (``start_job`` said run)."""
 
-    entry_id: str
+    entry: Entry  # (request stream of its lane, entry id)
     request: GenerateRequest
     prior_token_ids: list[int] = field(default_factory=list)  # from the replay log
     prior_text: str = ""
     next_seq: int = 0
+    # Filled off the engine loop (``prompt_pool``): the prompt's token ids, or why not.
+    prompt_token_ids: list[int] | None = None
+    error: Exception | None = None
 
 
 @dataclass(slots=True)
@@ -52,10 +56,10 @@ class Command:
 
 @dataclass(slots=True)
 class Outgoing:
-    """One event to write, fenced on ``entry_id``; ``event``/``status`` only on terminal ones
+    """One event to write, fenced on ``entry``; ``event``/``status`` only on terminal ones
     (non-terminal events are encoded straight from the raw fields, which is cheaper)."""
 
-    entry_id: str
+    entry: Entry
     request_id: str
     seq: int
     token_ids: list[int]
@@ -88,7 +92,7 @@ class ActiveJob:
     """One request held by this worker, from admission to its terminal event."""
 
     def __init__(self, admission: Admission, worker_id: str) -> None:
-        self.entry_id = admission.entry_id
+        self.entry = admission.entry
         self.request = admission.request
         self.request_id = admission.request.request_id
         self.worker_id = worker_id
@@ -125,7 +129,7 @@ class ActiveJob:
             return None
         seq = self.next_seq
         self.next_seq += 1
-        return Outgoing(self.entry_id, self.request_id, seq, list(out.new_token_ids), out.text,
+        return Outgoing(self.entry, self.request_id, seq, list(out.new_token_ids), out.text,
                         logprobs, emitted_at=time.time())
 
     def final_event(
@@ -168,4 +172,4 @@ class ActiveJob:
         )
         seq = self.next_seq
         self.next_seq += 1
-        return Outgoing(self.entry_id, self.request_id, seq, ids, delta, None, event, status, now)
+        return Outgoing(self.entry, self.request_id, seq, ids, delta, None, event, status, now)

@@ -30,22 +30,27 @@ log = structlog.get_logger("ferry.worker.leases")
 
 # One call per outbox batch (a step's events), which halves the round trip of one script
 # call per event (measured: 64 events 1.2 ms instead of 2.3 ms on the dev machine).
-# KEYS: requests stream, then per event: its events list, its job hash.
+# KEYS: per event: its entry's request stream (lane), its events list, its job hash.
 # ARGV: group, consumer, events ttl, job ttl, event count, then per event: entry id, seq,
 #       msgpack event, tokens channel, n (> 0 for a terminal event: then n job hash
 #       field/value pairs follow, and the entry is XACKed and XDELed after the writes).
 # Returns one outcome per event: 'ok', 'dup' (already in the log: a retry), 'lost'
-# (another consumer owns the entry, or it was acknowledged), 'gap' (seq beyond the log).
+# (another consumer owns the entry, or it was acknowledged), 'gap' (seq beyond the log),
+# 'foreign' (the job hash names another entry as the job: this entry is a duplicate and
+# must never write that job's log, channel or hash).
 FENCED_PUSH = LuaScript("""
 local out = {}
 local a = 5
 for i = 1, tonumber(ARGV[5]) do
   local eid, seq, data, chan = ARGV[a + 1], tonumber(ARGV[a + 2]), ARGV[a + 3], ARGV[a + 4]
   local nf = tonumber(ARGV[a + 5])
-  local log, job = KEYS[2 * i], KEYS[2 * i + 1]
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], eid, eid, 1)
+  local stream, log, job = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local p = redis.call('XPENDING', stream, ARGV[1], eid, eid, 1)
+  local owner = redis.call('HMGET', job, 'entry_id', 'stream')
   if #p == 0 or p[1][2] ~= ARGV[2] then
     out[i] = 'lost'
+  elseif owner[1] and (owner[1] ~= eid or owner[2] ~= stream) then
+    out[i] = 'foreign'
   else
     local n = redis.call('LLEN', log)
     if n > seq then
@@ -59,8 +64,8 @@ for i = 1, tonumber(ARGV[5]) do
       if nf > 0 then
         redis.call('HSET', job, unpack(ARGV, a + 6, a + 5 + 2 * nf))
         redis.call('EXPIRE', job, ARGV[4])
-        redis.call('XACK', KEYS[1], ARGV[1], eid)
-        redis.call('XDEL', KEYS[1], eid)
+        redis.call('XACK', stream, ARGV[1], eid)
+        redis.call('XDEL', stream, eid)
       end
       out[i] = 'ok'
     end
@@ -70,7 +75,7 @@ end
 return out
 """)
 
-# KEYS: requests stream. ARGV: group, consumer, entry ids. Returns the ids no longer owned.
+# KEYS: one request stream. ARGV: group, consumer, entry ids. Returns the ids no longer owned.
 RENEW = LuaScript("""
 local lost = {}
 for i = 3, #ARGV do
@@ -88,7 +93,7 @@ HAND_BACK_IDLE_MS = 10**9
 """Idle time given to handed-back entries: past any worker's lease, so the next reaper
 pass anywhere (XAUTOCLAIM with min-idle = its lease) takes them at once."""
 
-# KEYS: requests stream. ARGV: group, consumer, idle ms, entry ids. Returns how many.
+# KEYS: one request stream. ARGV: group, consumer, idle ms, entry ids. Returns how many.
 HAND_BACK = LuaScript("""
 local n = 0
 for i = 4, #ARGV do
@@ -104,30 +109,34 @@ return n
 SCRIPTS = [FENCED_PUSH, RENEW, HAND_BACK]
 
 
+Entry = tuple[str, str]
+"""A stream entry as (request stream, entry id): ids are unique only within one stream."""
+
+
 class HeldEntries:
-    """Entries this worker owns (entry id -> request id), from intake until the terminal
-    event is written or the lease is lost. The control thread renews exactly these."""
+    """Entries this worker owns ((stream, entry id) -> request id), from intake until the
+    terminal event is written or the lease is lost. The control thread renews exactly these."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[str, str] = {}
-        self._requests: dict[str, str] = {}
+        self._entries: dict[Entry, str] = {}
+        self._requests: dict[str, Entry] = {}
 
-    def add(self, entry_id: str, request_id: str) -> None:
+    def add(self, entry: Entry, request_id: str) -> None:
         with self._lock:
-            self._entries[entry_id] = request_id
-            self._requests[request_id] = entry_id
+            self._entries[entry] = request_id
+            self._requests[request_id] = entry
 
-    def discard(self, entry_id: str) -> str | None:
+    def discard(self, entry: Entry) -> str | None:
         with self._lock:
-            request_id = self._entries.pop(entry_id, None)
-            if request_id is not None and self._requests.get(request_id) == entry_id:
+            request_id = self._entries.pop(entry, None)
+            if request_id is not None and self._requests.get(request_id) == entry:
                 del self._requests[request_id]
             return request_id
 
-    def __contains__(self, entry_id: object) -> bool:
+    def __contains__(self, entry: object) -> bool:
         with self._lock:
-            return entry_id in self._entries
+            return entry in self._entries
 
     def holds_request(self, request_id: str) -> bool:
         with self._lock:
@@ -137,23 +146,34 @@ class HeldEntries:
         with self._lock:
             return len(self._entries)
 
-    def snapshot(self) -> dict[str, str]:
+    def snapshot(self) -> dict[Entry, str]:
         with self._lock:
             return dict(self._entries)
 
 
-def hand_back(settings: WorkerSettings, entry_ids: list[str]) -> int:
+def by_stream(entries: list[Entry]) -> dict[str, list[str]]:
+    """Entry ids grouped by their stream, for the per-stream scripts."""
+    grouped: dict[str, list[str]] = {}
+    for stream, entry_id in entries:
+        grouped.setdefault(stream, []).append(entry_id)
+    return grouped
+
+
+def hand_back(settings: WorkerSettings, entries: list[Entry]) -> int:
     """Shutdown: make still-owned entries claimable by any worker's next reaper pass now,
     instead of after the lease (XCLAIM to ourselves with a huge IDLE). Returns how many."""
-    if not entry_ids:
+    if not entries:
         return 0
     keys = settings.keys
     r = connect(settings.redis_url)
     try:
-        args = [keys.group, settings.worker_id, HAND_BACK_IDLE_MS, *entry_ids]
-        return int(HAND_BACK.run(r, [keys.requests], args))
+        handed = 0
+        for stream, ids in by_stream(entries).items():
+            args = [keys.group, settings.worker_id, HAND_BACK_IDLE_MS, *ids]
+            handed += int(HAND_BACK.run(r, [stream], args))
+        return handed
     except TRANSIENT_ERRORS as exc:
-        log.warning("hand_back_failed", error=str(exc), entries=len(entry_ids))
+        log.warning("hand_back_failed", error=str(exc), entries=len(entries))
         return 0
     finally:
         r.close()

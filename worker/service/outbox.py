@@ -58,13 +58,14 @@ def encode_outgoing(out: Outgoing) -> bytes:
 def queue_push(pipe: Any, settings: WorkerSettings, batch: list[Outgoing]) -> None:
     """Queue one fenced push of ``batch`` in order (events; result + XACK if terminal)."""
     keys, ttls = settings.keys, settings.ttls
-    script_keys = [keys.requests]
+    script_keys: list[str] = []
     args: list[Any] = [keys.group, settings.worker_id, ttls.events_s, ttls.job_s, len(batch)]
     for out in batch:
         rid = out.request_id
-        script_keys += [keys.events(rid), keys.job(rid)]
+        stream, entry_id = out.entry
+        script_keys += [stream, keys.events(rid), keys.job(rid)]
         fields = status_to_hash(out.status) if out.status is not None else {}
-        args += [out.entry_id, out.seq, encode_outgoing(out), keys.tokens(rid), len(fields)]
+        args += [entry_id, out.seq, encode_outgoing(out), keys.tokens(rid), len(fields)]
         for name, value in fields.items():
             args += [name, value]
     FENCED_PUSH.queue(pipe, script_keys, args)
@@ -160,11 +161,12 @@ class Outbox(threading.Thread):
         outcome = "error" if isinstance(reply, Exception) else text(reply)
         if outcome in ("ok", "dup"):
             if out.final:
-                self.held.discard(out.entry_id)
+                self.held.discard(out.entry)
             return
         # 'lost' (another worker owns the entry; or, terminal, already acknowledged),
-        # 'gap' (the log is not where we thought) or a script error: stop this request.
-        self.held.discard(out.entry_id)
+        # 'gap' (the log is not where we thought), 'foreign' (the job belongs to another
+        # entry) or a script error: stop this request.
+        self.held.discard(out.entry)
         if out.request_id in reported or (out.final and outcome == "lost"):
             return
         reported.add(out.request_id)

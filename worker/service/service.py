@@ -15,21 +15,22 @@ import threading
 import time
 
 import structlog
-from pydantic import ValidationError
 
-from protocol.codec import describe_validation_error
 from protocol.models import ErrorKind, FinishReason
 from protocol.store import ensure_group
 from worker.engine.engine import Engine
 from worker.engine.outputs import StepOutput
+from worker.engine.prompts import PromptError
 from worker.service.control import Control
 from worker.service.deadletter import DeadLetters
-from worker.service.intake import Intake, Slots
+from worker.service.intake import Intake
 from worker.service.jobs import ActiveJob, Admission, Command, Outgoing
 from worker.service.leases import HeldEntries, hand_back
 from worker.service.metrics import WorkerMetrics
 from worker.service.outbox import Observer, Outbox
+from worker.service.prompt_pool import PromptPool, build_with
 from worker.service.redis_io import TRANSIENT_ERRORS, Backoff, WorkerSettings, connect
+from worker.service.slots import Slots
 from worker.service.stats import ServiceCounters, StatsBook
 
 log = structlog.get_logger("ferry.worker")
@@ -52,8 +53,9 @@ class WorkerService:
         self.slots = Slots(engine.config.scheduler.max_num_seqs, settings.prefetch)
         self.dead = DeadLetters(settings)
         self.outbox = Outbox(settings, self.held, self.mailbox, observer)
+        self.prompts = PromptPool(build_with(engine.prompts), self.mailbox)
         self.intake = Intake(settings, self.held, self.slots, self.mailbox, self.outbox,
-                             engine.has_unfinished_requests, self.dead)
+                             engine.has_unfinished_requests, self.dead, self.prompts)
         self.book = StatsBook(engine.stats, self.metrics)
         self.control = Control(settings, self.held, self.mailbox, self._heartbeat_stats)
         self.jobs: dict[str, ActiveJob] = {}
@@ -139,7 +141,8 @@ class WorkerService:
             self.intake.stop()
         if self._past_drain():
             return True
-        return not self.intake.is_alive() and self.mailbox.empty() and not self.jobs
+        return (not self.intake.is_alive() and not self.prompts.busy and self.mailbox.empty()
+                and not self.jobs)
 
     def _drain_mailbox(self, wait: float) -> None:
         try:
@@ -187,9 +190,9 @@ class WorkerService:
     def _admit(self, admission: Admission) -> None:
         job = ActiveJob(admission, self.settings.worker_id)
         rid = job.request_id
-        if admission.entry_id not in self.held or rid in self.jobs:
+        if admission.entry not in self.held or rid in self.jobs:
             self.slots.release()  # lease lost while queued here, or a duplicate delivery
-            self.held.discard(admission.entry_id)
+            self.held.discard(admission.entry)
             return
         early = self._early_cancels.pop(rid, None)
         if early is not None:
@@ -198,26 +201,32 @@ class WorkerService:
         if job.deadline is not None and time.time() >= job.deadline:
             self._finish_now(job, "timeout", _timeout_message(job))
             return
+        if admission.error is not None or admission.prompt_token_ids is None:
+            self._refuse(job, admission.error)
+            return
         request = admission.request
-        prompt = request.prompt if request.prompt is not None else request.prompt_token_ids
-        messages = [m.model_dump() for m in request.messages] if request.messages else None
+        job.num_prompt_tokens = len(admission.prompt_token_ids)
         try:
-            self.engine.add_request(
-                rid, prompt, request.params, messages=messages, priority=request.priority,
+            self.engine.add_tokens(
+                rid, admission.prompt_token_ids, request.params, priority=request.priority,
                 prior_output_ids=admission.prior_token_ids or None,
             )
-        except ValueError as exc:
-            message = describe_validation_error(exc) if isinstance(exc, ValidationError) \
-                else str(exc)
-            self._finish_now(job, "error", message, "invalid_request")
-            return
-        except Exception as exc:  # e.g. a tokenizer bug: fail the request, not the worker
+        except Exception as exc:  # a bug must fail the request, not the worker
             self.log.exception("add_request_failed", request_id=rid)
             self._finish_now(job, "error", f"{type(exc).__name__}: {exc}", "internal")
             return
         self.jobs[rid] = job
         if job.deadline is not None:
             self._deadlines[rid] = job.deadline
+
+    def _refuse(self, job: ActiveJob, error: Exception | None) -> None:
+        """A prompt the pool could not build: invalid input is the client's fault."""
+        if isinstance(error, PromptError):
+            job.num_prompt_tokens = error.num_prompt_tokens
+            self._finish_now(job, "error", str(error), "invalid_request")
+        else:
+            message = f"{type(error).__name__}: {error}" if error else "prompt not built"
+            self._finish_now(job, "error", message, "internal")
 
     def _command(self, cmd: Command) -> None:
         job = self.jobs.get(cmd.request_id)
@@ -278,6 +287,7 @@ class WorkerService:
         """Stop intake, drop what did not finish, flush events, hand entries back."""
         self.intake.stop()
         self.intake.join(self.settings.idle_block_ms / 1000 + 6)
+        self.prompts.close()
         unfinished = list(self.jobs)
         for rid in unfinished:
             self.engine.abort(rid)

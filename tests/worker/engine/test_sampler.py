@@ -84,3 +84,22 @@ def test_logprobs_returned_when_asked():
     assert chosen == pytest.approx(float(lp.max()))
     assert [t for t, _ in top] == lp.topk(3).indices.tolist()
     assert out.logprobs[1] is None
+
+
+def test_logit_bias_bans_and_forces_tokens_for_greedy_and_sampled_rows():
+    from worker.engine.sampler import apply_logit_bias
+
+    logits = torch.zeros(3, 8)
+    logits[:, 2] = 5.0  # the argmax before any bias
+    rows = [
+        SamplingRow(SamplingParams(temperature=0, logit_bias={2: -100}), 0, [1], []),
+        SamplingRow(SamplingParams(temperature=0, logit_bias={6: 100, 1: 3.5}), 0, [1], []),
+        SamplingRow(SamplingParams(temperature=1.0, seed=3), 0, [1], []),  # no bias
+    ]
+    biased = apply_logit_bias(logits, rows)
+    assert biased[0, 2] == -95.0 and biased[1, 6] == 100.0 and biased[1, 1] == 3.5
+    assert torch.equal(biased[2], logits[2]) and logits[0, 2] == 5.0  # input untouched
+    out = Sampler(0)(logits, rows)
+    assert out.token_ids[0] != 2 and out.token_ids[1] == 6
+    sampled = SamplingParams(temperature=1.0, seed=11, logit_bias={4: 100})
+    assert Sampler(0)(torch.randn(1, 8), [SamplingRow(sampled, 0, [1], [])]).token_ids == [4]

@@ -131,3 +131,34 @@ def test_eos_and_stop_token_ids_finish():
     out = sched.schedule()
     sched.update(out, [7])
     assert r2.finish_reason is FinishReason.STOP
+
+
+def test_higher_priority_request_preempts_a_full_batch():
+    """max_num_seqs reached: a waiting request of strictly higher priority (lower value)
+    preempts the lowest-priority running one; an equal one waits; outputs stay exact."""
+    sched = make_scheduler(max_num_seqs=2, budget=32)
+    sched.add(make_request("low-a", prompt_len=4, max_tokens=30, priority=5, arrival=0))
+    sched.add(make_request("low-b", prompt_len=4, max_tokens=30, priority=5, arrival=1))
+    run_step(sched)
+    sched.add(make_request("same", prompt_len=4, max_tokens=3, priority=5, arrival=2))
+    out, _ = run_step(sched)
+    assert {s.request.request_id for s in out.scheduled} == {"low-a", "low-b"}
+    sched.add(make_request("urgent", prompt_len=4, max_tokens=3, priority=-1, arrival=3))
+    out, _ = run_step(sched)
+    assert {s.request.request_id for s in out.scheduled} == {"low-a", "urgent"}
+    assert sched.requests["low-b"].status is RequestStatus.PREEMPTED
+    outs = run_to_completion(sched)
+    assert outs["urgent"] == expected_tokens(4, 3)
+    assert outs["low-b"] == expected_tokens(4, 30)
+
+
+def test_higher_priority_request_preempts_for_blocks():
+    """The pool is full of low-priority work: an urgent request frees blocks by preemption."""
+    sched = make_scheduler(num_blocks=8, block_size=4, max_num_seqs=8, budget=64, chunk=64)
+    sched.add(make_request("low", prompt_len=28, max_tokens=4, priority=3))
+    run_step(sched)  # 7 of 8 blocks
+    sched.add(make_request("urgent", prompt_len=8, max_tokens=2, priority=-5))
+    out, _ = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["urgent"]
+    outs = run_to_completion(sched)
+    assert outs["urgent"] == expected_tokens(8, 2) and outs["low"] == expected_tokens(28, 4)

@@ -132,8 +132,9 @@ def test_own_entry_reclaimed_by_own_reaper_keeps_running(
             while not events:
                 events = sub.next_events(10)
             [(entry_id, fields)] = client.redis.xrange(KEYS.requests)
-            assert entry_id.decode() in running.service.held
-            intake._process([(entry_id, fields)], {entry_id.decode(): 2})  # as the reaper would
+            assert (KEYS.requests, entry_id.decode()) in running.service.held
+            intake._process(KEYS.requests, [(entry_id, fields)],
+                            {entry_id.decode(): 2})  # as the reaper would
             events += list(sub.events(timeout=60))
     assert_contiguous(events)
     assert events[-1].finish_reason == "length" and len(tokens_of(events)) == 450

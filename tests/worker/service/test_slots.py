@@ -3,7 +3,7 @@
 import threading
 import time
 
-from worker.service.intake import Slots
+from worker.service.slots import Slots
 
 
 def test_prefetch_caps_entries_waiting_to_start():

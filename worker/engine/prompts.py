@@ -1,0 +1,136 @@
+"""Prompts -> validated token ids, callable from any thread (the service's intake pool).
+
+Tokenizing a long prompt takes about a second per 700k characters; on the engine loop that
+stalled every running stream (an adversarial probe measured a 3 s gap between tokens of an
+unrelated request). So the worker service builds prompts off the loop and hands the engine
+finished token ids. Each thread gets its own copy of the tokenizer: Hugging Face tokenizers
+keep mutable state (truncation/padding settings) that must not be shared across threads.
+
+A prompt that is certainly too long is refused before it is tokenized at all: no token of
+this tokenizer is longer than ``max_token_chars`` characters, so a text of ``n`` characters
+has at least ``n / max_token_chars`` tokens. Far over the context (4x), that lower bound is
+reported instead of an exact count; closer to it, the exact count is reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.sampling import SamplingParams
+
+_BOUND_MARGIN = 4  # refuse by the cheap bound only when it exceeds the context this much
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot run; the message names the field.
+
+    ``num_prompt_tokens`` is the prompt's length in tokens where it is known (reported in
+    the usage of the refusal), or a lower bound when ``exact`` is False.
+    """
+
+    def __init__(self, message: str, num_prompt_tokens: int = 0, exact: bool = True) -> None:
+        super().__init__(message)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.exact = exact
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """What a prompt must fit: the model's vocabulary and context, and the KV pool."""
+
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+
+
+class PromptBuilder:
+    """``build(...)`` -> validated prompt token ids; thread-safe."""
+
+    def __init__(self, tokenizer: Any, limits: PromptLimits) -> None:
+        self._template = tokenizer
+        self.limits = limits
+        self._local = threading.local()
+        self._local.tokenizer = tokenizer  # the constructing thread uses the original
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.max_token_chars = max((len(t) for t in vocab), default=0) or 0
+
+    def _tokenizer(self) -> Any:
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            tok = self._local.tokenizer = copy.deepcopy(self._template)
+        return tok
+
+    def build(
+        self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None, params: SamplingParams | None = None,
+        prior_output_ids: list[int] | None = None,
+    ) -> list[int]:
+        """Tokenize (or chat-template) and validate; raises ``PromptError`` naming the field."""
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
+        if sum(given) != 1:
+            raise PromptError("prompt: give exactly one of prompt, prompt_token_ids, messages")
+        params = params or SamplingParams()
+        if prompt_token_ids is not None:
+            ids = list(prompt_token_ids)
+        else:
+            self._refuse_by_bound(prompt, messages, params)
+            ids = self.tokenize(prompt, messages)
+        self.validate(ids, list(prior_output_ids or []), params)
+        return ids
+
+    def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
+        tok = self._tokenizer()
+        if messages is not None:
+            if not getattr(tok, "chat_template", None):
+                raise PromptError("messages: this model has no chat template")
+            ids = tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            return list(ids)
+        return list(tok(prompt, add_special_tokens=True, verbose=False)["input_ids"])
+
+    def _refuse_by_bound(
+        self, prompt: str | None, messages: list[dict[str, Any]] | None, params: SamplingParams
+    ) -> None:
+        if self.max_token_chars <= 0:
+            return
+        chars = len(prompt) if prompt is not None else sum(
+            len(str(m.get("content") or "")) for m in messages or [])
+        at_least = -(-chars // self.max_token_chars)
+        room = self.limits.max_model_len - params.max_tokens
+        if at_least > _BOUND_MARGIN * max(room, 1):
+            field = "prompt" if prompt is not None else "messages"
+            raise PromptError(
+                f"{field}: at least {at_least} tokens ({chars} characters), far over the "
+                f"model's context of {self.limits.max_model_len} tokens "
+                f"(max_tokens {params.max_tokens})", at_least, exact=False)
+
+    def validate(self, ids: list[int], prior: list[int], params: SamplingParams) -> None:
+        limits = self.limits
+        if not ids:
+            raise PromptError("prompt: must not be empty")
+        bad = next((t for t in ids + prior if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise PromptError(
+                f"prompt_token_ids: token id {bad} outside [0, {limits.vocab_size})", len(ids))
+        bias = next((t for t in params.logit_bias or {} if t >= limits.vocab_size), None)
+        if bias is not None:
+            raise PromptError(
+                f"logit_bias: token id {bias} outside [0, {limits.vocab_size})", len(ids))
+        total = len(ids) + params.max_tokens
+        if total > limits.max_model_len:
+            raise PromptError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"= {total} exceeds the model's context of {limits.max_model_len} tokens",
+                len(ids))
+        if len(prior) >= params.max_tokens:
+            raise PromptError("prior_output_ids: already has max_tokens tokens", len(ids))
+        need = -(-total // limits.block_size)
+        if need > limits.num_blocks:
+            raise PromptError(
+                f"max_tokens: the request needs {need} KV blocks but the pool has "
+                f"{limits.num_blocks}", len(ids))
