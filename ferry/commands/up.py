@@ -105,6 +105,31 @@ def _start_redis(sup: Supervisor, data: Path) -> str:
         client.close()
 
 
+class Stack:
+    """Fail-fast processes for the benchmarks (``ops/bench/service.py``): the supervisor
+    with restarts off, so any exit raises in ``check_alive``; stops workers, then the
+    gateway, then Redis."""
+
+    def __init__(self, log_dir: Path | None) -> None:
+        self.sup = Supervisor(log_dir=log_dir)
+        self.tmp = Path(tempfile.mkdtemp(prefix="ferry-stack-"))
+
+    def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
+        order, grace = (1, 15.0) if name == "gateway" else (0, 60.0)
+        self.sup.start(ChildSpec(name, lambda _n: cmd, env, restart=False, stop_order=order,
+                                 stop_grace_s=grace))
+
+    def start_redis(self) -> str:
+        return _start_redis(self.sup, self.tmp / "redis")
+
+    def check_alive(self) -> None:
+        self.sup.poll()  # Fatal (a RuntimeError) if anything exited
+
+    def stop(self) -> None:
+        self.sup.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def _readyz(url: str) -> dict[str, Any]:
     try:
         with urllib.request.urlopen(url + "/readyz", timeout=2) as resp:

@@ -52,6 +52,19 @@ def socket_owners(inode: int) -> set[int]:
     return pids
 
 
+def children_of(pid: int) -> set[int]:
+    """Pids whose parent is ``pid``."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:  # ppid
+            found.add(int(stat.parent.name))
+    return found
+
+
 def listening_pids(port: int) -> set[int]:
     """Pids holding a socket listening on ``port``."""
     pids: set[int] = set()

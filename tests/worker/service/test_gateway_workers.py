@@ -1,5 +1,5 @@
 """``ferry gateway --workers 2``: two processes answer on one port, and a completion works
-through either (a real ``ferry worker`` behind them, the official openai client in front)."""
+through them (a real ``ferry worker`` behind, the official openai client in front)."""
 
 from __future__ import annotations
 
@@ -11,21 +11,9 @@ from typing import Any
 import openai
 
 from protocol.sampling import SamplingParams
-from tests.ferry.gateway_proc import GatewayProcess, listening_pids, server_of
+from tests.ferry.gateway_proc import GatewayProcess, children_of, listening_pids, server_of
 from tests.redis_server import free_port
 from tests.worker.service.procs import WorkerProcess
-
-
-def _children(pid: int) -> set[int]:
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:  # ppid
-            found.add(int(stat.parent.name))
-    return found
 
 
 def _answering_pids(port: int, attempts: int, want: int) -> set[int]:
@@ -56,7 +44,7 @@ def test_two_gateway_processes_share_one_port(redis_server: Any, checkpoint: str
         worker.wait_live()
         gw.wait_healthy()
         deadline = time.monotonic() + 60
-        while len(servers := _children(gw.proc.pid) & listening_pids(port)) < 2:
+        while len(servers := children_of(gw.proc.pid) & listening_pids(port)) < 2:
             assert time.monotonic() < deadline, servers  # uvicorn starts them one by one
             time.sleep(0.1)
         # uvicorn's parent (it bound the socket) and its two server processes hold it;

@@ -23,6 +23,7 @@ import redis
 from ferry.commands import top as top_cmd
 from protocol.keys import Keys
 from protocol.sampling import SamplingParams
+from tests.ferry.gateway_proc import children_of, listening_pids
 from tests.redis_server import free_port
 from tests.worker.service.procs import ROOT, ferry_env
 from tests.worker.service.test_service_lifecycle import _processes_mentioning
@@ -197,11 +198,17 @@ def test_ferry_up_survives_kill_9_of_a_worker(checkpoint: str, reference: Any,
 
 
 def test_redis_dying_is_the_one_fatal_exit(checkpoint: str, tmp_path: Path) -> None:
+    """Also ``--gateways 2``: two gateway processes on the port, gone with the stack."""
     port = free_port()
-    up = UpProcess("--workers", "1", "--model", checkpoint, "--port", str(port),
-                   log=tmp_path / "up.log")
+    up = UpProcess("--workers", "1", "--gateways", "2", "--model", checkpoint,
+                   "--port", str(port), log=tmp_path / "up.log")
     try:
         up.wait_for(r"Ferry is up: ", timeout=240)
+        gateway_pid = int(up.wait_for(r"gateway   pid (\d+), 2 process\(es\)", 5)[1])
+        deadline = time.monotonic() + 60
+        while len(servers := children_of(gateway_pid) & listening_pids(port)) < 2:
+            assert time.monotonic() < deadline, servers
+            time.sleep(0.1)
         redis_pid, redis_port = map(int, up.wait_for(
             r"redis     pid (\d+), redis://127\.0\.0\.1:(\d+)/0", 5).groups())
         assert _processes_mentioning(f"127.0.0.1:{redis_port}")  # redis-server's title
@@ -217,6 +224,7 @@ def test_redis_dying_is_the_one_fatal_exit(checkpoint: str, tmp_path: Path) -> N
     assert _processes_mentioning(f"up-{up.proc.pid}-") == []
     assert _processes_mentioning(f"--port {port}") == []
     assert _processes_mentioning(f"127.0.0.1:{redis_port}") == []
+    assert not any(Path(f"/proc/{pid}").exists() for pid in servers | {gateway_pid})
 
 
 def test_a_child_failing_before_ready_fails_fast(tmp_path: Path) -> None:
