@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,12 @@ class Child:
     quick_failures: int = 0
     restart_at: float | None = None
     exits: list[Exit] = field(default_factory=list)
+    log: IO[bytes] | None = None  # this incarnation's handle on its log file
+
+    def close_log(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            self.log = None
 
     @property
     def pid(self) -> int | None:
@@ -162,7 +168,6 @@ class Supervisor:
         self.clock = clock
         self.children: dict[str, Child] = {}
         self.supervising = False  # until the stack is ready, any exit is fatal
-        self._logs: list[IO[bytes]] = []
         self._stopping = False
 
     def start(self, spec: ChildSpec) -> Child:
@@ -171,14 +176,12 @@ class Supervisor:
         return child
 
     def _spawn(self, child: Child) -> None:
-        out: Any = None
-        if self.log_dir is not None:
-            out = open(self.log_dir / f"{child.spec.name}.log", "ab")  # noqa: SIM115 - closed in stop()
-            self._logs.append(out)
+        if self.log_dir is not None:  # one file across incarnations, appended to
+            child.log = open(self.log_dir / f"{child.spec.name}.log", "ab")  # noqa: SIM115
         env = dict(child.spec.env) if child.spec.env is not None else None
         child.proc = subprocess.Popen(
-            child.spec.command(child.incarnation), stdout=out,
-            stderr=subprocess.STDOUT if out else None, env=env,
+            child.spec.command(child.incarnation), stdout=child.log,
+            stderr=subprocess.STDOUT if child.log else None, env=env,
             start_new_session=True, preexec_fn=_die_with_parent,
         )
         child.started_at, child.restart_at = self.clock(), None
@@ -203,6 +206,7 @@ class Supervisor:
         pid, code = child.proc.pid, _reap(child.proc)
         ran_s = self.clock() - child.started_at
         child.proc = None
+        child.close_log()
         restart = child.spec.restart and self.supervising and not self._stopping
         quick = child.quick_failures + 1 if ran_s < self.policy.stable_s else 0
         child.quick_failures = quick
@@ -250,8 +254,7 @@ class Supervisor:
                 assert child.proc is not None
                 _reap(child.proc)  # SIGKILLs the group first if still running
                 child.proc = None
-        for log in self._logs:
-            log.close()
+                child.close_log()
 
     def log_tails(self, lines: int = 30) -> str:
         """The end of each child's log file (when logging to files), for a failure report."""
