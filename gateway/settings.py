@@ -14,6 +14,11 @@ from protocol.store import Ttls
 _NONE_WORDS = frozenset({"", "none", "off", "null"})
 
 
+def _optional(name: str) -> bool:
+    """Whether a ``GatewaySettings`` field accepts None (then ``none``/``off`` set it)."""
+    return type(None) in getattr(GatewaySettings.model_fields[name].annotation, "__args__", ())
+
+
 class GatewaySettings(BaseModel):
     """Every knob of the gateway; each field ``x`` can be set by ``FERRY_X`` in the env."""
 
@@ -74,7 +79,7 @@ class GatewaySettings(BaseModel):
                 continue
             if name == "api_keys":
                 values[name] = tuple(k.strip() for k in raw.split(",") if k.strip())
-            elif name == "max_queue_lag" and raw.strip().lower() in _NONE_WORDS:
+            elif raw.strip().lower() in _NONE_WORDS and _optional(name):
                 values[name] = None
             else:
                 values[name] = raw

@@ -76,6 +76,12 @@ class Keys:
         """Set of worker ids that have sent a heartbeat; stale members are pruned by readers."""
         return f"{self.prefix}:workers"
 
+    @property
+    def restarts(self) -> str:
+        """HASH of process restarts recorded by ``ferry up``'s supervisor (for ``ferry top``):
+        field ``{launcher}/{process}``, value a JSON record (``ferry/recovery.py``); TTL."""
+        return f"{self.prefix}:restarts"
+
     # --- per request --------------------------------------------------------------------
     def tokens(self, request_id: str) -> str:
         """Pub/sub channel carrying the request's msgpack TokenEvents."""

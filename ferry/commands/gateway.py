@@ -2,7 +2,9 @@
 
 Torch-free by construction: this module imports only typer, and the command imports only
 ``gateway`` and ``protocol``, so a gateway container needs no GPU stack (a test checks
-that ``torch`` never gets imported).
+that ``torch`` never gets imported). It listens on 127.0.0.1 unless ``--host`` says
+otherwise (the compose file and the Kubernetes manifests pass ``--host 0.0.0.0``), and
+warns when it listens beyond loopback without ``FERRY_API_KEYS``.
 """
 
 from __future__ import annotations
@@ -16,9 +18,17 @@ def gateway(
     redis_url: Annotated[str | None, typer.Option(
         envvar="FERRY_REDIS_URL", help="Redis URL (default redis://localhost:6379/0).",
     )] = None,
-    host: Annotated[str, typer.Option(envvar="FERRY_HOST")] = "0.0.0.0",
+    host: Annotated[str, typer.Option(
+        envvar="FERRY_HOST", help="Listen address; 0.0.0.0 for every interface (then set "
+        "FERRY_API_KEYS).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(envvar="FERRY_PORT")] = 8000,
+    workers: Annotated[int, typer.Option(
+        min=1, envvar="FERRY_GATEWAY_WORKERS",
+        help="Gateway processes sharing the port (uvicorn's multi-process mode).")] = 1,
     prefix: Annotated[str | None, typer.Option(envvar="FERRY_PREFIX")] = None,
+    served_model_name: Annotated[str | None, typer.Option(
+        envvar="FERRY_SERVED_MODEL_NAME", help="The model name to answer to (besides those "
+        "live workers advertise); requests naming another model get 404.")] = None,
     log_level: Annotated[str, typer.Option(envvar="FERRY_LOG_LEVEL")] = "info",
 ) -> None:
     """Serve the HTTP API; other settings come from FERRY_* variables (docs/operations.md)."""
@@ -26,5 +36,7 @@ def gateway(
     from observability.logging import configure_logging
 
     configure_logging(level=log_level)
-    opts = {"prefix": prefix} if prefix is not None else {}
-    serve(redis_url, host=host, port=port, log_level=log_level, **opts)
+    opts: dict[str, str] = {"prefix": prefix} if prefix is not None else {}
+    if served_model_name is not None:
+        opts["served_model_name"] = served_model_name
+    serve(redis_url, host=host, port=port, log_level=log_level, workers=workers, **opts)

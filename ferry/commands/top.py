@@ -4,8 +4,11 @@ Why heartbeats and not each worker's ``/metrics``: workers behind a scaler come 
 often have no reachable port, but every live worker writes ``{prefix}:worker:{id}`` every
 few seconds with its batch and KV statistics. So one Redis connection sees the whole
 fleet, with nothing to discover. The queue view comes from ``XINFO GROUPS`` on the request
-stream. Everything here only reads (no SREM of dead ids: a monitor must not need write
-permission), so it runs as the read-only ``ferry-monitor`` ACL user.
+stream. Restarts come from the records ``ferry up``'s supervisor keeps in
+``{prefix}:restarts`` (``ferry/recovery.py``): a line per restarted process, and a
+``restarts`` column for the worker incarnation that replaced a dead one. Everything here
+only reads (no SREM of dead ids: a monitor must not need write permission), so it runs as
+the read-only ``ferry-monitor`` ACL user.
 
 ``collect`` and ``render`` are separate, and pure apart from the Redis reads, so tests can
 feed ``render`` a snapshot and check the frame without a terminal.
@@ -25,6 +28,7 @@ from rich.console import Console, ConsoleOptions, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from ferry.recovery import RestartRecord, read_restarts
 from protocol.codec import ProtocolError, decode_heartbeat
 from protocol.keys import Keys
 from protocol.store import as_str, queue_commands, queue_lags
@@ -65,6 +69,7 @@ class Snapshot:
     prefix: str
     queue: QueueView
     workers: list[WorkerView]
+    restarts: list[RestartRecord] = field(default_factory=list)
 
 
 class History:
@@ -125,7 +130,18 @@ def collect(redis: Any, keys: Keys, history: History | None = None) -> Snapshot:
         ))
     if history is not None:
         history.forget_except({w.worker_id for w in workers})
-    return Snapshot(taken_at=now, prefix=keys.prefix, queue=_queue(redis, keys), workers=workers)
+    return Snapshot(taken_at=now, prefix=keys.prefix, queue=_queue(redis, keys), workers=workers,
+                    restarts=_restarts(redis, keys))
+
+
+def _restarts(redis: Any, keys: Keys) -> list[RestartRecord]:
+    """Supervisor restart records; none where the ACL hides them (an older monitor user)."""
+    from redis.exceptions import ResponseError
+
+    try:
+        return read_restarts(redis, keys)
+    except ResponseError:  # NOPERM, or a key of another type
+        return []
 
 
 def sparkline(values: list[float], width: int = HISTORY_LEN) -> str:
@@ -170,12 +186,13 @@ _COLUMNS = [
     ("worker", "left", 0), ("batch", "right", 0), ("wait", "right", 0),
     ("KV used", "right", 0), ("tok/s", "right", 0), ("history", "left", 120),
     ("lag", "right", 0), ("reclaim", "right", 0), ("dead", "right", 0),
-    ("preempt", "right", 96), ("beat", "right", 96),
+    ("preempt", "right", 96), ("restarts", "right", 96), ("beat", "right", 96),
 ]
 
 
-def _worker_cells(w: WorkerView) -> dict[str, RenderableType]:
+def _worker_cells(w: WorkerView, restarts: list[RestartRecord]) -> dict[str, RenderableType]:
     s = w.stats
+    restarted = max((r.restarts for r in restarts if r.current == w.worker_id), default=0)
     name = Text(w.worker_id)
     name.append("\n" + w.model.rsplit("/", 1)[-1], style="dim")
     return {
@@ -184,6 +201,7 @@ def _worker_cells(w: WorkerView) -> dict[str, RenderableType]:
         "history": Text(sparkline(w.history), style="cyan"),
         "lag": _count(s, "queue_lag"), "reclaim": _count(s, "reclaimed"),
         "dead": _count(s, "dead_lettered", alert=True), "preempt": _count(s, "preemptions"),
+        "restarts": Text(str(restarted), style="red" if restarted else ""),
         "beat": Text(f"{w.age_s:.0f}s", style="red" if w.age_s > 10 else "dim"),
     }
 
@@ -199,7 +217,7 @@ def _worker_table(snapshot: Snapshot, width: int) -> Table:
         table.add_column(name, justify=justify, no_wrap=True,  # type: ignore[arg-type]
                          overflow="ellipsis", ratio=2 if name == "worker" else None)
     for w in snapshot.workers:
-        cells = _worker_cells(w)
+        cells = _worker_cells(w, snapshot.restarts)
         table.add_row(*(cells[name] for name, _ in shown))
     if not snapshot.workers:
         table.add_row("(no live worker)", *[""] * (len(shown) - 1))
@@ -219,6 +237,20 @@ def _queue_line(snapshot: Snapshot) -> Text:
     return line
 
 
+def _restarts_line(snapshot: Snapshot) -> Text | None:
+    """``restarts  worker-0 2x (exit -9, 40 s ago)  gateway 1x (...)``; None if none."""
+    if not snapshot.restarts:
+        return None
+    line = Text("restarts ", style="bold")
+    for rec in snapshot.restarts:
+        ago = max(0.0, snapshot.taken_at - rec.last_exit_at)
+        line.append(f" {rec.process} {rec.restarts}x (exit {rec.last_exit}, {ago:.0f} s ago)",
+                    style="bold red" if rec.crash_loop else "yellow")
+        if rec.crash_loop:
+            line.append(" CRASH LOOP", style="bold red")
+    return line
+
+
 class _Frame:
     """A renderable that lays the table out for the width of the console it lands on."""
 
@@ -229,10 +261,12 @@ class _Frame:
         self, console: Console, options: ConsoleOptions
     ) -> Iterator[RenderableType]:
         stamp = time.strftime("%H:%M:%S", time.localtime(self.snapshot.taken_at))
-        yield Group(
-            _queue_line(self.snapshot), _worker_table(self.snapshot, options.max_width),
-            Text(stamp, style="dim"),
-        )
+        parts: list[RenderableType] = [_queue_line(self.snapshot)]
+        restarts = _restarts_line(self.snapshot)
+        if restarts is not None:
+            parts.append(restarts)
+        parts += [_worker_table(self.snapshot, options.max_width), Text(stamp, style="dim")]
+        yield Group(*parts)
 
 
 def render(snapshot: Snapshot) -> RenderableType:

@@ -1,32 +1,40 @@
-"""``ferry up``: Redis + gateway + N workers on this machine, as real processes.
+"""``ferry up``: Redis + gateway + N workers on this machine, as real, supervised processes.
 
 Each part runs the very command an operator (or ``docker-compose.yml``) runs — ``ferry
 gateway``, ``ferry worker`` — as its own subprocess, so what works here works deployed.
-Children get their own session (a terminal's Ctrl-C reaches only this launcher, which
-then stops them in order: workers drain first, then the gateway, then Redis) and, on
-Linux, die with the launcher even if it is killed -9 (PR_SET_PDEATHSIG).
+``ferry/supervisor.py`` owns the processes: a worker or gateway that exits is logged and
+restarted with backoff (a crash loop is reported and slowed), and the rest keeps serving;
+a dead worker's entries are handed back at once (``ferry/recovery.py``) so the survivors or
+its replacement resume them. Redis, when started here, is the one fatal exit. Only
+SIGINT/SIGTERM stops the stack, in order: workers drain first, then the gateway, then Redis.
+Every incarnation of worker ``i`` gets its own consumer name (``up-<pid>-<i>``, then
+``...-r<n>``), so which process owns an entry is never ambiguous, and keeps its metrics port.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
+from ferry.recovery import Recovery
+from ferry.supervisor import ChildSpec, Exit, Fatal, Supervisor
+from protocol.keys import Keys
+
+FERRY = (sys.executable, "-m", "ferry.cli")
 DEMO_PROMPTS = ["def fibonacci(n):", "The quick brown fox", "class Queue:"]
 
 
@@ -38,90 +46,87 @@ def _on_signal(signum: int, _frame: FrameType | None) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-class Stack:
-    """The processes of one ``ferry up``; ``stop()`` ends them all, in order."""
+@dataclass(frozen=True)
+class WorkerSlot:
+    """Worker ``index`` of a launcher, across its incarnations."""
 
-    def __init__(self, log_dir: Path | None) -> None:
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._logs: list[IO[bytes]] = []
-        self.tmp = Path(tempfile.mkdtemp(prefix="ferry-up-"))
+    launcher: str
+    index: int
+    base_cmd: tuple[str, ...]
+    metrics_port: int  # 0: off
+    recovery: Recovery
 
-    def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        out: Any = None
-        if self.log_dir is not None:
-            out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
-            self._logs.append(out)
-        self.procs[name] = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env,
-            start_new_session=True, preexec_fn=_die_with_parent,
-        )
+    def worker_id(self, incarnation: int) -> str:
+        suffix = f"-r{incarnation}" if incarnation else ""
+        return f"{self.launcher}-{self.index}{suffix}"
 
-    def start_redis(self) -> str:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise typer.BadParameter("redis-server not found on PATH; pass --redis-url")
-        port, data = _free_port(), self.tmp / "redis"
-        data.mkdir()
-        self.spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir",
-                             str(data), "--appendonly", "yes", "--save", "",
-                             "--daemonize", "no"])
-        url = f"redis://127.0.0.1:{port}/0"
-        import redis
+    def command(self, incarnation: int) -> list[str]:
+        return [*self.base_cmd, "--worker-id", self.worker_id(incarnation),
+                "--metrics-port", str(self.metrics_port)]
 
-        client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
-        deadline = time.monotonic() + 15
+    def on_exit(self, exit: Exit) -> str | None:
+        notes = [self.recovery.worker_died(self.worker_id(exit.incarnation))]
+        if exit.restart_in_s is not None:
+            notes.append(self.recovery.record_exit(exit, self.worker_id(exit.next_incarnation)))
+        return "; ".join(n for n in notes if n) or None
+
+
+def _start_redis(sup: Supervisor, data: Path) -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise typer.BadParameter("redis-server not found on PATH; pass --redis-url")
+    port = _free_port()
+    data.mkdir()
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
+           "--appendonly", "yes", "--save", "", "--daemonize", "no"]
+    child = sup.start(ChildSpec("redis", lambda _n: cmd, restart=False, stop_order=2))
+    url = f"redis://127.0.0.1:{port}/0"
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+    deadline = time.monotonic() + 15
+    try:
         while True:
             try:
                 client.ping()
                 return url
             except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-                if time.monotonic() > deadline or self.procs["redis"].poll() is not None:
-                    raise RuntimeError("redis-server did not start") from None
+                sup.poll()  # raises if it exited
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server (pid {child.pid}) did not start") from None
                 time.sleep(0.05)
-            finally:
-                client.close()
+    finally:
+        client.close()
 
-    def print_logs(self, lines: int = 30) -> None:
-        """On failure, show the end of each child's log before the temp dir goes away."""
-        for path in sorted(self.log_dir.glob("*.log")) if self.log_dir else []:
-            tail = path.read_text(errors="replace").splitlines()[-lines:]
-            typer.echo(f"--- {path.name}\n" + "\n".join(tail), err=True)
+
+class Stack:
+    """Fail-fast processes for the benchmarks (``ops/bench/service.py``): the supervisor
+    with restarts off, so any exit raises in ``check_alive``; stops workers, then the
+    gateway, then Redis."""
+
+    def __init__(self, log_dir: Path | None) -> None:
+        self.sup = Supervisor(log_dir=log_dir)
+        self.tmp = Path(tempfile.mkdtemp(prefix="ferry-stack-"))
+
+    def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
+        order, grace = (1, 15.0) if name == "gateway" else (0, 60.0)
+        self.sup.start(ChildSpec(name, lambda _n: cmd, env, restart=False, stop_order=order,
+                                 stop_grace_s=grace))
+
+    def start_redis(self) -> str:
+        return _start_redis(self.sup, self.tmp / "redis")
 
     def check_alive(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode}")
+        self.sup.poll()  # Fatal (a RuntimeError) if anything exited
 
-    def stop(self, drain_s: float = 60.0) -> None:
-        workers = [n for n in self.procs if n.startswith("worker")]
-        for group, grace in ((workers, drain_s), (["gateway"], 15.0), (["redis"], 15.0)):
-            procs = [self.procs[n] for n in group if n in self.procs]
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            for proc in procs:
-                try:
-                    proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        for log in self._logs:
-            log.close()
+    def stop(self) -> None:
+        self.sup.stop()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -135,10 +140,10 @@ def _readyz(url: str) -> dict[str, Any]:
         return {"ready": False}
 
 
-def _wait_ready(stack: Stack, url: str, workers: int, timeout: float) -> None:
+def _wait_ready(sup: Supervisor, url: str, workers: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        stack.check_alive()
+        sup.poll()  # any exit before the stack is ready raises Fatal
         state = _readyz(url)
         if state.get("ready") and int(state.get("workers", 0)) >= workers:
             return
@@ -169,55 +174,134 @@ def _demo(url: str, max_tokens: int) -> None:
         sys.stdout.write("\n")
 
 
+def _metrics_ports(first: int | None, workers: int) -> list[int]:
+    """Worker i's Prometheus port: ``first + i``; free ports when unset; 0 turns them off."""
+    if first is None:
+        return [_free_port() for _ in range(workers)]
+    return [first + i if first else 0 for i in range(workers)]
+
+
+def _print_banner(sup: Supervisor, url: str, redis_url: str, slots: list[WorkerSlot],
+                  gateways: int) -> None:
+    typer.echo(f"Ferry is up: {url} ({len(slots)} worker(s), redis {redis_url})")
+    if "redis" in sup.children:
+        typer.echo(f"  redis     pid {sup.children['redis'].pid}, {redis_url}")
+    gateway = sup.children["gateway"]
+    typer.echo(f"  gateway   pid {gateway.pid}, {gateways} process(es) on {url}")
+    for slot in slots:
+        child = sup.children[f"worker-{slot.index}"]
+        metrics = (f"metrics http://127.0.0.1:{slot.metrics_port}/metrics"
+                   if slot.metrics_port else "metrics off")
+        typer.echo(f"  worker-{slot.index}  pid {child.pid}, id {slot.worker_id(0)}, {metrics}")
+    typer.echo(f"  curl -N {url}/v1/completions -H 'Content-Type: application/json'"
+               ' -d \'{"prompt": "def fibonacci(n):", "max_tokens": 32, "stream": true}\'')
+
+
+def _start_gateway(sup: Supervisor, recovery: Recovery, args: list[str]) -> None:
+    def on_exit(exit: Exit) -> str | None:
+        return recovery.record_exit(exit, "gateway") if exit.restart_in_s is not None else None
+
+    cmd = [*FERRY, "gateway", *args]
+    sup.start(ChildSpec("gateway", lambda _n: cmd, stop_order=1, on_exit=on_exit))
+
+
+def _start_workers(sup: Supervisor, recovery: Recovery, url: str, model: str | None,
+                   metrics_ports: list[int]) -> list[WorkerSlot]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    threads = max(1, (os.cpu_count() or 1) // len(metrics_ports))
+    env.setdefault("FERRY_TORCH_THREADS", str(threads))
+    base = (*FERRY, "worker", "--redis-url", url, *(("--model", model) if model else ()))
+    slots = [WorkerSlot(recovery.launcher, i, base, port, recovery)
+             for i, port in enumerate(metrics_ports)]
+    for slot in slots:  # workers drain for up to 60 s on SIGTERM (their own drain is 30 s)
+        sup.start(ChildSpec(f"worker-{slot.index}", slot.command, env, stop_grace_s=60.0,
+                            on_exit=slot.on_exit))
+    return slots
+
+
+def _report_fatal(sup: Supervisor, exc: Fatal) -> float:
+    """Say why the stack stops; returns the scale of the stop graces."""
+    if exc.exit.name == "redis":
+        typer.secho(f"error: {exc}. Redis held the queue and every stream; ferry up does not "
+                    "restart it under running workers, so the stack stops.", fg="red", err=True)
+        _show_logs(sup)
+        return 0.1  # nothing can drain into a dead Redis
+    typer.secho(f"error: {exc} (before the stack was ready)", fg="red", err=True)
+    _show_logs(sup)
+    return 1.0
+
+
+def _show_logs(sup: Supervisor) -> None:
+    """On failure, the end of each child's log (only the demo logs to files; otherwise the
+    children already wrote to this terminal)."""
+    tails = sup.log_tails()
+    if tails:
+        typer.echo(tails, err=True)
+
+
 def up(
     workers: Annotated[int, typer.Option(min=1, help="Worker processes.")] = 1,
+    gateways: Annotated[int, typer.Option(
+        min=1, help="Gateway processes sharing the port (ferry gateway --workers).")] = 1,
     model: Annotated[str | None, typer.Option(envvar="FERRY_MODEL")] = None,
     port: Annotated[int, typer.Option(help="Gateway port.")] = 8000,
     host: Annotated[str, typer.Option(help="Gateway bind address.")] = "127.0.0.1",
     redis_url: Annotated[str | None, typer.Option(
         help="Use this Redis instead of starting one.")] = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        min=0, help="Worker i serves Prometheus metrics on this port + i (default: free "
+        "ports, printed at start; 0: off).")] = None,
+    served_model_name: Annotated[str | None, typer.Option(
+        envvar="FERRY_SERVED_MODEL_NAME", help="The model's name in the API (default: the "
+        "model directory's name); requests naming another model get 404.")] = None,
     demo: Annotated[bool, typer.Option(help="Stream a few prompts, then stop.")] = False,
     demo_max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     ready_timeout_s: Annotated[float, typer.Option()] = 600.0,
 ) -> None:
-    """Start Redis (unless --redis-url), the gateway and N workers; stop all on Ctrl-C."""
+    """Start Redis (unless --redis-url), the gateway and N workers; restart what dies;
+    stop all on Ctrl-C."""
+    if served_model_name:  # both the gateway and the workers read it from the environment
+        os.environ["FERRY_SERVED_MODEL_NAME"] = served_model_name
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
-    stack = Stack(None)
+    tmp = Path(tempfile.mkdtemp(prefix="ferry-up-"))
+    sup = Supervisor(report=lambda line: typer.secho(f"ferry up: {line}", fg="yellow", err=True))
     if demo:  # keep the terminal for the demo's output; logs go to files
-        stack.log_dir = stack.tmp / "logs"
-        stack.log_dir.mkdir()
-    ferry = [sys.executable, "-m", "ferry.cli"]
-    code = 0
+        sup.log_dir = tmp / "logs"
+        sup.log_dir.mkdir()
+    code, grace, recovery = 0, 1.0, None
     try:
-        url = redis_url or stack.start_redis()
+        url = redis_url or _start_redis(sup, tmp / "redis")
+        recovery = Recovery(url, Keys(os.environ.get("FERRY_PREFIX", "ferry")),
+                            f"up-{os.getpid()}")
         gateway_url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
-        stack.spawn("gateway", [*ferry, "gateway", "--redis-url", url, "--host", host,
-                                "--port", str(port)])
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.setdefault("FERRY_TORCH_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
-        for i in range(workers):
-            cmd = [*ferry, "worker", "--redis-url", url, "--worker-id", f"up-{os.getpid()}-{i}"]
-            stack.spawn(f"worker-{i}", cmd + (["--model", model] if model else []), env)
-        _wait_ready(stack, gateway_url, workers, ready_timeout_s)
-        typer.echo(f"Ferry is up: {gateway_url} ({workers} worker(s), redis {url})")
-        typer.echo(f"  curl -N {gateway_url}/v1/completions -H 'Content-Type: application/json'"
-                   ' -d \'{"prompt": "def fibonacci(n):", "max_tokens": 32, "stream": true}\'')
+        _start_gateway(sup, recovery, [
+            "--redis-url", url, "--host", host, "--port", str(port), "--workers", str(gateways)])
+        slots = _start_workers(sup, recovery, url, model, _metrics_ports(metrics_port, workers))
+        _wait_ready(sup, gateway_url, workers, ready_timeout_s)
+        sup.supervising = True
+        _print_banner(sup, gateway_url, url, slots, gateways)
         if demo:
             _demo(gateway_url, demo_max_tokens)
             return
         typer.echo("Ctrl-C stops everything.")
         while True:
-            stack.check_alive()
-            time.sleep(0.5)
+            sup.poll()
+            recovery.tick()
+            time.sleep(0.2)
     except _Stop as stop:
         typer.echo(f"\n{stop}: stopping (workers drain first)...")
+    except Fatal as exc:
+        code, grace = 1, _report_fatal(sup, exc)
     except (RuntimeError, OSError) as exc:
         typer.secho(f"error: {exc}", fg="red", err=True)
-        stack.print_logs()
+        _show_logs(sup)
         code = 1
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
-        stack.stop()
+        if recovery is not None:
+            recovery.close()
+        sup.stop(grace_scale=grace)
+        shutil.rmtree(tmp, ignore_errors=True)
     raise typer.Exit(code)

@@ -34,4 +34,4 @@ ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 FERRY_LOG_JSON=1
 USER ferry
 WORKDIR /home/ferry
 EXPOSE 8000
-CMD ["ferry", "gateway", "--redis-url", "redis://redis:6379/0", "--port", "8000"]
+CMD ["ferry", "gateway", "--redis-url", "redis://redis:6379/0", "--host", "0.0.0.0", "--port", "8000"]

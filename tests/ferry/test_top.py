@@ -16,6 +16,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from ferry.commands import top as top_cmd
+from ferry.recovery import Recovery, RestartRecord
 from protocol.keys import Keys
 from protocol.models import WorkerHeartbeat
 from protocol.store import Ttls, ensure_group, write_heartbeat
@@ -80,9 +81,38 @@ def test_render_shows_every_column(live: redis.Redis) -> None:
                      "depth 4", "lag 3", "pending 1", "consumers 1", "fleet 321.5 tok/s"]:
         assert expected in text, expected
     row = next(line for line in text.splitlines() if "gpu-0" in line)
-    assert row.split()[-5:-1] == ["4", "7", "1", "2"]  # lag, reclaimed, dead-lettered, preempt
+    # lag, reclaimed, dead-lettered, preempt, restarts
+    assert row.split()[-6:-1] == ["4", "7", "1", "2", "0"]
     narrow = _text(top_cmd.render(top_cmd.collect(live, KEYS)), width=80)
     assert "gpu-0" in narrow and "history" not in narrow  # columns dropped, worker kept
+
+
+def test_restart_records_show_per_process_and_on_the_replacement(live: redis.Redis) -> None:
+    """What ``ferry up``'s supervisor writes (``Recovery.record``) is what ``top`` shows: a
+    line per restarted process, the count on the worker that replaced the dead one."""
+    recovery = Recovery(_url(live), KEYS, "up-7")
+    try:
+        recovery.record(RestartRecord("worker-0", 2, -9, time.time() - 30, "gpu-0", False))
+        recovery.record(RestartRecord("gateway", 4, 1, time.time(), "gateway", True))
+        snap = top_cmd.collect(live, KEYS)
+        assert [r.process for r in snap.restarts] == ["gateway", "worker-0"]  # most first
+        text = _text(top_cmd.render(snap))
+        line = next(t for t in text.splitlines() if t.startswith("restarts"))
+        assert "worker-0 2x (exit -9, 30 s ago)" in line
+        assert "gateway 4x (exit 1" in line and "CRASH LOOP" in line
+        row = next(t for t in text.splitlines() if "gpu-0" in t)
+        assert row.split()[-2] == "2"
+        live.hset(KEYS.restarts, "up-8/worker-1", b"not json")  # ignored, never a crash
+        assert len(top_cmd.collect(live, KEYS).restarts) == 2
+        recovery.close()  # a clean stop removes its own records
+        assert top_cmd.collect(live, KEYS).restarts == []
+    finally:
+        recovery.close()
+
+
+def _url(r: redis.Redis) -> str:
+    kw = r.connection_pool.connection_kwargs
+    return f"redis://{kw['host']}:{kw['port']}/0"
 
 
 def test_render_empty_redis(server: RedisServer) -> None:

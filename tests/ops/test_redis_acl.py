@@ -20,6 +20,7 @@ import redis.asyncio as aredis
 from redis.exceptions import NoPermissionError, ResponseError
 
 from ferry.commands.top import collect
+from ferry.recovery import RestartRecord
 from protocol.aclient import AsyncFerryClient
 from protocol.keys import Keys
 from protocol.models import GenerateRequest, WorkerHeartbeat
@@ -200,9 +201,12 @@ def test_monitor_reads_for_ferry_top_but_writes_nothing(server: AclRedis) -> Non
     pipe = admin.pipeline()
     write_heartbeat(pipe, KEYS, beat, Ttls())
     pipe.execute()
+    record = RestartRecord("worker-0", 1, -9, time.time(), "w1", crash_loop=False)
+    admin.hset(KEYS.restarts, "up-1/worker-0", record.encode())  # what `ferry up` writes
     r = server.client("ferry-monitor")
     snapshot = collect(r, KEYS)
     assert [w.worker_id for w in snapshot.workers] == ["w1"]
+    assert snapshot.restarts == [record]
     assert snapshot.queue.group_exists
     r.xpending(KEYS.requests, KEYS.group)
     _denied(r.srem, KEYS.workers, "w1")
