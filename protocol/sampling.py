@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from protocol.structured import StructuredOutput
+
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 
@@ -36,6 +38,8 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # [structured output] the one constraint the text must follow (protocol/structured.py)
+    structured_output: StructuredOutput | None = None
 
     @model_validator(mode="after")
     def _check_consistency(self) -> SamplingParams:

@@ -39,12 +39,21 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [num_rows, vocab] (any float dtype, any device)."""
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow],
+        grammar_mask: tuple[list[int], torch.Tensor] | None = None,
+    ) -> SamplerOutput:
+        """logits: [num_rows, vocab] (any float dtype, any device).
+
+        ``grammar_mask``: (constrained row indices, their int32 bitmask), see
+        ``apply_token_bitmask``; reported logprobs are the model's, before the mask.
+        """
         logits = logits.float()
         logits = apply_penalties(logits, rows)
         logprobs_wanted = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if logprobs_wanted else None
+        if grammar_mask is not None:  # [structured output]
+            logits = apply_token_bitmask(logits, *grammar_mask)
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
         else:
@@ -110,6 +119,25 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
             row.copy_(torch.where(seen, penalised, row))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return logits
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
+) -> torch.Tensor:
+    """Set to -inf the tokens a grammar forbids, in the constrained rows only.
+
+    logits: [B, V] on any device; bitmask: [len(rows), ceil(V / 32)] int32, bit j of word w
+    allows token 32 * w + j (llguidance's and xgrammar's layout). One transfer, one unpack,
+    one masked copy for the whole batch; free rows are untouched.
+    """
+    vocab = logits.shape[1]
+    device = logits.device
+    words = bitmask.to(device, non_blocking=True)  # [R, W]
+    shifts = torch.arange(32, device=device, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [R, V]
+    index = torch.tensor(rows, device=device, dtype=torch.long)  # [R]
+    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))  # [R, V]
+    return logits.index_copy(0, index, masked)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -118,14 +118,19 @@ class Scheduler:
         return out
 
     def _admit(self, scheduled: list[ScheduledRequest], budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        skip = 0  # [structured output] requests waiting for their grammar keep their place
+        max_seqs = self.config.max_num_seqs
+        while len(self.waiting) > skip and budget > 0 and len(self.running) < max_seqs:
+            request = self.waiting[skip]
+            if request.waiting_for_grammar:
+                skip += 1
+                continue
             num_new = self._chunk(request, budget)
             if self.block_manager.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new, admitting=True
             ) is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(skip)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
