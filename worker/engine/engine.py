@@ -138,13 +138,13 @@ class Engine:
                 self.structured.wait(_GRAMMAR_WAIT_S)  # [structured output] nothing else to do
             return failed
         self._steps += 1
+        sampling = [s.request for s in sched.scheduled if s.sample]
         try:
+            mask = self.structured.start_bitmask(sampling)  # [structured output] overlaps forward
             with timer.phase("forward"):
                 logits = self.runner.execute(sched, self.block_manager)
             with timer.phase("sample"):
-                sampling = [s.request for s in sched.scheduled if s.sample]
-                mask = self.structured.bitmask(sampling)  # [structured output]
-                sampled = self.sampler(logits, [_row(r) for r in sampling], mask)
+                sampled = self.sampler(logits, [_row(r) for r in sampling], mask.get())
         except Exception as exc:  # a failed forward fails its batch, not the worker
             return failed + self._fail_batch(sched, exc)
         with timer.phase("update"):

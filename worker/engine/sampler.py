@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from protocol.sampling import SamplingParams
@@ -126,10 +127,30 @@ def apply_token_bitmask(
 ) -> torch.Tensor:
     """Set to -inf the tokens a grammar forbids, in the constrained rows only.
 
-    logits: [B, V] on any device; bitmask: [len(rows), ceil(V / 32)] int32, bit j of word w
-    allows token 32 * w + j (llguidance's and xgrammar's layout). One transfer, one unpack,
-    one masked copy for the whole batch; free rows are untouched.
+    logits: [B, V] on any device; bitmask: [len(rows), ceil(V / 32)] int32 on the CPU, bit j
+    of word w allows token 32 * w + j (llguidance's and xgrammar's layout). Free rows are
+    untouched. On a GPU: one transfer, the unpack and one masked copy on the device. On the
+    CPU the unpack is numpy's (single-threaded) and torch runs one op: each parallel torch
+    op is a thread barrier, and on a busy CPU a few of them cost more than the work.
     """
+    if logits.device.type == "cpu":
+        return _apply_bitmask_numpy(logits, rows, bitmask)
+    return _apply_bitmask_torch(logits, rows, bitmask)
+
+
+def _apply_bitmask_numpy(
+    logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
+) -> torch.Tensor:
+    vocab = logits.shape[1]
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")  # [R, 32W]
+    forbid = np.zeros(logits.shape, dtype=np.bool_)  # [B, V]
+    forbid[rows] = bits[:, :vocab] == 0
+    return logits.masked_fill(torch.from_numpy(forbid), float("-inf"))
+
+
+def _apply_bitmask_torch(
+    logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
+) -> torch.Tensor:
     vocab = logits.shape[1]
     device = logits.device
     words = bitmask.to(device, non_blocking=True)  # [R, W]

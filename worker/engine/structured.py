@@ -13,7 +13,6 @@ call into llguidance (the GIL is released), and applied by ``sampler.apply_token
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -150,9 +149,9 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self._pending: list[Request] = []
-        self._executor: Any = None
-        threads = max(1, min(4, (os.cpu_count() or 2) // 2))
-        self._mask_threads = threads
+        # Masks are filled on this thread while the forward runs (llguidance drops the GIL).
+        self._filler = cf.ThreadPoolExecutor(1, thread_name_prefix="ferry-mask")
+        self._inflight: cf.Future[Any] | None = None
 
     def attach(self, request: Request) -> None:
         spec = request.params.structured_output
@@ -186,30 +185,35 @@ class StructuredOutputs:
         if futures:
             cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
-    def bitmask(self, requests: list[Request]) -> tuple[list[int], torch.Tensor] | None:
-        """(row indices, int32 bitmask [rows, ceil(V/32)]) for the constrained rows, or None."""
+    def start_bitmask(self, requests: list[Request]) -> PendingMask:
+        """Start filling the masks of the constrained rows among ``requests`` (the rows that
+        sample, in order) on the filler thread, so it overlaps the forward pass."""
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
-            return None
-        import llguidance
-
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor(num_threads=self._mask_threads)
+            return PendingMask(rows, None)
+        self._settle()
         words = (self.vocab_size + 31) // 32
         bitmask = torch.empty((len(rows), words), dtype=torch.int32)  # [R, W]
         matchers = []
-        for k, i in enumerate(rows):
+        for i in rows:
             grammar = requests[i].grammar
             grammar.sync(requests[i].output_token_ids)
-            matchers.append((grammar.matcher, k))
-        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
-        return rows, bitmask
+            matchers.append(grammar.matcher)
+        self._inflight = self._filler.submit(_fill, matchers, bitmask)
+        return PendingMask(rows, bitmask, self._inflight)
+
+    def _settle(self) -> None:
+        """Matchers are not touched while a fill runs (a failed forward skips the wait)."""
+        if self._inflight is not None:
+            cf.wait([self._inflight])
+            self._inflight = None
 
     def advance(self, request: Request) -> tuple[FinishReason, str | None] | None:
         """After a token: the finish the grammar implies (its end, or an error), if any."""
         grammar = request.grammar
         if grammar is None or request.is_finished:
             return None
+        self._settle()
         grammar.sync(request.output_token_ids)
         if grammar.error is not None:
             return FinishReason.ERROR, grammar.error
@@ -218,4 +222,35 @@ class StructuredOutputs:
         return None
 
     def close(self) -> None:
+        self._settle()
+        self._filler.shutdown(wait=False)
         self.compiler.close()
+
+
+def _fill(matchers: list[Any], bitmask: torch.Tensor) -> None:
+    """One row per matcher, on the filler thread; each call drops the GIL.
+
+    A plain loop, not llguidance's parallel executor: its worker threads spin after each
+    batch and, on a small CPU, steal the cores the sampler's tensor ops run on next.
+    """
+    row_bytes = bitmask.shape[1] * 4
+    base = bitmask.data_ptr()
+    for k, matcher in enumerate(matchers):
+        matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
+
+
+class PendingMask:
+    """The masks of one step, being filled; ``get()`` waits for them (None: no grammar)."""
+
+    def __init__(self, rows: list[int], bitmask: torch.Tensor | None,
+                 future: cf.Future[Any] | None = None) -> None:
+        self.rows = rows
+        self.bitmask = bitmask
+        self.future = future
+
+    def get(self) -> tuple[list[int], torch.Tensor] | None:
+        if self.bitmask is None:
+            return None
+        if self.future is not None:
+            self.future.result()  # re-raises a failed fill
+        return self.rows, self.bitmask

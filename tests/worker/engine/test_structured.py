@@ -19,7 +19,11 @@ import torch
 
 from protocol.sampling import SamplingParams
 from worker.engine.outputs import StepOutput
-from worker.engine.sampler import apply_token_bitmask
+from worker.engine.sampler import (
+    _apply_bitmask_numpy,
+    _apply_bitmask_torch,
+    apply_token_bitmask,
+)
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -186,18 +190,27 @@ def test_resume_with_prior_output_ids(llm: Any) -> None:
     assert out.finish_reason == "error" and out.error.startswith("prior_output_ids:")
 
 
-def test_bitmask_applies_to_constrained_rows_only() -> None:
+@pytest.mark.parametrize("apply", [_apply_bitmask_numpy, _apply_bitmask_torch])
+def test_bitmask_applies_to_constrained_rows_only(apply: Any) -> None:
+    """Both paths (numpy on CPU, torch ops on a GPU) against a per-token oracle."""
     torch.manual_seed(0)
     logits = torch.randn(4, 70)
     bitmask = torch.zeros(2, 3, dtype=torch.int32)
     bitmask[0, 0] = 1 << 5  # row 1 may only emit token 5
-    bitmask[1, 2] = -(2**31)  # row 3 may only emit token 2 * 32 + 31 = 95 > vocab: none...
-    bitmask[1, 1] = -(2**31) | 1  # ... but tokens 32 and 63 (bit 31: the sign bit)
-    out = apply_token_bitmask(logits, [1, 3], bitmask)
+    bitmask[1, 2] = -(2**31)  # row 3: token 2 * 32 + 31 = 95 is past the vocabulary...
+    bitmask[1, 1] = -(2**31) | 1  # ... so only tokens 32 and 63 (bit 31: the sign bit)
+    out = apply(logits, [1, 3], bitmask)
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [5]
     assert torch.isfinite(out[3]).nonzero().flatten().tolist() == [32, 63]
     assert out[3, 32] == logits[3, 32]
+    words = torch.randint(-(2**31), 2**31 - 1, (3, 257), dtype=torch.int32)
+    logits = torch.randn(5, 8200)
+    got = apply(logits, [0, 2, 4], words)
+    for k, row in enumerate([0, 2, 4]):
+        allowed = [(int(words[k, t // 32]) >> (t % 32)) & 1 for t in range(8200)]
+        assert torch.isfinite(got[row]).int().tolist() == allowed
+    assert torch.equal(apply_token_bitmask(logits, [0, 2, 4], words), got)
 
 
 def _drain(engine: Any) -> list[StepOutput]:
