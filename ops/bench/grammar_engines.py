@@ -8,6 +8,7 @@ seeded runs through transformers with each engine's mask: does the text parse an
 validate, how many tokens). Prints a table and writes
 ``ops/bench/results/grammar_engines.json``. Usage:
 
+    .venv/bin/pip install -e ".[bench]"   # xgrammar, for the comparison
     .venv/bin/python ops/bench/grammar_engines.py [--quick]
 """
 
@@ -228,7 +229,11 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
     results: dict[str, Any] = {}
     for cls in (Xgr, Llg):
-        engine = cls(tokenizer, args.threads)
+        try:
+            engine = cls(tokenizer, args.threads)
+        except ImportError as exc:  # xgrammar is only in the "bench" extra
+            print(f"skipping {cls.name}: {exc} (pip install -e '.[bench]')")
+            continue
         results[engine.name] = {
             "tokenizer_setup_ms": round(engine.tokenizer_s * 1e3, 1),
             "compile_ms": compile_times(engine, 3 if args.quick else 7),

@@ -39,7 +39,8 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer: Any = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache (the engine loop takes it: never held long)
+        self._tokenizer_lock = threading.Lock()  # building the tokenizer (pool threads only)
         self._cache: OrderedDict[str, cf.Future[Any]] = OrderedDict()
         self._cache_size = cache_size
         self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="ferry-grammar")
@@ -72,7 +73,7 @@ class GrammarCompiler:
         return matcher
 
     def _tokenizer(self) -> Any:
-        with self._lock:
+        with self._tokenizer_lock:
             if self._ll_tokenizer is None:
                 import llguidance.hf
 
