@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.errors import APIError
 from gateway.settings import GatewaySettings
+from gateway.structured import StructuredFields, check_params
 from protocol.codec import describe_validation_error
 from protocol.models import ID_PATTERN, ChatMessage, GenerateRequest
 from protocol.sampling import SamplingParams
@@ -39,7 +40,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _OpenAIBase(BaseModel):
+class _OpenAIBase(StructuredFields):  # [structured output] response_format, guided_*
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -83,6 +84,7 @@ class _OpenAIBase(BaseModel):
         values["max_tokens"] = max_tokens
         if logprobs is not None:
             values["logprobs"] = logprobs
+        values["structured_output"] = self.structured_output()  # [structured output]
         try:
             return SamplingParams.model_validate(values)
         except ValidationError as exc:
@@ -172,7 +174,6 @@ class ChatCompletionRequest(_OpenAIBase):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     tool_choice: Any = None
@@ -193,9 +194,6 @@ class ChatCompletionRequest(_OpenAIBase):
     def to_generate_request(self, settings: GatewaySettings) -> GenerateRequest:
         self._check_supported()
         self._check_chat_supported()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format: only 'text' is supported",
-                           param="response_format")
         default = min(settings.default_max_tokens, settings.max_tokens_limit)
         max_tokens = self.max_completion_tokens or self.max_tokens or default
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -223,5 +221,6 @@ class JobCreate(BaseModel):
     stream: bool = True
 
     def to_generate_request(self) -> GenerateRequest:
+        check_params(self.params)  # [structured output] 400 if the grammar cannot compile
         return _build(**{name: getattr(self, name) for name in type(self).model_fields})
 

@@ -18,6 +18,8 @@ from pydantic import (
     model_validator,
 )
 
+from protocol.structured import StructuredOutput
+
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024
@@ -70,6 +72,8 @@ class SamplingParams(BaseModel):
     @field_serializer("logit_bias")
     def _string_keys(self, value: dict[int, float] | None) -> dict[str, float] | None:
         return None if value is None else {str(k): v for k, v in value.items()}
+    # [structured output] the one constraint the text must follow (protocol/structured.py)
+    structured_output: StructuredOutput | None = None
 
     @model_validator(mode="after")
     def _check_consistency(self) -> SamplingParams:

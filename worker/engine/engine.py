@@ -20,6 +20,9 @@ from worker.engine.request import FinishReason, Request
 from worker.engine.sampler import Sampler, SamplingRow
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.step_timer import StepTimer
+from worker.engine.structured import StructuredOutputs
+
+_GRAMMAR_WAIT_S = 0.005  # idle loop: how long to wait for a pending grammar compile
 
 
 class Engine:
@@ -38,6 +41,8 @@ class Engine:
         ))
         self.sampler = Sampler(config.seed)
         self.timer = StepTimer()
+        self.structured = StructuredOutputs(  # [structured output]
+            self.tokenizer, self.runner.shape.vocab_size, self.runner.loaded.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._tokens_generated = 0
         self._steps = 0
@@ -75,6 +80,7 @@ class Engine:
             eos_token_ids=self.runner.loaded.eos_token_ids, priority=priority,
             output_token_ids=prior,
         )
+        self.structured.attach(request)  # [structured output] compile starts off the loop
         self.scheduler.add(request)
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, stop=params.stop,
@@ -99,21 +105,33 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         timer = self.timer
+        failed = self._grammar_failures()  # [structured output]
         with timer.phase("schedule"):
             sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            if not failed and self.structured.has_pending:
+                self.structured.wait(_GRAMMAR_WAIT_S)  # [structured output] nothing else to do
+            return failed
         self._steps += 1
+        sampling = [s.request for s in sched.scheduled if s.sample]
         try:
+            mask = self.structured.start_bitmask(sampling)  # [structured output] overlaps forward
             with timer.phase("forward"):
                 logits = self.runner.execute(sched, self.block_manager)
             with timer.phase("sample"):
-                rows = [_row(s.request) for s in sched.scheduled if s.sample]
-                sampled = self.sampler(logits, rows)
+                sampled = self.sampler(logits, [_row(r) for r in sampling], mask.get())
         except Exception as exc:  # a failed forward fails its batch, not the worker
-            return self._fail_batch(sched, exc)
+            return failed + self._fail_batch(sched, exc)
         with timer.phase("update"):
-            return self._update(sched, sampled.token_ids, sampled.logprobs)
+            return failed + self._update(sched, sampled.token_ids, sampled.logprobs)
+
+    def _grammar_failures(self) -> list[StepOutput]:
+        """[structured output] Finish requests whose grammar failed to compile: their fault."""
+        outputs = []
+        for request in self.structured.poll():
+            self.scheduler.finish(request, FinishReason.ERROR, error=request.grammar.error)
+            outputs.append(self._final(request, [], "", error_kind="invalid_request"))
+        return outputs
 
     def _update(
         self, sched: SchedulerOutput, tokens: list[int], logprobs: list[Any]
@@ -134,6 +152,9 @@ class Engine:
             result = self._detok[request.request_id].step(token)
             if result.stopped and not request.is_finished:
                 self.scheduler.finish(request, FinishReason.STOP)
+            grammar_end = self.structured.advance(request)  # [structured output]
+            if grammar_end is not None:
+                self.scheduler.finish(request, grammar_end[0], error=grammar_end[1])
             lp = lp_by_id.get(request.request_id)
             if request.is_finished:
                 outputs.append(self._final(request, [token], result.text_delta, lp))
@@ -146,7 +167,10 @@ class Engine:
                 ))
         return outputs
 
-    def _final(self, request: Request, tokens: list[int], text: str, lp: Any = None) -> StepOutput:
+    def _final(
+        self, request: Request, tokens: list[int], text: str, lp: Any = None,
+        error_kind: str | None = None,
+    ) -> StepOutput:
         detok = self._detok.pop(request.request_id, None)
         if detok is not None and request.finish_reason is not FinishReason.STOP:
             text += detok.flush()
@@ -155,7 +179,7 @@ class Engine:
             finish_reason=str(request.finish_reason), error=request.error,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            logprobs=[lp] if lp is not None else None,
+            logprobs=[lp] if lp is not None else None, error_kind=error_kind,
         )
 
     def _fail_batch(self, sched: SchedulerOutput, exc: Exception) -> list[StepOutput]:

@@ -19,6 +19,9 @@ class StepOutput:
     num_output_tokens: int = 0
     # Per new token: (logprob of the token, [(token id, logprob), ...top-n]).
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # On an error: "invalid_request" when the request itself is at fault (e.g. a grammar
+    # that does not compile), else None (the worker's fault).
+    error_kind: str | None = None
 
 
 @dataclass

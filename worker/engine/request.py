@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from protocol.sampling import SamplingParams
 
@@ -51,6 +52,9 @@ class Request:
     # Output tokens that existed when the request was (re)submitted, e.g. tokens already
     # streamed by a worker that died; they count toward max_tokens but are not re-sent.
     num_prior_output_tokens: int = 0
+    # [structured output] the request's grammar matcher (worker/engine/structured.py:
+    # RequestGrammar); the scheduler leaves the request waiting until it is ready.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
@@ -88,6 +92,10 @@ class Request:
         if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None
+
+    @property
+    def waiting_for_grammar(self) -> bool:  # [structured output]
+        return self.grammar is not None and not self.grammar.ready
 
     def sort_key(self) -> tuple[int, float]:
         """Waiting order: lower priority value first, then earlier arrival."""

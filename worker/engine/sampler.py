@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from protocol.sampling import SamplingParams
@@ -39,13 +40,22 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [num_rows, vocab] (any float dtype, any device)."""
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow],
+        grammar_mask: tuple[list[int], torch.Tensor] | None = None,
+    ) -> SamplerOutput:
+        """logits: [num_rows, vocab] (any float dtype, any device).
+
+        ``grammar_mask``: (constrained row indices, their int32 bitmask), see
+        ``apply_token_bitmask``; reported logprobs are the model's, before the mask.
+        """
         logits = logits.float()
         logits = apply_penalties(logits, rows)
         logits = apply_logit_bias(logits, rows)
         logprobs_wanted = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if logprobs_wanted else None
+        if grammar_mask is not None:  # [structured output]
+            logits = apply_token_bitmask(logits, *grammar_mask)
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
         else:
@@ -133,6 +143,45 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
         torch.tensor(values, device=device, dtype=logits.dtype), accumulate=True,
     )
     return logits
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
+) -> torch.Tensor:
+    """Set to -inf the tokens a grammar forbids, in the constrained rows only.
+
+    logits: [B, V] on any device; bitmask: [len(rows), ceil(V / 32)] int32 on the CPU, bit j
+    of word w allows token 32 * w + j (llguidance's and xgrammar's layout). Free rows are
+    untouched. On a GPU: one transfer, the unpack and one masked copy on the device. On the
+    CPU the unpack is numpy's (single-threaded) and torch runs one op: each parallel torch
+    op is a thread barrier, and on a busy CPU a few of them cost more than the work.
+    """
+    if logits.device.type == "cpu":
+        return _apply_bitmask_numpy(logits, rows, bitmask)
+    return _apply_bitmask_torch(logits, rows, bitmask)
+
+
+def _apply_bitmask_numpy(
+    logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
+) -> torch.Tensor:
+    vocab = logits.shape[1]
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")  # [R, 32W]
+    forbid = np.zeros(logits.shape, dtype=np.bool_)  # [B, V]
+    forbid[rows] = bits[:, :vocab] == 0
+    return logits.masked_fill(torch.from_numpy(forbid), float("-inf"))
+
+
+def _apply_bitmask_torch(
+    logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
+) -> torch.Tensor:
+    vocab = logits.shape[1]
+    device = logits.device
+    words = bitmask.to(device, non_blocking=True)  # [R, W]
+    shifts = torch.arange(32, device=device, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [R, V]
+    index = torch.tensor(rows, device=device, dtype=torch.long)  # [R]
+    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))  # [R, V]
+    return logits.index_copy(0, index, masked)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -120,8 +120,12 @@ class Scheduler:
     def _admit(self, scheduled: list[ScheduledRequest], budget: int) -> int:
         """Admit waiting requests, highest priority first, while room allows; a waiting
         request of strictly higher priority than a running one preempts it for room."""
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
+        skip = 0  # [structured output] requests waiting for their grammar keep their place
+        while len(self.waiting) > skip and budget > 0:
+            request = self.waiting[skip]
+            if request.waiting_for_grammar:
+                skip += 1
+                continue
             if len(self.running) >= self.config.max_num_seqs:
                 refund = self._preempt_for(request, scheduled)
                 if refund is None:
@@ -137,7 +141,7 @@ class Scheduler:
                     break
                 budget += refund
                 continue
-            self.waiting.pop(0)
+            self.waiting.pop(skip)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))

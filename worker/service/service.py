@@ -301,8 +301,8 @@ class WorkerService:
 
 def _engine_finish(out: StepOutput) -> tuple[FinishReason, ErrorKind | None]:
     reason = out.finish_reason or "stop"
-    if reason == "error":
-        return "error", "internal"
+    if reason == "error":  # the engine says when the request is at fault (structured output)
+        return "error", "invalid_request" if out.error_kind == "invalid_request" else "internal"
     if reason in ("stop", "length", "abort"):
         return reason, None  # type: ignore[return-value]
     return "error", "internal"

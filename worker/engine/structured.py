@@ -1,0 +1,257 @@
+"""Constrained decoding: a grammar compile cache, off-loop compilation, per-request matchers.
+
+The grammar engine is llguidance (docs/engine.md says why). Each distinct constraint is
+compiled once, on a worker thread, into a *pristine* matcher; requests get a copy of it,
+so a request never waits on the engine loop and the loop never waits on a compile. A
+request's matcher is a function of its output tokens: ``sync`` consumes what it has not
+seen (the tokens a crashed worker already streamed, ``prior_output_ids``, come first) and
+rolls back or rebuilds when the output shrank, so preemption and resumption cannot put it
+out of step. Masks are computed for the constrained rows of a step only, in one parallel
+call into llguidance (the GIL is released), and applied by ``sampler.apply_token_bitmask``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from protocol.structured import StructuredOutput, grammar_for
+from worker.engine.request import FinishReason, Request
+
+CACHE_SIZE = 256  # distinct constraints kept compiled (LRU); a pristine matcher is small
+
+
+class GrammarCompiler:
+    """Compiles each distinct constraint once, off the engine loop, and caches the result.
+
+    The cache is keyed by the constraint's canonical text; the tokenizer is fixed per
+    engine, so it is part of the key by construction. Failures are cached too: a bad
+    schema sent a thousand times is compiled once.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
+                 threads: int = 1, cache_size: int = CACHE_SIZE) -> None:
+        self._hf_tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._ll_tokenizer: Any = None
+        self._lock = threading.Lock()  # the cache (the engine loop takes it: never held long)
+        self._tokenizer_lock = threading.Lock()  # building the tokenizer (pool threads only)
+        self._cache: OrderedDict[str, cf.Future[Any]] = OrderedDict()
+        self._cache_size = cache_size
+        self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="ferry-grammar")
+        self.compiles = 0  # cache misses, for tests and metrics
+
+    def compile(self, spec: StructuredOutput) -> cf.Future[Any]:
+        """A future pristine matcher for ``spec`` (done at once on a cache hit)."""
+        key = spec.cache_key()
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            self.compiles += 1
+            future = self._pool.submit(self._build, spec)
+            self._cache[key] = future
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            return future
+
+    def _build(self, spec: StructuredOutput) -> Any:
+        """Runs on the pool: grammar text -> matcher; ValueError naming the field if invalid."""
+        import llguidance
+
+        grammar = grammar_for(spec)
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            message = " ".join(matcher.get_error().split())[:500]
+            raise ValueError(f"{spec.kind}: {message}")
+        return matcher
+
+    def _tokenizer(self) -> Any:
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                try:
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos)
+                except ValueError as exc:  # not a fast tokenizer
+                    raise ValueError(f"structured_output: unsupported tokenizer ({exc})") from None
+            return self._ll_tokenizer
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestGrammar:
+    """One request's matcher, kept in step with the request's output tokens."""
+
+    def __init__(self, future: cf.Future[Any]) -> None:
+        self.future = future
+        self._pristine: Any = None
+        self.matcher: Any = None
+        self.consumed = 0  # output tokens the matcher has accepted
+        self.error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Compiled and in step: the scheduler may admit the request."""
+        return self.matcher is not None and self.error is None
+
+    def poll(self, output_ids: list[int]) -> bool:
+        """Once the compile is done: take a copy and catch up with ``output_ids``.
+
+        Returns True when something changed (ready, or failed: see ``error``).
+        """
+        if self.matcher is not None or self.error is not None or not self.future.done():
+            return False
+        exc = self.future.exception()
+        if exc is not None:
+            self.error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            return True
+        self._pristine = self.future.result()
+        self.matcher = self._pristine.deep_copy()
+        self.sync(output_ids)
+        if self.error is not None:
+            self.error = f"prior_output_ids: {self.error}"
+        return True
+
+    def sync(self, output_ids: list[int]) -> None:
+        """Make the matcher's state the one after exactly ``output_ids``."""
+        if self.matcher is None or self.error is not None:
+            return
+        if len(output_ids) < self.consumed:
+            back = self.consumed - len(output_ids)
+            if not self.matcher.rollback(back):
+                self.matcher, self.consumed = self._pristine.deep_copy(), 0
+            else:
+                self.consumed -= back
+        new = output_ids[self.consumed:]
+        if new and not self.matcher.consume_tokens(new):
+            self.error = "the grammar does not accept the output: " + " ".join(
+                self.matcher.get_error().split())[:300]
+        self.consumed = len(output_ids)
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and nothing may follow (EOS included, or its end)."""
+        return self.matcher is not None and bool(self.matcher.is_stopped())
+
+
+class StructuredOutputs:
+    """What the engine calls: attach, poll, masks, advance. Everything for one engine."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.vocab_size = vocab_size
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        self._pending: list[Request] = []
+        # Masks are filled on this thread while the forward runs (llguidance drops the GIL).
+        self._filler = cf.ThreadPoolExecutor(1, thread_name_prefix="ferry-mask")
+        self._inflight: cf.Future[Any] | None = None
+
+    def attach(self, request: Request) -> None:
+        spec = request.params.structured_output
+        if spec is None:
+            return
+        request.grammar = RequestGrammar(self.compiler.compile(spec))
+        self._pending.append(request)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def poll(self) -> list[Request]:
+        """Requests whose compile finished since the last call and failed (to be finished)."""
+        failed, still = [], []
+        for request in self._pending:
+            grammar = request.grammar
+            if request.is_finished or grammar is None:
+                continue
+            grammar.poll(request.output_token_ids)
+            if grammar.error is not None:
+                failed.append(request)
+            elif not grammar.ready:
+                still.append(request)
+        self._pending = still
+        return failed
+
+    def wait(self, timeout: float) -> None:
+        """Block up to ``timeout`` for a pending compile: the loop has nothing else to do."""
+        futures = [r.grammar.future for r in self._pending if r.grammar is not None]
+        if futures:
+            cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED)
+
+    def start_bitmask(self, requests: list[Request]) -> PendingMask:
+        """Start filling the masks of the constrained rows among ``requests`` (the rows that
+        sample, in order) on the filler thread, so it overlaps the forward pass."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return PendingMask(rows, None)
+        self._settle()
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.empty((len(rows), words), dtype=torch.int32)  # [R, W]
+        matchers = []
+        for i in rows:
+            grammar = requests[i].grammar
+            grammar.sync(requests[i].output_token_ids)
+            matchers.append(grammar.matcher)
+        self._inflight = self._filler.submit(_fill, matchers, bitmask)
+        return PendingMask(rows, bitmask, self._inflight)
+
+    def _settle(self) -> None:
+        """Matchers are not touched while a fill runs (a failed forward skips the wait)."""
+        if self._inflight is not None:
+            cf.wait([self._inflight])
+            self._inflight = None
+
+    def advance(self, request: Request) -> tuple[FinishReason, str | None] | None:
+        """After a token: the finish the grammar implies (its end, or an error), if any."""
+        grammar = request.grammar
+        if grammar is None or request.is_finished:
+            return None
+        self._settle()
+        grammar.sync(request.output_token_ids)
+        if grammar.error is not None:
+            return FinishReason.ERROR, grammar.error
+        if grammar.stopped:
+            return FinishReason.STOP, None
+        return None
+
+    def close(self) -> None:
+        self._settle()
+        self._filler.shutdown(wait=False)
+        self.compiler.close()
+
+
+def _fill(matchers: list[Any], bitmask: torch.Tensor) -> None:
+    """One row per matcher, on the filler thread; each call drops the GIL.
+
+    A plain loop, not llguidance's parallel executor: its worker threads spin after each
+    batch and, on a small CPU, steal the cores the sampler's tensor ops run on next.
+    """
+    row_bytes = bitmask.shape[1] * 4
+    base = bitmask.data_ptr()
+    for k, matcher in enumerate(matchers):
+        matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
+
+
+class PendingMask:
+    """The masks of one step, being filled; ``get()`` waits for them (None: no grammar)."""
+
+    def __init__(self, rows: list[int], bitmask: torch.Tensor | None,
+                 future: cf.Future[Any] | None = None) -> None:
+        self.rows = rows
+        self.bitmask = bitmask
+        self.future = future
+
+    def get(self) -> tuple[list[int], torch.Tensor] | None:
+        if self.bitmask is None:
+            return None
+        if self.future is not None:
+            self.future.result()  # re-raises a failed fill
+        return self.rows, self.bitmask
