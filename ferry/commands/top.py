@@ -181,12 +181,22 @@ def _kv(stats: dict[str, Any]) -> Text:
     return Text(f"{usage * 100:5.1f}% of {total}", style=style)
 
 
+def _prefix(stats: dict[str, Any]) -> Text:
+    """Prefix-cache hit rate (share of admitted prompt tokens not computed) and cached
+    blocks; a dash for workers that do not report it."""
+    if "prefix_hit_rate" not in stats:
+        return Text("-", style="dim")
+    rate, cached = _num(stats, "prefix_hit_rate"), int(_num(stats, "kv_blocks_cached"))
+    return Text(f"{rate * 100:4.0f}% {cached}b", style="green" if rate >= 0.5 else "")
+
+
 # (header, justify, narrowest terminal that shows it); the worker cell holds the model too.
 _COLUMNS = [
     ("worker", "left", 0), ("batch", "right", 0), ("wait", "right", 0),
     ("KV used", "right", 0), ("tok/s", "right", 0), ("history", "left", 120),
     ("lag", "right", 0), ("reclaim", "right", 0), ("dead", "right", 0),
-    ("preempt", "right", 96), ("restarts", "right", 96), ("beat", "right", 96),
+    ("preempt", "right", 96), ("prefix hit", "right", 110), ("restarts", "right", 96),
+    ("beat", "right", 96),
 ]
 
 
@@ -201,6 +211,7 @@ def _worker_cells(w: WorkerView, restarts: list[RestartRecord]) -> dict[str, Ren
         "history": Text(sparkline(w.history), style="cyan"),
         "lag": _count(s, "queue_lag"), "reclaim": _count(s, "reclaimed"),
         "dead": _count(s, "dead_lettered", alert=True), "preempt": _count(s, "preemptions"),
+        "prefix hit": _prefix(s),
         "restarts": Text(str(restarted), style="red" if restarted else ""),
         "beat": Text(f"{w.age_s:.0f}s", style="red" if w.age_s > 10 else "dim"),
     }

@@ -26,7 +26,7 @@ KEYS = Keys()
 STATS: dict[str, float | int | str] = dict(
     running=3, waiting=2, kv_blocks_total=1000, kv_blocks_free=100, kv_usage=0.9,
     tokens_per_s=321.5, tokens_generated=5000, steps=900, queue_lag=4, reclaimed=7,
-    dead_lettered=1, preemptions=2, max_num_seqs=8,
+    dead_lettered=1, preemptions=2, max_num_seqs=8, prefix_hit_rate=0.75, kv_blocks_cached=40,
 )
 
 
@@ -81,8 +81,8 @@ def test_render_shows_every_column(live: redis.Redis) -> None:
                      "depth 4", "lag 3", "pending 1", "consumers 1", "fleet 321.5 tok/s"]:
         assert expected in text, expected
     row = next(line for line in text.splitlines() if "gpu-0" in line)
-    # lag, reclaimed, dead-lettered, preempt, restarts
-    assert row.split()[-6:-1] == ["4", "7", "1", "2", "0"]
+    # lag, reclaimed, dead-lettered, preempt, prefix hit rate + cached blocks, restarts
+    assert row.split()[-8:-1] == ["4", "7", "1", "2", "75%", "40b", "0"]
     narrow = _text(top_cmd.render(top_cmd.collect(live, KEYS)), width=80)
     assert "gpu-0" in narrow and "history" not in narrow  # columns dropped, worker kept
 

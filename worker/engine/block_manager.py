@@ -1,35 +1,86 @@
-"""Paged KV-cache bookkeeping in pure Python: free list, reference counts, block tables.
+"""Paged KV-cache bookkeeping in pure Python: free list, reference counts, block tables,
+and the automatic prefix cache.
 
 The model runner owns the KV tensors; this class only decides which block ids each
 request may write to. Running out of blocks is a normal answer (``None``) that the
 scheduler turns into waiting or preemption — never an exception.
+
+Prefix caching (after vLLM v1's ``KVCacheManager``, written anew): a *full* block is
+identified by a hash chained over (parent block's hash, its token ids), rooted in a salt
+naming whatever else changes the KV (model, cache dtype, block size). Once a request has
+allocated a block that becomes full this step, the block is registered under its hash. A
+request reaching a block boundary with only cached blocks ahead (a new request, a
+recomputed one after preemption, one resumed after a crash) takes the longest cached
+chain instead of computing it. Freed blocks keep their contents and hash; the free list
+is in least-recently-used order, so a cached block is evicted only when the pool needs a
+block and nothing older is free. Blocks with no hash (partial last blocks) are reused
+first. Registration happens at allocation, so a request admitted later in the same step
+can share blocks another computes in that very step (each layer stores every token's
+K/V before any attention reads it); ``forget_step`` undoes this step's registrations when
+the forward fails, so no block is ever cached with contents that were not computed.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from worker.engine.request import Request
+
+
+@dataclass
+class CacheStats:
+    """Prefix-cache counters: tokens looked up at admission and tokens found cached."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The hash of one full block given its parent's. SHA-256, not Python's ``hash``: a
+    collision would hand one request another's KV, and tuple hashes can be forced."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, watermark: float = 0.01,
+        enable_caching: bool = True, salt: str = "",
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_caching = enable_caching
         # Blocks held back when admitting *new* requests, so running ones can still grow.
         self.watermark_blocks = int(watermark * num_blocks)
-        self._free: deque[int] = deque(range(num_blocks))
+        # Free blocks, least recently used first (popped for allocation from the front).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        self._root = hashlib.sha256(f"ferry-kv|{salt}|{block_size}".encode()).digest()
+        self._hash_of: dict[int, bytes] = {}  # block -> hash, for cached blocks
+        self._block_of: dict[bytes, int] = {}  # hash -> block
+        self._registered: dict[str, int] = {}  # request -> leading table blocks hashed
+        self._step: list[tuple[str, int, bytes]] = []  # registrations since begin_step
+        self.stats = CacheStats()
 
     # -- queries -----------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
+        """Blocks not held by any request (cached ones included: they are evictable)."""
         return len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of)
 
     @property
     def usage(self) -> float:
@@ -45,41 +96,139 @@ class BlockManager:
         held = len(self._tables.get(request_id, ()))
         return max(0, self.blocks_needed(total_tokens) - held)
 
+    def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The chained hashes of the request's first ``num_blocks`` full blocks (cached on
+        the request and extended as its tokens grow)."""
+        hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else self._root
+            hashes.append(chain_hash(parent, tokens[i * bs:(i + 1) * bs]))
+        return hashes[:num_blocks]
+
+    def cached_prefix(self, request: Request) -> list[int]:
+        """Cached blocks that continue the request's table from where it has computed, up
+        to the block before its last token (whose logits must be computed). Empty unless
+        the request stands at a block boundary with nothing allocated ahead."""
+        table = self._tables.get(request.request_id, [])
+        computed = request.num_computed_tokens
+        if not self.enable_caching or computed != len(table) * self.block_size:
+            return []
+        limit = (request.num_tokens - 1) // self.block_size
+        if limit <= len(table):
+            return []
+        hits = []
+        for h in self.block_hashes(request, limit)[len(table):]:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
     # -- mutations ---------------------------------------------------------------------
     def allocate_slots(
-        self, request_id: str, total_tokens: int, *, admitting: bool = False
+        self, request_id: str, total_tokens: int, *, admitting: bool = False,
+        cached: Sequence[int] = (),
     ) -> list[int] | None:
-        """Grow the request's table to hold ``total_tokens`` tokens.
+        """Grow the request's table to hold ``total_tokens`` tokens: first the ``cached``
+        blocks (from ``cached_prefix``), then fresh ones.
 
-        Returns the newly added block ids, or ``None`` (nothing changed) when the free
-        list cannot cover them — keeping the watermark in reserve when ``admitting``.
+        Returns the newly added fresh block ids, or ``None`` (nothing changed) when the
+        free list cannot cover them — keeping the watermark in reserve when ``admitting``.
         """
-        need = self.num_new_blocks(request_id, total_tokens)
+        table = self._tables.get(request_id, [])
+        need = max(0, self.blocks_needed(total_tokens) - len(table) - len(cached))
+        reclaimed = sum(1 for block in cached if self._ref_counts[block] == 0)
         reserve = self.watermark_blocks if admitting else 0
-        if need > len(self._free) - reserve:
+        if need > len(self._free) - reclaimed - reserve:
             return None
-        table = self._tables.setdefault(request_id, [])
-        new_blocks = [self._free.popleft() for _ in range(need)]
-        for block in new_blocks:
+        table = self._tables.setdefault(request_id, table)
+        for block in cached:
+            if self._ref_counts[block] == 0:
+                del self._free[block]
             self._ref_counts[block] += 1
+            table.append(block)
+        if cached:
+            self._registered[request_id] = len(table)
+        new_blocks = [self._take_free_block() for _ in range(need)]
         table.extend(new_blocks)
         return new_blocks
 
+    def _take_free_block(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        old = self._hash_of.pop(block, None)  # evict: its contents are about to change
+        if old is not None and self._block_of.get(old) == block:
+            del self._block_of[old]
+        self._ref_counts[block] = 1
+        return block
+
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full once ``num_tokens`` are computed."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        table = self._tables.get(rid, [])
+        full = min(num_tokens // self.block_size, len(table))
+        start = self._registered.get(rid, 0)
+        if full <= start:
+            return
+        for i, h in enumerate(self.block_hashes(request, full)[start:], start):
+            block = table[i]
+            if h not in self._block_of and block not in self._hash_of:
+                self._block_of[h] = block
+                self._hash_of[block] = h
+                self._step.append((rid, block, h))
+        self._registered[rid] = full
+
+    def begin_step(self) -> None:
+        self._step.clear()
+
+    def forget_step(self, request_id: str | None = None) -> None:
+        """Unregister this step's registrations (of one request, or all): their blocks will
+        not be computed after all (a failed forward, a request preempted before running)."""
+        kept = []
+        for rid, block, h in self._step:
+            if request_id is not None and rid != request_id:
+                kept.append((rid, block, h))
+                continue
+            if self._block_of.get(h) == block:
+                del self._block_of[h]
+                del self._hash_of[block]
+            if rid in self._registered:
+                self._registered[rid] = min(self._registered[rid],
+                                            self._tables[rid].index(block))
+        self._step = kept
+
+    def provides_this_step(self, request_id: str) -> bool:
+        """Whether another request holds a block this one registers this step (so this one
+        must compute it: it cannot be preempted before the forward)."""
+        return any(rid == request_id and self._ref_counts[block] > 1
+                   for rid, block, _ in self._step)
+
     def free(self, request_id: str) -> None:
-        """Release every block the request holds (a no-op for unknown ids)."""
+        """Release every block the request holds (a no-op for unknown ids). Cached blocks
+        go to the back of the LRU list, tail blocks first; blocks without a hash to the
+        front (they hold nothing worth keeping)."""
         table = self._tables.pop(request_id, None)
+        self._registered.pop(request_id, None)
         if not table:
             return
-        # Tail blocks first, so the least useful blocks are reused first.
         for block in reversed(table):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free.append(block)
+                self._free[block] = None
+                if block not in self._hash_of:
+                    self._free.move_to_end(block, last=False)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the accounting is inconsistent (used by tests)."""
-        held = sum(len(t) for t in self._tables.values())
-        assert held + len(self._free) == self.num_blocks, "blocks leaked or double-freed"
-        assert len(set(self._free)) == len(self._free), "duplicate block in free list"
-        for block in self._free:
-            assert self._ref_counts[block] == 0, f"free block {block} still referenced"
+        holders = [0] * self.num_blocks
+        for table in self._tables.values():
+            assert len(set(table)) == len(table), "a block twice in one table"
+            for block in table:
+                holders[block] += 1
+        assert holders == self._ref_counts, "reference counts differ from the tables"
+        free = {b for b, n in enumerate(holders) if n == 0}
+        assert free == set(self._free), "blocks leaked or double-freed"
+        assert all(self._block_of[h] == b for b, h in self._hash_of.items())
+        assert len(self._block_of) == len(self._hash_of), "hash maps disagree"

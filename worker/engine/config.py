@@ -39,6 +39,8 @@ class CacheConfig:
     memory_bytes: int | None = None  # default: 2 GiB on CPU, 90% of free memory on CUDA
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | bfloat16 | float16 | float32
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
+    # Reuse the KV of full blocks whose token prefix was computed before (block_manager.py)
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class EngineConfig:
             num_blocks=_int("FERRY_KV_CACHE_BLOCKS"),
             memory_bytes=_int("FERRY_KV_CACHE_BYTES"),
             kv_cache_dtype=env.get("FERRY_KV_CACHE_DTYPE"),
+            enable_prefix_caching=_bool("FERRY_PREFIX_CACHING"),
             max_num_seqs=_int("FERRY_MAX_NUM_SEQS"),
             max_num_batched_tokens=_int("FERRY_MAX_NUM_BATCHED_TOKENS"),
         )

@@ -32,7 +32,9 @@ class Engine:
         self.tokenizer = self.runner.loaded.tokenizer
         self.max_model_len = self.runner.shape.max_model_len
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.cache.block_size, config.cache.watermark
+            self.runner.num_blocks, config.cache.block_size, config.cache.watermark,
+            enable_caching=config.cache.enable_prefix_caching,
+            salt=f"{config.model.model}|{self.runner.loaded.dtype}|{self.runner.kv_dtype}",
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.prompts = PromptBuilder(self.tokenizer, PromptLimits(
@@ -184,6 +186,7 @@ class Engine:
 
     def _fail_batch(self, sched: SchedulerOutput, exc: Exception) -> list[StepOutput]:
         message = f"{type(exc).__name__}: {exc}"
+        self.block_manager.forget_step()  # what this step registered was never computed
         outputs = []
         for item in sched.scheduled:
             if not item.request.is_finished:
@@ -198,6 +201,9 @@ class Engine:
             kv_blocks_free=self.block_manager.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             tokens_generated=self._tokens_generated, steps=self._steps,
+            prefix_cache_queries=self.block_manager.stats.queries,
+            prefix_cache_hits=self.block_manager.stats.hits,
+            kv_blocks_cached=self.block_manager.num_cached_blocks,
         )
 
 

@@ -48,3 +48,11 @@ class EngineStats:
     num_preemptions: int
     tokens_generated: int
     steps: int
+    prefix_cache_queries: int = 0  # tokens looked up when requests were admitted
+    prefix_cache_hits: int = 0  # of which found in the prefix cache (not computed)
+    kv_blocks_cached: int = 0  # blocks holding a reusable prefix (held or evictable)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries \
+            if self.prefix_cache_queries else 0.0

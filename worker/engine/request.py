@@ -52,6 +52,9 @@ class Request:
     # Output tokens that existed when the request was (re)submitted, e.g. tokens already
     # streamed by a worker that died; they count toward max_tokens but are not re-sent.
     num_prior_output_tokens: int = 0
+    # Chained hashes of the request's full blocks (worker/engine/block_manager.py), grown
+    # lazily; full blocks never change, so they stay valid across preemption.
+    block_hashes: list[bytes] = field(default_factory=list)
     # [structured output] the request's grammar matcher (worker/engine/structured.py:
     # RequestGrammar); the scheduler leaves the request waiting until it is ready.
     grammar: Any = None

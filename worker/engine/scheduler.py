@@ -89,24 +89,22 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.block_manager.begin_step()
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         self.running.sort(key=Request.sort_key)
         pending = list(self.running)  # highest priority first; victims come off the end
         while pending and budget > 0:
             request = pending.pop(0)
-            num_new = self._chunk(request, budget)
-            while self.block_manager.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_new
-            ) is None:
+            while (item := self._allocate(request, budget)) is None:
                 victim = pending.pop() if pending else request
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                scheduled.append(self._scheduled(request, num_new))
-                budget -= num_new
+                scheduled.append(item)
+                budget -= item.num_new_tokens
         if not out.preempted:
             budget = self._admit(scheduled, budget)
         # Decodes first, shortest context first: attention then reads them in length
@@ -117,6 +115,28 @@ class Scheduler:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
+    def _allocate(
+        self, request: Request, budget: int, admitting: bool = False
+    ) -> ScheduledRequest | None:
+        """Blocks for the request's next chunk, taking cached blocks first where its
+        computed prefix ends at a block boundary; None (nothing changed) if they do not
+        fit. A request admitted from scratch counts as a prefix-cache lookup."""
+        bm = self.block_manager
+        hits = bm.cached_prefix(request)
+        hit_tokens = len(hits) * bm.block_size
+        start = request.num_computed_tokens + hit_tokens
+        num_new = min(request.num_tokens - start, budget,
+                      self.config.long_prefill_token_threshold)
+        if bm.allocate_slots(request.request_id, start + num_new, admitting=admitting,
+                             cached=hits) is None:
+            return None
+        if request.num_computed_tokens == 0 and bm.enable_caching:
+            bm.stats.queries += request.num_tokens
+        bm.stats.hits += hit_tokens
+        request.num_computed_tokens = start
+        bm.cache_full_blocks(request, start + num_new)
+        return self._scheduled(request, num_new)
+
     def _admit(self, scheduled: list[ScheduledRequest], budget: int) -> int:
         """Admit waiting requests, highest priority first, while room allows; a waiting
         request of strictly higher priority than a running one preempts it for room."""
@@ -126,16 +146,10 @@ class Scheduler:
             if request.waiting_for_grammar:
                 skip += 1
                 continue
-            if len(self.running) >= self.config.max_num_seqs:
-                refund = self._preempt_for(request, scheduled)
-                if refund is None:
-                    break
-                budget += refund
-                continue
-            num_new = self._chunk(request, budget)
-            if self.block_manager.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_new, admitting=True
-            ) is None:
+            item = None
+            if len(self.running) < self.config.max_num_seqs:
+                item = self._allocate(request, budget, admitting=True)
+            if item is None:
                 refund = self._preempt_for(request, scheduled)
                 if refund is None:
                     break
@@ -144,32 +158,31 @@ class Scheduler:
             self.waiting.pop(skip)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            scheduled.append(item)
+            budget -= item.num_new_tokens
         return budget
 
     def _preempt_for(
         self, request: Request, scheduled: list[ScheduledRequest]
     ) -> int | None:
         """Preempt the lowest-priority running request if ``request`` outranks it; returns
-        the token budget that frees this step (None: nothing ranks below ``request``)."""
-        if not self.running:
+        the token budget that frees this step (None: nothing ranks below ``request``). A
+        request computing blocks that others already share this step is passed over."""
+        bm = self.block_manager
+        candidates = [r for r in self.running if r.priority > request.priority
+                      and not bm.provides_this_step(r.request_id)]
+        if not candidates:
             return None
-        victim = max(self.running, key=Request.sort_key)
-        if victim.priority <= request.priority:
-            return None
+        victim = max(candidates, key=Request.sort_key)
         refund = 0
         for item in scheduled:
             if item.request is victim:
                 scheduled.remove(item)
                 refund = item.num_new_tokens
+                bm.forget_step(victim.request_id)  # its blocks will not be computed now
                 break
         self._preempt(victim)
         return refund
-
-    def _chunk(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
-        return min(remaining, budget, self.config.long_prefill_token_threshold)
 
     @staticmethod
     def _scheduled(request: Request, num_new: int) -> ScheduledRequest:

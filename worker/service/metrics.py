@@ -70,6 +70,8 @@ class WorkerMetrics:
         self._build_histograms()
         self._tokens = _Cumulative(self.output_tokens)
         self._preemptions = _Cumulative(self.preemptions)
+        self._prefix_queries = _Cumulative(self.prefix_queries)
+        self._prefix_hits = _Cumulative(self.prefix_hits)
 
     def _build_gauges(self) -> None:
         reg, p = self.registry, PREFIX
@@ -91,6 +93,11 @@ class WorkerMetrics:
         self.kv_free = Gauge(p + "kv_blocks_free", "KV cache blocks free.", registry=reg)
         self.kv_usage = Gauge(
             p + "kv_cache_usage_ratio", "Used / total KV cache blocks (0..1).", registry=reg
+        )
+        self.kv_cached = Gauge(
+            p + "kv_blocks_cached",
+            "KV blocks holding a reusable prefix (held by requests or evictable).",
+            registry=reg,
         )
 
     def _build_counters(self) -> None:
@@ -116,6 +123,15 @@ class WorkerMetrics:
         )
         self.dead_letters = Counter(
             p + "dead_letters", "Stream entries moved to the dead-letter stream.", registry=reg
+        )
+        self.prefix_queries = Counter(
+            p + "prefix_cache_queries",
+            "Tokens of requests admitted from scratch (prefix-cache lookups).", registry=reg
+        )
+        self.prefix_hits = Counter(
+            p + "prefix_cache_hits",
+            "Tokens served from the prefix cache instead of computed; hit rate = "
+            "rate(hits) / rate(queries).", registry=reg
         )
 
     def _build_histograms(self) -> None:
@@ -201,6 +217,9 @@ class WorkerMetrics:
         self.kv_usage.set(used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
         self._tokens.sync(stats.tokens_generated)
         self._preemptions.sync(stats.num_preemptions)
+        self.kv_cached.set(getattr(stats, "kv_blocks_cached", 0))
+        self._prefix_queries.sync(getattr(stats, "prefix_cache_queries", 0))
+        self._prefix_hits.sync(getattr(stats, "prefix_cache_hits", 0))
 
     def set_queue(self, depth: int, lag: int) -> None:
         """Stream length and the group's undelivered count, as last read from Redis."""

@@ -97,6 +97,8 @@ class StatsBook:
             "tokens_generated": s.tokens_generated,
             "steps": s.steps,
             "preemptions": s.num_preemptions,
+            "prefix_hit_rate": round(s.prefix_cache_hit_rate, 4),
+            "kv_blocks_cached": s.kv_blocks_cached,
             "queue_lag": c.queue_lag,
             "reclaimed": c.reclaimed,
             "dead_lettered": c.dead_lettered,

@@ -39,6 +39,9 @@ EXPECTED = {
     "ferry_worker_reclaimed": "counter",
     "ferry_worker_dead_letters": "counter",
     "ferry_worker_step_seconds": "histogram",
+    "ferry_worker_kv_blocks_cached": "gauge",
+    "ferry_worker_prefix_cache_queries": "counter",
+    "ferry_worker_prefix_cache_hits": "counter",
 }
 
 
@@ -53,6 +56,9 @@ class Stats:
     num_preemptions: int = 0
     tokens_generated: int = 0
     steps: int = 0
+    prefix_cache_queries: int = 400
+    prefix_cache_hits: int = 300
+    kv_blocks_cached: int = 12
 
 
 def _samples(metrics: WorkerMetrics) -> dict[str, float]:
@@ -107,6 +113,9 @@ def test_values_after_one_request() -> None:
     assert s["ferry_worker_e2e_latency_seconds_sum"] == 0.5
     assert s["ferry_worker_queue_time_seconds_count"] == 1
     assert s["ferry_worker_step_seconds_count"] == 1
+    assert s["ferry_worker_prefix_cache_queries_total"] == 400
+    assert s["ferry_worker_prefix_cache_hits_total"] == 300
+    assert s["ferry_worker_kv_blocks_cached"] == 12
 
 
 def test_step_events_and_engine_totals_do_not_double_count() -> None:
