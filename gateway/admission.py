@@ -21,6 +21,11 @@ from protocol.models import GenerateRequest
 
 def check_limits(request: GenerateRequest, settings: GatewaySettings) -> None:
     """400 naming the field for a prompt or ``max_tokens`` over the configured caps."""
+    params = request.params
+    for name, value in (("n", params.n), ("best_of", params.best_of)):
+        if value is not None and value > settings.max_n:
+            raise APIError(400, f"{name}: {value} exceeds the limit of {settings.max_n}",
+                           param=name)
     limit = settings.max_tokens_limit
     if request.params.max_tokens > limit:
         raise APIError(400, f"max_tokens: {request.params.max_tokens} exceeds the limit of "

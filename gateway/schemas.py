@@ -72,9 +72,19 @@ class _OpenAIBase(StructuredFields):  # [structured output] response_format, gui
     request_id: str | None = Field(default=None, pattern=ID_PATTERN)
     timeout_s: float | None = Field(default=None, gt=0)
 
-    def _check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, "n: only n=1 is supported", param="n")
+    def _check_choices(self, settings: GatewaySettings, best_of: int | None = None) -> None:
+        """``n`` and ``best_of`` within the configured maximum; ``best_of`` (more candidates
+        than choices) cannot be streamed, as OpenAI answers."""
+        for name, value in (("n", self.n), ("best_of", best_of)):
+            if value is not None and not 1 <= value <= settings.max_n:
+                raise APIError(400, f"{name}: must be between 1 and {settings.max_n}, got "
+                               f"{value}", param=name)
+        if best_of is not None and best_of < self.n:
+            raise APIError(400, f"best_of: must be >= n ({self.n}), got {best_of}",
+                           param="best_of")
+        if self.stream and best_of is not None and best_of > self.n:
+            raise APIError(400, "best_of: cannot be used with stream (the best choices are "
+                           "known only once every candidate has finished)", param="best_of")
 
     def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
@@ -82,6 +92,8 @@ class _OpenAIBase(StructuredFields):  # [structured output] response_format, gui
         if self.stop is not None:
             values["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         values["max_tokens"] = max_tokens
+        values["n"] = self.n
+        values["best_of"] = getattr(self, "best_of", None)
         if logprobs is not None:
             values["logprobs"] = logprobs
         values["structured_output"] = self.structured_output()  # [structured output]
@@ -122,9 +134,8 @@ class CompletionRequest(_OpenAIBase):
     best_of: int | None = None
 
     def to_generate_request(self, settings: GatewaySettings) -> GenerateRequest:
-        self._check_supported()
-        for name, unsupported in (("echo", self.echo), ("suffix", self.suffix),
-                                  ("best_of", (self.best_of or 1) > 1)):
+        self._check_choices(settings, self.best_of)
+        for name, unsupported in (("echo", self.echo), ("suffix", self.suffix)):
             if unsupported:
                 raise APIError(400, f"{name}: not supported", param=name)
         prompt, token_ids = _single_prompt(self.prompt)
@@ -192,7 +203,7 @@ class ChatCompletionRequest(_OpenAIBase):
             raise APIError(400, "modalities: only ['text'] is supported", param="modalities")
 
     def to_generate_request(self, settings: GatewaySettings) -> GenerateRequest:
-        self._check_supported()
+        self._check_choices(settings)
         self._check_chat_supported()
         default = min(settings.default_max_tokens, settings.max_tokens_limit)
         max_tokens = self.max_completion_tokens or self.max_tokens or default

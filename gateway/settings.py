@@ -32,6 +32,7 @@ class GatewaySettings(BaseModel):
     max_prompt_tokens: int = Field(default=32_768, ge=1, description="prompt_token_ids length.")
     max_tokens_limit: int = Field(default=8192, ge=1, description="Cap on max_tokens.")
     default_max_tokens: int = Field(default=256, ge=1, description="Chat default if unset.")
+    max_n: int = Field(default=16, ge=1, le=128, description="Cap on n and best_of.")
     max_queue_lag: int | None = Field(
         default=1000, ge=0, description="Requests waiting for a worker before 429; None: off."
     )

@@ -16,10 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
-"""Bumped on any incompatible change; decoders refuse versions they do not know."""
+PROTOCOL_VERSION = 2
+"""Bumped on any incompatible change; decoders refuse versions they do not know. Version 2
+added fields (logit_bias, structured_output, n, best_of; per-choice events): version 1
+messages are still read, and mean the same."""
 
-SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})
+SUPPORTED_VERSIONS = frozenset({1, PROTOCOL_VERSION})
 
 ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 """Request and worker ids become part of Redis key names: only key-safe characters."""
@@ -135,6 +137,9 @@ class GenerateRequest(_Wire):
         broken = _unencodable(dumped, "")
         if broken:
             raise ValueError(f"{broken}: not valid Unicode text (a lone surrogate?)")
+        if self.stream and self.params.ranks_candidates:
+            raise ValueError("stream: best_of > n cannot be streamed (the best n are chosen "
+                             "once every candidate has finished)")
         return self
 
 
@@ -167,10 +172,26 @@ class TokenLogprob(_Wire):
     top: list[TopLogprob] = Field(default_factory=list)
 
 
+class ChoiceResult(_Wire):
+    """One of a request's ``n`` choices, on the terminal event and in the job hash when
+    ``n > 1``. ``text``/``token_ids``/``logprobs`` are present where they were not streamed
+    (``stream=False``, ``best_of``) and in the job hash."""
+
+    index: int = Field(ge=0)
+    finish_reason: FinishReason | None = None
+    completion_tokens: int = Field(default=0, ge=0)
+    text: str | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+
+
 class TokenEvent(_Wire):
     """One step of output. ``seq`` counts 0, 1, 2, ... per request with no gap.
 
-    The event with a ``finish_reason`` is the last one; it carries usage and timings.
+    The event with a ``finish_reason`` is the last one; it carries usage and timings. With
+    ``n > 1``, each event's tokens belong to choice ``index``, the event ending a choice
+    carries ``choice_finish_reason``, and the terminal one lists every choice (``choices``).
     """
 
     version: int = PROTOCOL_VERSION
@@ -185,6 +206,9 @@ class TokenEvent(_Wire):
     usage: Usage | None = None
     timings: Timings | None = None
     worker_id: str | None = None
+    index: int = Field(default=0, ge=0)
+    choice_finish_reason: FinishReason | None = None
+    choices: list[ChoiceResult] | None = None
 
     @property
     def is_final(self) -> bool:
@@ -208,6 +232,7 @@ class JobStatus(_Wire):
     created_at: float | None = None
     started_at: float | None = None
     finished_at: float | None = None
+    choices: list[ChoiceResult] | None = None  # n > 1: every choice's whole result
 
     @property
     def is_terminal(self) -> bool:

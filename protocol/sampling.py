@@ -23,6 +23,7 @@ from protocol.structured import StructuredOutput
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024
+MAX_N = 128  # the wire's bound on n and best_of; the gateway's own limit is lower (16)
 
 
 class SamplingParams(BaseModel):
@@ -74,6 +75,12 @@ class SamplingParams(BaseModel):
         return None if value is None else {str(k): v for k, v in value.items()}
     # [structured output] the one constraint the text must follow (protocol/structured.py)
     structured_output: StructuredOutput | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N, description="Choices returned per request.")
+    best_of: int | None = Field(
+        default=None, ge=1, le=MAX_N,
+        description="Candidates generated; the n with the highest cumulative logprob are "
+        "returned (not streamable).",
+    )
 
     @model_validator(mode="after")
     def _check_consistency(self) -> SamplingParams:
@@ -83,6 +90,8 @@ class SamplingParams(BaseModel):
             raise ValueError("stop_token_ids: token ids must be >= 0")
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens: must not exceed max_tokens")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of: must be >= n ({self.n}), got {self.best_of}")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0:
                 raise ValueError(f"logit_bias: token id {token} must be >= 0")
@@ -90,6 +99,16 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"logit_bias: bias {bias} for token {token} is outside "
                                  "[-100, 100]")
         return self
+
+    @property
+    def num_candidates(self) -> int:
+        """Sequences generated for the request: ``best_of`` if given, else ``n``."""
+        return self.best_of or self.n
+
+    @property
+    def ranks_candidates(self) -> bool:
+        """More candidates than choices: the best ``n`` are picked at the end."""
+        return self.num_candidates > self.n
 
     @property
     def greedy(self) -> bool:

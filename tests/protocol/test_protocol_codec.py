@@ -26,6 +26,8 @@ from protocol.codec import (
 )
 from protocol.keys import Keys
 from protocol.models import (
+    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
     Cancel,
     ChatMessage,
     GenerateRequest,
@@ -68,7 +70,14 @@ def test_request_round_trip(request_: GenerateRequest) -> None:
 def test_request_defaults() -> None:
     a, b = GenerateRequest(prompt="x"), GenerateRequest(prompt="x")
     assert a.request_id != b.request_id and len(a.request_id) == 32
-    assert a.version == 1 and a.created_at > 1.6e9 and a.priority == 0
+    assert a.version == PROTOCOL_VERSION == 2 and a.created_at > 1.6e9 and a.priority == 0
+
+
+def test_version_1_messages_are_still_read() -> None:
+    """Version 2 only added fields: a version-1 producer's request decodes the same."""
+    old = decode_request(msgpack.packb({"version": 1, "prompt": "x", "priority": 3,
+                                        "params": {"max_tokens": 5}}, use_bin_type=True))
+    assert old.version == 1 and old.params.max_tokens == 5 and old.params.n == 1
 
 
 def test_event_status_cancel_heartbeat_round_trip() -> None:
@@ -196,4 +205,4 @@ def test_fuzz_structured_maps_only_raise_protocol_error(obj: dict[str, object]) 
             decoded = decode(data)
         except ProtocolError:
             continue
-        assert decoded.version == 1
+        assert decoded.version in SUPPORTED_VERSIONS

@@ -11,6 +11,7 @@ from typing import Any
 
 from protocol.sampling import SamplingParams
 from worker.engine.block_manager import BlockManager
+from worker.engine.choices import candidate_id, candidate_params
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.model_runner import ModelRunner
@@ -46,6 +47,7 @@ class Engine:
         self.structured = StructuredOutputs(  # [structured output]
             self.tokenizer, self.runner.shape.vocab_size, self.runner.loaded.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._groups: dict[str, list[str]] = {}  # request id -> its unfinished candidates
         self._tokens_generated = 0
         self._steps = 0
 
@@ -73,10 +75,41 @@ class Engine:
     def add_tokens(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         priority: int = 0, prior_output_ids: list[int] | None = None,
+        prior_by_choice: dict[int, list[int]] | None = None,
+        skip_choices: frozenset[int] = frozenset(),
     ) -> Request:
         """Queue a prompt that ``self.prompts.build`` already tokenized and validated (on
-        any thread): the engine loop's cost no longer depends on the prompt's text size."""
-        prior = list(prior_output_ids or [])
+        any thread): the engine loop's cost no longer depends on the prompt's text size.
+
+        With ``n > 1`` or ``best_of``, one engine request per candidate (``choices.py``);
+        a resumed request gives each candidate's tokens so far (``prior_by_choice``) and the
+        candidates that had already finished (``skip_choices``). Returns the first queued.
+        """
+        count = params.num_candidates
+        priors = prior_by_choice if prior_by_choice is not None else \
+            {0: list(prior_output_ids or [])}
+        first: Request | None = None
+        for index in range(count):
+            if index in skip_choices:
+                continue
+            request = self._add_one(
+                candidate_id(request_id, index, count), prompt_token_ids,
+                candidate_params(params, index) if count > 1 else params, priority,
+                list(priors.get(index, [])),
+            )
+            if count > 1:
+                request.parent_id, request.index = request_id, index
+                request.report_logprobs = params.logprobs is not None
+                self._groups.setdefault(request_id, []).append(request.request_id)
+            first = first or request
+        if first is None:
+            raise ValueError("skip_choices: every candidate has already finished")
+        return first
+
+    def _add_one(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        priority: int, prior: list[int],
+    ) -> Request:
         request = Request(
             request_id, prompt_token_ids, params,
             eos_token_ids=self.runner.loaded.eos_token_ids, priority=priority,
@@ -93,13 +126,17 @@ class Engine:
 
     def abort(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT
-    ) -> StepOutput | None:
-        """Drop a waiting or running request now; returns its final event (None if unknown)."""
-        request = self.scheduler.requests.get(request_id)
-        if request is None:
-            return None
-        self.scheduler.finish(request, reason)
-        return self._final(request, [], "")
+    ) -> list[StepOutput]:
+        """Drop a waiting or running request (every candidate of it) now; returns the final
+        output of each one still unfinished (none if unknown)."""
+        ids = self._groups.pop(request_id, None) or [request_id]
+        outputs = []
+        for rid in ids:
+            request = self.scheduler.requests.get(rid)
+            if request is not None:
+                self.scheduler.finish(request, reason)
+                outputs.append(self._final(request, [], ""))
+        return outputs
 
     # -- stepping ----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -158,14 +195,17 @@ class Engine:
             if grammar_end is not None:
                 self.scheduler.finish(request, grammar_end[0], error=grammar_end[1])
             lp = lp_by_id.get(request.request_id)
+            if lp is not None:
+                request.cumulative_logprob += lp[0]
+                lp = lp if request.report_logprobs else None
             if request.is_finished:
                 outputs.append(self._final(request, [token], result.text_delta, lp))
             else:
                 outputs.append(StepOutput(
-                    request.request_id, [token], result.text_delta,
+                    request.public_id, [token], result.text_delta,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_output_tokens=request.num_output_tokens,
-                    logprobs=[lp] if lp is not None else None,
+                    logprobs=[lp] if lp is not None else None, index=request.index,
                 ))
         return outputs
 
@@ -176,13 +216,25 @@ class Engine:
         detok = self._detok.pop(request.request_id, None)
         if detok is not None and request.finish_reason is not FinishReason.STOP:
             text += detok.flush()
+        if request.parent_id is not None:
+            self._forget_candidate(request)
+        ranked = request.parent_id is not None and request.params.logprobs is not None
         return StepOutput(
-            request.request_id, tokens, text, finished=True,
+            request.public_id, tokens, text, finished=True,
             finish_reason=str(request.finish_reason), error=request.error,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             logprobs=[lp] if lp is not None else None, error_kind=error_kind,
+            index=request.index,
+            cumulative_logprob=request.cumulative_logprob if ranked else None,
         )
+
+    def _forget_candidate(self, request: Request) -> None:
+        group = self._groups.get(request.public_id)
+        if group is not None and request.request_id in group:
+            group.remove(request.request_id)
+            if not group:
+                del self._groups[request.public_id]
 
     def _fail_batch(self, sched: SchedulerOutput, exc: Exception) -> list[StepOutput]:
         message = f"{type(exc).__name__}: {exc}"

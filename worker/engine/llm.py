@@ -9,7 +9,7 @@ from typing import Any
 from protocol.sampling import SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.engine.outputs import CompletionOutput
+from worker.engine.outputs import ChoiceOutput, CompletionOutput
 
 Prompt = str | list[int]
 
@@ -64,20 +64,40 @@ class LLM:
                     f"params: got {len(param_list)} SamplingParams for {len(prompt_list)} prompts"
                 )
         results: dict[str, CompletionOutput] = {}
+        choices: dict[str, dict[int, ChoiceOutput]] = {}
         order: list[str] = []
         for prompt, p in zip(prompt_list, param_list, strict=True):
             rid = f"llm-{next(self._ids)}"
             request = self.engine.add_request(rid, prompt, p)
             results[rid] = CompletionOutput(rid, list(request.prompt_token_ids))
+            choices[rid] = {i: ChoiceOutput(i) for i in range(p.num_candidates)}
             order.append(rid)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                done = results[out.request_id]
-                done.token_ids.extend(out.new_token_ids)
-                done.text += out.text
+                choice = choices[out.request_id][out.index]
+                choice.token_ids.extend(out.new_token_ids)
+                choice.text += out.text
                 if out.logprobs is not None:
-                    done.logprobs = (done.logprobs or []) + out.logprobs
+                    choice.logprobs = (choice.logprobs or []) + out.logprobs
                 if out.finished:
-                    done.finish_reason = out.finish_reason
-                    done.error = out.error
+                    choice.finish_reason = out.finish_reason
+                    choice.cumulative_logprob = out.cumulative_logprob
+                    if out.error is not None:
+                        results[out.request_id].error = out.error
+        for rid, p in zip(order, param_list, strict=True):
+            _settle(results[rid], list(choices[rid].values()), p)
         return [results[rid] for rid in order]
+
+
+def _settle(result: CompletionOutput, choices: list[ChoiceOutput], params: SamplingParams) -> None:
+    """Pick the returned choices (the best ``n`` of ``best_of`` by cumulative logprob) and
+    mirror the first one's fields on the result."""
+    if params.ranks_candidates:
+        choices = sorted(choices, key=lambda c: -(c.cumulative_logprob or float("-inf")))
+        choices = choices[: params.n]
+        for i, choice in enumerate(choices):
+            choice.index = i
+    result.choices = choices
+    first = choices[0]
+    result.token_ids, result.text = first.token_ids, first.text
+    result.finish_reason, result.logprobs = first.finish_reason, first.logprobs

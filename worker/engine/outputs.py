@@ -19,14 +19,29 @@ class StepOutput:
     num_output_tokens: int = 0
     # Per new token: (logprob of the token, [(token id, logprob), ...top-n]).
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    index: int = 0  # which candidate of the request (n > 1 / best_of); ``finished`` is its own
+    cumulative_logprob: float | None = None  # on a finished candidate that was ranked
     # On an error: "invalid_request" when the request itself is at fault (e.g. a grammar
     # that does not compile), else None (the worker's fault).
     error_kind: str | None = None
 
 
 @dataclass
+class ChoiceOutput:
+    """One of a request's choices (``n > 1`` / ``best_of``)."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
 class CompletionOutput:
-    """A finished request, as ``LLM.generate`` returns it."""
+    """A finished request, as ``LLM.generate`` returns it: the first (best) choice's fields,
+    and every choice in ``choices`` (one unless ``n > 1``)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -35,6 +50,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    choices: list[ChoiceOutput] = field(default_factory=list)
 
 
 @dataclass

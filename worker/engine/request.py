@@ -52,6 +52,12 @@ class Request:
     # Output tokens that existed when the request was (re)submitted, e.g. tokens already
     # streamed by a worker that died; they count toward max_tokens but are not re-sent.
     num_prior_output_tokens: int = 0
+    # n > 1 / best_of (worker/engine/choices.py): the request this candidate belongs to and
+    # its index among the candidates; its cumulative logprob when candidates are ranked.
+    parent_id: str | None = None
+    index: int = 0
+    report_logprobs: bool = True
+    cumulative_logprob: float = 0.0
     # Chained hashes of the request's full blocks (worker/engine/block_manager.py), grown
     # lazily; full blocks never change, so they stay valid across preemption.
     block_hashes: list[bytes] = field(default_factory=list)
@@ -63,6 +69,11 @@ class Request:
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.num_prior_output_tokens = len(self.output_token_ids)
         self.stop_token_ids = frozenset(self.params.stop_token_ids)
+
+    @property
+    def public_id(self) -> str:
+        """The id outputs carry: the parent request's, for one of several candidates."""
+        return self.parent_id or self.request_id
 
     @property
     def num_tokens(self) -> int:

@@ -22,11 +22,12 @@ import structlog
 from redis.exceptions import ResponseError
 
 from protocol.codec import ProtocolError, decode_entry, request_fields
-from protocol.models import GenerateRequest
+from protocol.models import GenerateRequest, TokenEvent
 from protocol.store import START_JOB_LUA, ensure_group
 from protocol.streaming import decode_log
+from worker.service.active_job import ActiveJob
 from worker.service.deadletter import DeadLetters
-from worker.service.jobs import ActiveJob, Admission
+from worker.service.jobs import Admission
 from worker.service.leases import Entry, HeldEntries
 from worker.service.outbox import Outbox
 from worker.service.prompt_pool import PromptPool
@@ -217,10 +218,7 @@ class Intake(threading.Thread):
             self.held.discard(entry)
             self.dead.unrunnable(self.redis, entry, request, f"replay log unreadable: {exc}")
             return
-        admission = Admission(
-            entry, request, [t for e in events for t in e.token_ids],
-            "".join(e.text for e in events), len(events),
-        )
+        admission = replayed(entry, request, events)
         if decision == "skip" or (events and events[-1].is_final):
             self.held.discard(entry)
             stream, entry_id = entry
@@ -235,6 +233,23 @@ class Intake(threading.Thread):
         else:
             if events:
                 log.info("request_resumed", request_id=request.request_id,
-                         next_seq=len(events), prior_tokens=len(admission.prior_token_ids))
+                         next_seq=len(events),
+                         prior_tokens=sum(len(v) for v in admission.prior.values()))
             self.slots.take()
             self.prompts.submit(admission)
+
+
+def replayed(entry: Entry, request: GenerateRequest, events: list[TokenEvent]) -> Admission:
+    """An admission that continues what the replay log says was streamed: per choice, its
+    tokens and text, and which choices already ended (n > 1)."""
+    admission = Admission(entry, request, next_seq=len(events))
+    for event in events:
+        admission.prior.setdefault(event.index, []).extend(event.token_ids)
+        if event.text:
+            admission.prior_text[event.index] = \
+                admission.prior_text.get(event.index, "") + event.text
+        if event.choice_finish_reason is not None:
+            admission.finished_choices[event.index] = event.choice_finish_reason
+    if request.params.num_candidates == 1:
+        admission.prior.setdefault(0, [])
+    return admission

@@ -52,6 +52,10 @@ def encode_outgoing(out: Outgoing) -> bytes:
     }
     if out.logprobs is not None:
         payload["logprobs"] = out.logprobs
+    if out.index:
+        payload["index"] = out.index
+    if out.choice_finish_reason is not None:
+        payload["choice_finish_reason"] = out.choice_finish_reason
     return msgpack.packb(payload, use_bin_type=True)  # type: ignore[no-any-return]
 
 

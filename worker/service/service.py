@@ -21,10 +21,11 @@ from protocol.store import ensure_group
 from worker.engine.engine import Engine
 from worker.engine.outputs import StepOutput
 from worker.engine.prompts import PromptError
+from worker.service.active_job import ActiveJob
 from worker.service.control import Control
 from worker.service.deadletter import DeadLetters
 from worker.service.intake import Intake
-from worker.service.jobs import ActiveJob, Admission, Command, Outgoing
+from worker.service.jobs import Admission, Command, Outgoing
 from worker.service.leases import HeldEntries, hand_back
 from worker.service.metrics import WorkerMetrics
 from worker.service.outbox import Observer, Outbox
@@ -177,14 +178,38 @@ class WorkerService:
             if out.new_token_ids:
                 job.last_token_mono = now
             if out.finished:
-                reason, kind = _engine_finish(out)
-                batch.append(self._end(job, reason, out, out.error, kind))
+                batch += self._candidate_end(job, out)
             else:
                 item = job.step_event(out, self.token_text)
                 if item is not None:
                     batch.append(item)
         self.outbox.put(batch, self._past_drain)
         self.metrics.observe_step(elapsed, tokens)
+
+    def _candidate_end(self, job: ActiveJob, out: StepOutput) -> list[Outgoing]:
+        """A request (or one of its n candidates) ended in the engine: its events."""
+        reason, kind = _engine_finish(out)
+        if not job.multi:
+            return [self._end(job, reason, out, out.error, kind)]
+        if reason not in ("stop", "length"):  # one candidate failed: so does the request
+            job.absorb(out)
+            for other in self.engine.abort(job.request_id):
+                job.absorb(other)
+            return [self._end(job, reason, None, out.error, kind)]
+        item = job.choice_event(out, self.token_text)
+        items = [item] if item is not None else []
+        if job.done:
+            items.append(self._end(job, job.overall_reason(), None))
+        return items
+
+    def _stop_in_engine(self, job: ActiveJob) -> StepOutput | None:
+        """Abort a request's candidates; the output to close its event with (n = 1)."""
+        outs = self.engine.abort(job.request_id)
+        if not job.multi:
+            return outs[0] if outs else None
+        for out in outs:
+            job.absorb(out)
+        return None
 
     # -- requests in and out -----------------------------------------------------------
     def _admit(self, admission: Admission) -> None:
@@ -204,12 +229,16 @@ class WorkerService:
         if admission.error is not None or admission.prompt_token_ids is None:
             self._refuse(job, admission.error)
             return
+        if job.multi and job.done:  # resumed after every choice ended, before the last event
+            self.outbox.put([self._end(job, job.overall_reason(), None)])
+            return
         request = admission.request
         job.num_prompt_tokens = len(admission.prompt_token_ids)
         try:
             self.engine.add_tokens(
                 rid, admission.prompt_token_ids, request.params, priority=request.priority,
-                prior_output_ids=admission.prior_token_ids or None,
+                prior_by_choice=admission.prior,
+                skip_choices=frozenset(admission.finished_choices),
             )
         except Exception as exc:  # a bug must fail the request, not the worker
             self.log.exception("add_request_failed", request_id=rid)
@@ -241,7 +270,7 @@ class WorkerService:
         if job is None:
             self._remember_cancel(cmd)
             return
-        out = self.engine.abort(cmd.request_id)
+        out = self._stop_in_engine(job)
         self.outbox.put([self._end(job, "cancelled", out, cmd.reason or "cancelled")])
         self.log.info("request_cancelled", request_id=cmd.request_id)
 
@@ -258,7 +287,7 @@ class WorkerService:
         for rid, deadline in list(self._deadlines.items()):
             if now >= deadline:
                 job = self.jobs[rid]
-                out = self.engine.abort(rid)
+                out = self._stop_in_engine(job)
                 self.outbox.put([self._end(job, "timeout", out, _timeout_message(job))])
 
     def _end(

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from worker.engine.outputs import EngineStats
-from worker.service.jobs import ActiveJob, Outgoing
+from worker.service.active_job import ActiveJob
+from worker.service.jobs import Outgoing
 from worker.service.metrics import WorkerMetrics
 
 _RATE_WINDOW_S = 5.0
