@@ -9,6 +9,7 @@ as a forward keyword argument (no globals). The batch is one flattened ragged se
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import structlog
@@ -43,8 +44,18 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "torch":
         return attention_torch.TorchAttentionBackend()
     if name == "triton":
+        if device.type != "cuda" and not triton_interpreting():
+            raise ValueError(
+                f"attention_backend 'triton' runs on a CUDA device, not on {device}; on the "
+                "CPU use 'cpu' or 'torch' (or set TRITON_INTERPRET=1 to run the Triton "
+                "kernels in Triton's slow interpreter, as the tests do)")
         return TritonAttentionBackend()
     raise ValueError(f"attention_backend must be auto, cpu, torch or triton, not {name!r}")
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton kernels run in its interpreter (on the CPU) in this process."""
+    return os.environ.get("TRITON_INTERPRET", "").strip() not in ("", "0")
 
 
 def ferry_paged_attention(

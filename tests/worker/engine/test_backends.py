@@ -14,6 +14,7 @@ import pytest
 from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from worker import Engine, EngineConfig
+from worker.engine.attention import triton_interpreting
 
 
 def run(path: str, **kw: object) -> dict[str, list[int]]:
@@ -46,7 +47,15 @@ def torch_tokens(ckpt):
 
 
 def test_triton_backend_matches_torch(ckpt, torch_tokens):
+    if not triton_interpreting():  # e.g. a GPU machine: tests/kernels cover the kernels there
+        pytest.skip("the Triton backend runs on the CPU only under TRITON_INTERPRET=1")
     assert run(ckpt, attention_backend="triton") == torch_tokens
+
+
+def test_triton_on_the_cpu_without_the_interpreter_is_refused_at_load(ckpt, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="attention_backend 'triton' runs on a CUDA device"):
+        run(ckpt, attention_backend="triton")
 
 
 def test_cpu_kernel_backend_matches_torch(ckpt, torch_tokens):
