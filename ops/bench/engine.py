@@ -5,6 +5,10 @@ Same model, same workload, same process, one run; prints a side-by-side table an
 
     .venv/bin/python ops/bench/engine.py            # full run (several minutes on 2 cores)
     .venv/bin/python ops/bench/engine.py --quick    # 16 requests, smoke-sized
+    python ops/bench/engine.py --device cuda --model-size 1b [--workload W] [--profile]
+
+With ``--device``/``--model-size`` it runs the GPU suite instead (``engine_gpu.py``: Llama
+shapes of 1B/8B parameters, workloads ``mixed-gpu`` and ``throughput-256``).
 """
 
 from __future__ import annotations
@@ -90,8 +94,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="16 requests instead of 64")
     ap.add_argument("--skip", nargs="*", default=[], help="systems to skip")
-    ap.add_argument("--out", default=str(ROOT / "ops/bench/results/engine.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default=None, help="cuda: the GPU suite (engine_gpu.py)")
+    ap.add_argument("--model-size", default=None, choices=["tiny", "1b", "8b"])
+    ap.add_argument("--workload", default="mixed-gpu", choices=["mixed-gpu", "throughput-256"])
+    ap.add_argument("--scale", type=float, default=1.0, help="GPU suite: fraction of requests")
+    ap.add_argument("--profile", action="store_true", help="GPU suite: one decode step")
     args = ap.parse_args()
+    if args.device is not None or args.model_size is not None:
+        from ops.bench.engine_gpu_run import main as gpu_main
+
+        gpu_main(args)
+        return
+    args.out = args.out or str(ROOT / "ops/bench/results/engine.json")
     path = build_bench_model()
     jobs = main_workload(16 if args.quick else 64)
     hf = baselines.load_hf(path)
