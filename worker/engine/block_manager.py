@@ -86,6 +86,11 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
+    @property
+    def tables(self) -> dict[str, list[int]]:
+        """Every request's block table (read only: the buffers on the device mirror it)."""
+        return self._tables
+
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 

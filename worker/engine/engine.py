@@ -29,7 +29,7 @@ _GRAMMAR_WAIT_S = 0.005  # idle loop: how long to wait for a pending grammar com
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config.model, config.cache)
+        self.runner = ModelRunner(config.model, config.cache, config.scheduler.max_num_seqs)
         self.tokenizer = self.runner.loaded.tokenizer
         self.max_model_len = self.runner.shape.max_model_len
         self.block_manager = BlockManager(

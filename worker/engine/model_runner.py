@@ -1,8 +1,9 @@
 """Owns the model and the KV tensors; turns a SchedulerOutput into logits.
 
 Inputs are one flattened ragged batch with no padding: input ids, positions, slot
-mapping, query start offsets, context lengths and block tables, built on the host with
-plain lists (cheap at serving batch sizes) and moved to the device once per step.
+mapping, query start offsets and context lengths, built on the host with plain lists
+(O(tokens of the step)) and moved to the device once per step; block tables stay on the
+device and change only by the entries that changed (``block_table_buffer.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from worker.engine.attention import make_backend
 from worker.engine.attention_metadata import AttentionMetadata, ForwardContext, KVCache
 from worker.engine.block_manager import BlockManager
+from worker.engine.block_table_buffer import BlockTableBuffer
 from worker.engine.config import CacheConfig, ModelConfig
 from worker.engine.model_loader import _DTYPES, LoadedModel, ModelShape, load_model
 from worker.engine.scheduler import SchedulerOutput
@@ -27,7 +29,9 @@ def decode_buckets(lens: list[int], size: int = _DECODE_BUCKET) -> list[tuple[in
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig) -> None:
+    def __init__(
+        self, model_cfg: ModelConfig, cache_cfg: CacheConfig, max_num_seqs: int = 64
+    ) -> None:
         if not 1 <= cache_cfg.block_size <= 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {cache_cfg.block_size}")
         self.loaded: LoadedModel = load_model(model_cfg)
@@ -39,6 +43,8 @@ class ModelRunner:
         self.kv_dtype = self._kv_dtype(cache_cfg.kv_cache_dtype)
         self.num_blocks = self._num_blocks(cache_cfg)
         self.kv_caches = self._allocate_cache()
+        self.tables = BlockTableBuffer(
+            max_num_seqs, -(-self.shape.max_model_len // self.block_size), self.device)
 
     def _kv_dtype(self, name: str) -> torch.dtype:
         if name == "auto":
@@ -89,7 +95,7 @@ class ModelRunner:
         slots: list[int] = []
         starts = [0]
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        tables: list[tuple[str, list[int]]] = []
         sample_rows: list[int] = []
         for item in sched.scheduled:
             req = item.request
@@ -101,17 +107,16 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(lo, hi))
             starts.append(starts[-1] + item.num_new_tokens)
             seq_lens.append(hi)
-            tables.append(table)
+            tables.append((req.request_id, table))
             if item.sample:
                 sample_rows.append(starts[-1] - 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        self.tables.release_missing(blocks.tables)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            block_tables=self.tables.gather(tables),
             num_decodes=sched.num_decodes,
             max_decode_seq_len=max(seq_lens[: sched.num_decodes], default=0),
             decode_buckets=decode_buckets(seq_lens[: sched.num_decodes]),
