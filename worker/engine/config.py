@@ -28,6 +28,9 @@ class ModelConfig:
     pack_weights: bool = True
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     trust_remote_code: bool = False
+    # CUDA: pure-decode steps replay CUDA graphs (worker/engine/decode_graphs.py); True
+    # runs every step eagerly
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class EngineConfig:
             device=env.get("FERRY_DEVICE"),
             attention_backend=env.get("FERRY_ATTENTION_BACKEND"),
             pack_weights=_bool("FERRY_PACK_WEIGHTS"),
+            enforce_eager=_bool("FERRY_ENFORCE_EAGER"),
             max_model_len=_int("FERRY_MAX_MODEL_LEN"),
             block_size=_int("FERRY_BLOCK_SIZE"),
             num_blocks=_int("FERRY_KV_CACHE_BLOCKS"),

@@ -8,6 +8,7 @@ device and change only by the entries that changed (``block_table_buffer.py``).
 
 from __future__ import annotations
 
+import structlog
 import torch
 
 from worker.engine.attention import make_backend
@@ -15,10 +16,14 @@ from worker.engine.attention_metadata import AttentionMetadata, ForwardContext, 
 from worker.engine.block_manager import BlockManager
 from worker.engine.block_table_buffer import BlockTableBuffer
 from worker.engine.config import CacheConfig, ModelConfig
+from worker.engine.decode_graphs import DecodeGraphs
 from worker.engine.model_loader import _DTYPES, LoadedModel, ModelShape, load_model
 from worker.engine.scheduler import SchedulerOutput
 
+_log = structlog.get_logger("ferry.worker.runner")
 _DEFAULT_CPU_KV_BYTES = 2 << 30
+_MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly
+_GRAPH_RESERVE_BYTES = 1 << 30  # left out of the KV budget for the graphs' memory pool
 _DECODE_BUCKET = 16  # sequences per decode attention call on the torch CPU path
 
 
@@ -45,6 +50,26 @@ class ModelRunner:
         self.kv_caches = self._allocate_cache()
         self.tables = BlockTableBuffer(
             max_num_seqs, -(-self.shape.max_model_len // self.block_size), self.device)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not model_cfg.enforce_eager:
+            self.graphs = self._capture(min(max_num_seqs, _MAX_GRAPH_BATCH))
+
+    def _capture(self, max_batch: int) -> DecodeGraphs | None:
+        """CUDA graphs for pure-decode steps, checked against eager forwards; a capture
+        that fails or disagrees is reported and the worker runs eagerly (slower, correct)."""
+        try:
+            graphs = DecodeGraphs(self, max_batch, capture=True)
+            if graphs.verify():
+                return graphs
+        except Exception as exc:  # e.g. an architecture whose forward syncs the host
+            _log.warning("decode_graphs_unavailable", error=f"{type(exc).__name__}: {exc}")
+        torch.cuda.empty_cache()
+        return None
+
+    def use_static_decode(self, capture: bool = False) -> None:
+        """Run pure-decode steps through the static-buffer (graph) path; on a CPU, without
+        capture: tests compare it with the eager path token for token."""
+        self.graphs = DecodeGraphs(self, self.tables.rows, capture=capture)
 
     def _kv_dtype(self, name: str) -> torch.dtype:
         if name == "auto":
@@ -68,7 +93,7 @@ class ModelRunner:
         if budget is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.9)
+                budget = int(free * 0.9) - _GRAPH_RESERVE_BYTES
             else:
                 budget = _DEFAULT_CPU_KV_BYTES
         num = budget // self.bytes_per_block
@@ -77,10 +102,12 @@ class ModelRunner:
         return int(num)
 
     def _allocate_cache(self) -> list[KVCache]:
-        """The whole pool, allocated once: [layers][k|v] of [blocks, block_size, Hkv, D]."""
+        """The whole pool, allocated once: [layers][k|v] of [blocks, block_size, Hkv, D],
+        plus one scratch block owned by no request (the graphs' padded rows write there)."""
         s = self.shape
         pool = torch.zeros(
-            (s.num_layers, 2, self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim),
+            (s.num_layers, 2, self.num_blocks + 1, self.block_size, s.num_kv_heads,
+             s.head_dim),
             dtype=self.kv_dtype, device=self.device,
         )
         return [(pool[i, 0], pool[i, 1]) for i in range(s.num_layers)]
@@ -135,6 +162,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, blocks: BlockManager) -> torch.Tensor:
         """Run one step; returns logits [num_sampled, vocab] for the rows that sample."""
+        if self.graphs is not None and self.graphs.fits(
+                len(sched.scheduled), sched.num_batched_tokens) \
+                and all(item.sample for item in sched.scheduled):
+            return self._decode_static(sched, blocks)
         input_ids, positions, meta, sample_rows = self.prepare(sched, blocks)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         if sample_rows.numel() == 0:
@@ -148,3 +179,20 @@ class ModelRunner:
             logits_to_keep=sample_rows, ferry_ctx=ctx,
         )
         return out.logits[0]  # type: ignore[no-any-return]
+
+    def _decode_static(self, sched: SchedulerOutput, blocks: BlockManager) -> torch.Tensor:
+        """A pure-decode step through the static buffers (a CUDA graph replay on a GPU)."""
+        assert self.graphs is not None
+        bs = self.block_size
+        ids, positions, slots, lens, tables = [], [], [], [], []
+        for item in sched.scheduled:
+            req = item.request
+            pos = req.num_computed_tokens
+            table = blocks.block_table(req.request_id)
+            ids.append(req.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            lens.append(pos + 1)
+            tables.append((req.request_id, table))
+        self.tables.release_missing(blocks.tables)
+        return self.graphs.run(ids, positions, slots, lens, self.tables.gather(tables))
