@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.errors import APIError
+from gateway.sse import json_bytes, sse
 from protocol.models import TokenEvent, TokenLogprob, Usage
 
 _KIND_STATUS = {"invalid_request": 400, "internal": 500, "unavailable": 503}
@@ -85,14 +86,22 @@ def chat_logprobs(events: Sequence[TokenEvent]) -> dict[str, Any] | None:
     return {"content": content}
 
 
+_SLOT = "\x00ferry-text-slot\x00"
+
+
 class Formatter:
-    """Builds bodies for one request: fixed id, creation time, model and object kind."""
+    """Builds bodies for one request: fixed id, creation time, model and object kind.
+
+    Stream chunks that carry only text (nearly all of them) are the same bytes but for
+    the text: ``text_frame`` encodes everything around it once per choice index, so each
+    token costs one JSON string encoding and a concatenation."""
 
     def __init__(self, request_id: str, model: str, chat: bool) -> None:
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         self.created = int(time.time())
+        self._frames: dict[int, tuple[bytes, bytes]] = {}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -114,19 +123,35 @@ class Formatter:
         return body
 
     def chunk(self, event: TokenEvent | None, first: bool = False,
-              finish_reason: str | None = None) -> dict[str, Any]:
+              finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
         """One stream chunk: text of ``event`` (if any), or the closing finish_reason."""
-        text = event.text if event is not None else ""
         events = [event] if event is not None else []
+        return self._chunk(event.text if event is not None else "", event is not None, events,
+                           first, finish_reason, index)
+
+    def _chunk(self, text: str, has_event: bool, events: list[TokenEvent], first: bool,
+               finish_reason: str | None, index: int) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
-                {"content": text} if event is not None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(events),
+                {"content": text} if has_event else {})
+            choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(events),
                       "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": completion_logprobs(events),
+        choice = {"index": index, "text": text, "logprobs": completion_logprobs(events),
                   "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
+
+    def text_frame(self, text: str, index: int = 0) -> bytes:
+        """The framed SSE message of a chunk carrying only ``text`` (no logprobs): the
+        same JSON as ``sse(chunk(event))``, from pre-encoded parts."""
+        frame = self._frames.get(index)
+        if frame is None:
+            parts = sse(self._chunk(_SLOT, True, [], False, None, index)).split(
+                json_bytes(_SLOT))
+            if len(parts) != 2:  # a model name holding the slot marker: no shortcut
+                return sse(self._chunk(text, True, [], False, None, index))
+            frame = self._frames[index] = (parts[0], parts[1])
+        return frame[0] + json_bytes(text) + frame[1]
 
     def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

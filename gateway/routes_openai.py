@@ -17,6 +17,7 @@ from gateway.openai_format import Formatter, failure
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.sse import DONE, PING, EventStreamResponse, sse
 from protocol.codec import ProtocolError
+from protocol.models import TokenEvent
 from protocol.streaming import StreamTimeout
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -82,28 +83,15 @@ async def _serve(
 async def _stream(
     generation: Generation, fmt: Formatter, include_usage: bool
 ) -> AsyncIterator[bytes]:
-    """SSE chunks in OpenAI's format; errors become an error chunk, then ``[DONE]``."""
+    """SSE chunks in OpenAI's format, one write per wake-up carrying every event that was
+    ready by then; errors become an error chunk, then ``[DONE]``."""
     keepalive = generation.engine.settings.keepalive_s
-    first = fmt.chat
-    if first:
+    if fmt.chat:
         yield sse(fmt.chunk(None, first=True))
     try:
         while not generation.finished:
             events = await generation.next(keepalive)
-            if not events:
-                yield PING
-            for event in events:
-                if event.text or event.logprobs:
-                    yield sse(fmt.chunk(event))
-                if not event.is_final:
-                    continue
-                error = failure(event)
-                if error is not None:
-                    yield sse(error.body())
-                    break
-                yield sse(fmt.chunk(None, finish_reason=event.finish_reason))
-                if include_usage:
-                    yield sse(fmt.usage_chunk(event.usage))
+            yield _frames(fmt, events, include_usage) if events else PING
     except StreamTimeout as exc:
         yield sse(APIError(504, str(exc)).body())
     except (RedisError, OSError) as exc:  # headers are sent: report in-band
@@ -111,3 +99,22 @@ async def _stream(
     except ProtocolError as exc:
         yield sse(APIError(502, f"bad message from the queue: {exc}").body())
     yield DONE
+
+
+def _frames(fmt: Formatter, events: list[TokenEvent], include_usage: bool) -> bytes:
+    """The SSE messages of a batch of events, as one write."""
+    parts = []
+    for event in events:
+        if event.text or event.logprobs:
+            parts.append(fmt.text_frame(event.text) if event.logprobs is None
+                         else sse(fmt.chunk(event)))
+        if event.finish_reason is None:
+            continue
+        error = failure(event)
+        if error is not None:
+            parts.append(sse(error.body()))
+            break
+        parts.append(sse(fmt.chunk(None, finish_reason=event.finish_reason)))
+        if include_usage:
+            parts.append(sse(fmt.usage_chunk(event.usage)))
+    return b"".join(parts)
