@@ -70,6 +70,12 @@ class AsyncSubscription:
     def last_seq(self) -> int:
         return self._seq.last_seq
 
+    def start_after(self, seq: int) -> None:
+        """Set the position to resume after, once known (before reading any event)."""
+        if self._backfilled:
+            raise RuntimeError("start_after: events were already read")
+        self._seq = EventSequencer(self._seq.request_id, seq)
+
     async def open(self, timeout: float = SUBSCRIBE_TIMEOUT_S) -> AsyncSubscription:
         """SUBSCRIBE and wait for the confirmation, so later publishes are guaranteed heard."""
         try:
