@@ -214,7 +214,8 @@ class PubSubHub:
                 reply = await conn.read_response(
                     timeout=math.inf, disconnect_on_error=False, push_request=True)
                 self._last_rx = loop.time()
-                if type(reply) is list and reply and reply[0] == b"message":
+                # isinstance, not type(): over RESP3, hiredis returns a list subclass
+                if isinstance(reply, list) and reply and reply[0] == b"message":
                     for inbox in self._inboxes.get(reply[1], ()):
                         inbox.put(reply[2])
                 else:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
+import pytest
 import redis
 import redis.asyncio as aredis
 
 from protocol.aclient import AsyncFerryClient
+from protocol.codec import encode_event
 from protocol.keys import Keys
 from protocol.models import TokenEvent
 from protocol.store import Ttls, push_event
@@ -66,3 +69,54 @@ def test_two_followers_of_one_request_both_hear_it(redis_server: RedisServer,
         return got_first, got_second, still
 
     assert asyncio.run(scenario()) == (["a"], ["a"], ["b"])
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_messages_arrive_by_pub_sub_not_by_log_polling(
+    redis_server: RedisServer, redis_client: redis.Redis, protocol: int
+) -> None:
+    """An event only PUBLISHed (not in the log) must arrive at once: the log is re-read
+    only after a minute of quiet here, so nothing but the hub can deliver it."""
+
+    async def scenario() -> tuple[list[str], float]:
+        client = AsyncFerryClient(aredis.Redis.from_url(redis_server.url, protocol=protocol),
+                                  poll_interval_s=60.0)
+        sub = await client.subscribe("live").open()
+        await sub.next_events(0)  # the initial backfill: the log is empty
+        start = time.monotonic()
+        data = encode_event(TokenEvent(request_id="live", seq=0, text="x"))
+        await asyncio.to_thread(redis_client.publish, KEYS.tokens("live"), data)
+        got = [e.text for e in await sub.next_events(10.0)]
+        took = time.monotonic() - start
+        await sub.close()
+        await client.aclose()
+        return got, took
+
+    got, took = asyncio.run(scenario())
+    assert got == ["x"] and took < 5.0
+
+
+def test_a_reconnect_subscribes_only_what_is_still_wanted(redis_server: RedisServer,
+                                                          redis_client: redis.Redis) -> None:
+    async def scenario() -> tuple[list[bytes], list[str]]:
+        client = AsyncFerryClient(aredis.Redis.from_url(redis_server.url), poll_interval_s=0.2)
+        kept = await client.subscribe("kept").open()
+        ended = await client.subscribe("ended").open()
+        await asyncio.to_thread(redis_client.execute_command, "CLIENT", "KILL", "TYPE",
+                                "pubsub")
+        await ended.close()  # may race the reconnect: either way it must not come back
+        for _ in range(100):
+            if client.hub.reconnects:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        channels = await asyncio.to_thread(redis_client.pubsub_channels)
+        _publish(redis_client, "kept", 0, "after")
+        texts = [e.text for e in await kept.next_events(5.0)]
+        await kept.close()
+        await client.aclose()
+        return sorted(channels), texts
+
+    channels, texts = asyncio.run(scenario())
+    assert channels == [KEYS.tokens("kept").encode()]
+    assert texts == ["after"]
