@@ -84,7 +84,10 @@ class PubSubHub:
 
     def __init__(self, redis: aredis.Redis, ping_interval_s: float = PING_INTERVAL_S) -> None:
         pool = redis.connection_pool
-        self._new_connection = lambda: pool.connection_class(**pool.connection_kwargs)
+        # RESP2 on this one connection: messages are plain replies, while RESP3 sends them
+        # as push notifications that redis-py stringifies for a debug log, per message.
+        kwargs = {**pool.connection_kwargs, "protocol": 2}
+        self._new_connection = lambda: pool.connection_class(**kwargs)
         self._ping_interval_s = ping_interval_s
         self._conn: Any = None  # an aredis Connection while one is up
         self._inboxes: dict[bytes, list[Inbox]] = {}
