@@ -86,7 +86,10 @@ class PubSubHub:
         pool = redis.connection_pool
         # RESP2 on this one connection: messages are plain replies, while RESP3 sends them
         # as push notifications that redis-py stringifies for a debug log, per message.
-        kwargs = {**pool.connection_kwargs, "protocol": 2}
+        # (Maintenance notifications need RESP3: not on this connection.)
+        kwargs = {k: v for k, v in pool.connection_kwargs.items()
+                  if not k.startswith("maint_notifications")}
+        kwargs["protocol"] = 2
         self._new_connection = lambda: pool.connection_class(**kwargs)
         self._ping_interval_s = ping_interval_s
         self._conn: Any = None  # an aredis Connection while one is up

@@ -8,6 +8,7 @@ import time
 import pytest
 import redis
 import redis.asyncio as aredis
+from redis._parsers import _AsyncRESP3Parser
 
 from protocol.aclient import AsyncFerryClient
 from protocol.codec import encode_event
@@ -71,16 +72,19 @@ def test_two_followers_of_one_request_both_hear_it(redis_server: RedisServer,
     assert asyncio.run(scenario()) == (["a"], ["a"], ["b"])
 
 
-@pytest.mark.parametrize("protocol", [2, 3])
+@pytest.mark.parametrize("protocol,pure_python", [(2, False), (3, False), (3, True)],
+                         ids=["resp2", "resp3", "resp3-pure-python-parser"])
 def test_messages_arrive_by_pub_sub_not_by_log_polling(
-    redis_server: RedisServer, redis_client: redis.Redis, protocol: int
+    redis_server: RedisServer, redis_client: redis.Redis, protocol: int, pure_python: bool
 ) -> None:
     """An event only PUBLISHed (not in the log) must arrive at once: the log is re-read
     only after a minute of quiet here, so nothing but the hub can deliver it."""
 
     async def scenario() -> tuple[list[str], float]:
-        client = AsyncFerryClient(aredis.Redis.from_url(redis_server.url, protocol=protocol),
-                                  poll_interval_s=60.0)
+        parser = {"parser_class": _AsyncRESP3Parser} if pure_python else {}
+        client = AsyncFerryClient(
+            aredis.Redis.from_url(redis_server.url, protocol=protocol, **parser),
+            poll_interval_s=60.0)
         sub = await client.subscribe("live").open()
         await sub.next_events(0)  # the initial backfill: the log is empty
         start = time.monotonic()
