@@ -98,6 +98,7 @@ class PubSubHub:
         self._lock = asyncio.Lock()  # one writer of commands on the connection at a time
         self._reader: asyncio.Task[None] | None = None
         self._last_rx = 0.0
+        self._tasks: set[asyncio.Task[Any]] = set()  # strong refs to fire-and-forget work
         self.reconnects = 0
 
     def heard_within(self, seconds: float) -> bool:
@@ -196,6 +197,8 @@ class PubSubHub:
                 await self._pump()
             except (RedisError, OSError, asyncio.TimeoutError):
                 pass
+            except Exception:  # never let the one reader die: reconnect instead
+                pass
             self._drop()
             self._wake_all()  # each subscription reads its log (and sees the outage)
             await asyncio.sleep(delay)
@@ -234,8 +237,7 @@ class PubSubHub:
             return  # unsubscribe confirmations, PING replies
         key = reply[1]
         if key not in self._inboxes:  # ended while the SUBSCRIBE was on its way
-            asyncio.get_running_loop().create_task(
-                self._send_if_connected("UNSUBSCRIBE", key, unless_wanted=True))
+            self._spawn(self._send_if_connected("UNSUBSCRIBE", key, unless_wanted=True))
             return
         confirmed = self._confirmed.get(key)
         if confirmed is not None and not confirmed.is_set():
@@ -264,8 +266,16 @@ class PubSubHub:
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().create_task(conn.disconnect(nowait=True))
+            self._spawn(conn.disconnect(nowait=True))
+
+    def _spawn(self, coro: Any) -> None:
+        async def quietly() -> None:
+            with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(coro, 5.0)
+
+        task = asyncio.get_running_loop().create_task(quietly())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _wake_all(self) -> None:
         for inboxes in self._inboxes.values():

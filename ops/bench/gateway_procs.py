@@ -27,7 +27,7 @@ from ops.bench.event_publisher import PublishPlan, publish
 from ops.bench.sse_clients import run_clients
 
 C_LIBS = ("hiredis", "uvloop", "httptools", "orjson")
-_BLOCKER = "import os, sys\nfor _m in os.environ.get('FERRY_BENCH_BLOCK', '').split(','):\n" \
+_BLOCKER = "import os, sys\nfor _m in os.environ.get('BENCH_BLOCK_MODULES', '').split(','):\n" \
            "    if _m:\n        sys.modules[_m] = None  # import fails: pure-Python path\n"
 
 
@@ -71,7 +71,7 @@ def start_gateway(cfg: GatewayConfig, url: str, tmp: Path) -> tuple[subprocess.P
     port, site = free_port(), tmp / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(_BLOCKER)
-    env = dict(os.environ, FERRY_MAX_QUEUE_LAG="none", FERRY_BENCH_BLOCK=",".join(cfg.blocked),
+    env = dict(os.environ, FERRY_MAX_QUEUE_LAG="none", BENCH_BLOCK_MODULES=",".join(cfg.blocked),
                PYTHONPATH=os.pathsep.join([str(site), str(cfg.src)]))
     log = open(tmp / "gateway.log", "ab")  # noqa: SIM115 - the child holds it
     proc = subprocess.Popen([sys.executable, "-m", "ferry.cli", "gateway", "--redis-url", url,
