@@ -4,8 +4,8 @@
 Rows: the engine in-process (one torch thread); one worker process (``run_worker``, as
 ``ferry worker``, one torch thread) fed by the Redis client; one such worker behind
 ``ferry gateway`` with 64 OpenAI streaming completions (``service_clients.py``); then the
-scaling pair, one and two workers behind the gateway with 2 x max_num_seqs (128)
-requests, so each of the two workers has a full batch to work on.
+scaling pair, one and two workers behind the gateway with 2 x (max_num_seqs + prefetch)
+= 136 requests, so each of the two workers has a full batch to work on.
 Reports output tokens/s (goal: gateway path >= 0.95x in-process), the latency the service
 adds per token (client receive time minus the engine loop's step-end time, from a trace
 the bench's workers write; goal p99 < 5 ms), two workers against one (goal >= 1.8x: needs
@@ -14,7 +14,7 @@ gateway's enqueue rate with a consumer that only acknowledges. Writes
 ``ops/bench/results/service.json``. Usage:
 
     .venv/bin/python ops/bench/service.py --quick    # 16 requests, max_num_seqs 8
-    .venv/bin/python ops/bench/service.py            # 64 requests, 128 in the pair
+    .venv/bin/python ops/bench/service.py            # 64 requests, 136 in the pair
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from protocol.client import FerryClient  # noqa: E402
 from protocol.keys import Keys  # noqa: E402
 from protocol.models import GenerateRequest  # noqa: E402
 from protocol.store import ensure_group  # noqa: E402
+from worker.service.redis_io import WorkerSettings  # noqa: E402
 
 ENGINE_KW = dict(max_num_seqs=64, max_num_batched_tokens=1024, num_blocks=3300)
 FERRY = [sys.executable, "-m", "ferry.cli"]
@@ -199,17 +200,18 @@ def enqueue_rate(n: int, concurrency: int, tmp: Path) -> dict[str, float]:
 
 RUNS = [("1 worker via Redis client", "redis", 1, "main"),
         ("1 worker via gateway (SSE)", "gateway", 1, "main"),
-        ("1 worker via gateway, 2x max_num_seqs requests", "gateway", 1, "scale"),
-        ("2 workers via gateway, 2x max_num_seqs requests", "gateway", 2, "scale")]
-"""The scaling pair runs 2 * max_num_seqs requests, so that with two workers each still
-has a full batch (at least max_num_seqs requests) at saturation: the old pair split the
-64-request workload over two workers and so compared a full batch with two half ones."""
+        ("1 worker via gateway, scaling pair", "gateway", 1, "scale"),
+        ("2 workers via gateway, scaling pair", "gateway", 2, "scale")]
+"""The scaling pair runs 2 * (max_num_seqs + prefetch) requests, so that with two workers
+each still has a full batch (at least max_num_seqs requests) at saturation even when the
+intake's read-ahead splits them unevenly: the old pair split the 64-request workload over
+two workers and so compared a full batch with two half ones."""
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true",
-                    help="16 requests, max_num_seqs 8 (32 requests in the scaling pair)")
+                    help="16 requests, max_num_seqs 8 (24 requests in the scaling pair)")
     ap.add_argument("--out", default=str(ROOT / "ops/bench/results/service.json"))
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "URL", "ID", "TRACE"),
                     help=argparse.SUPPRESS)  # internal: the worker processes of this bench
@@ -221,7 +223,7 @@ def main() -> None:
     seqs = 8 if args.quick else ENGINE_KW["max_num_seqs"]
     engine_kw = {**ENGINE_KW, "max_num_seqs": seqs}
     workloads = {"main": main_workload(16 if args.quick else 64),
-                 "scale": main_workload(2 * seqs, seed=1)}
+                 "scale": main_workload(2 * (seqs + WorkerSettings().prefetch), seed=1)}
     jobs = workloads["main"]
     useful = {name: sum(j.max_tokens for j in w) for name, w in workloads.items()}
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"ferry-bench-{os.getpid()}"
@@ -248,8 +250,8 @@ def main() -> None:
             if load == "main" else None,
         })
         print(f"{name}: {res['elapsed']:.2f}s {rows[-1]['tok_s']:.1f} tok/s", flush=True)
-    one = next(r for r in rows if r["requests"] == 2 * seqs and r["workers"] == 1)
-    two = next(r for r in rows if r["requests"] == 2 * seqs and r["workers"] == 2)
+    one = next(r for r in rows if r["system"] == RUNS[2][0])
+    two = next(r for r in rows if r["system"] == RUNS[3][0])
     result = {
         "requests": len(jobs), "output_tokens": useful["main"], "torch_threads_per_engine": 1,
         "max_num_seqs": seqs, "cpus": os.cpu_count(),
@@ -284,7 +286,7 @@ def table(r: dict[str, Any]) -> str:
                      f"{lat['p50']:>8.2f}ms {lat['p99']:>8.2f}ms {box['p99']:>8.2f}ms "
                      f"{'/'.join(map(str, row['requests_per_worker'])):>10} {same}")
     gw = r["gateway_enqueue"]
-    lines += [f"2 workers / 1 worker (gateway, {2 * r['max_num_seqs']} requests): "
+    lines += [f"2 workers / 1 worker (gateway, {r['runs'][-1]['requests']} requests): "
               f"{r['ratio_two_vs_one_worker']:.2f}x (goal >= 1.8; {r['cpus']} cpus; each worker "
               f"saturated: {r['two_workers_each_saturated']}; outputs identical: "
               f"{r['scaling_outputs_identical']})",
