@@ -17,7 +17,7 @@ from fastapi import Request
 from redis.exceptions import RedisError
 
 from gateway.admission import check_limits, check_queue
-from gateway.errors import APIError
+from gateway.errors import APIError, unavailable
 from gateway.metrics import Metrics
 from gateway.settings import GatewaySettings
 from protocol.aclient import AsyncFerryClient, AsyncSubscription
@@ -55,8 +55,7 @@ class Engine:
 
     async def start(self, request: GenerateRequest, received_at: float) -> Generation:
         """Subscribe to the request's tokens, *then* enqueue it: no token can be missed."""
-        sub = self.client.subscribe(request.request_id)
-        await sub.open()
+        sub = await self.open(request.request_id)
         try:
             await self.client.enqueue(request)
         except DuplicateRequestError as exc:
@@ -70,6 +69,15 @@ class Engine:
             raise
         self.metrics.inflight_streams.inc()
         return Generation(self, request, sub, received_at)
+
+    async def open(self, request_id: str, after_seq: int = -1) -> AsyncSubscription:
+        """An open subscription, or a 503 once ``redis_timeout_s`` passes without Redis
+        confirming it (Redis away or restarting): a bounded wait, a JSON answer."""
+        sub = self.client.subscribe(request_id, after_seq)
+        try:
+            return await sub.open(timeout=self.settings.redis_timeout_s)
+        except StreamTimeout as exc:
+            raise unavailable(exc, self.settings.retry_after_s) from None
 
     def deadline_s(self, request: GenerateRequest) -> float:
         if request.timeout_s is not None:

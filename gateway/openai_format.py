@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.errors import APIError
-from protocol.models import TokenEvent, TokenLogprob, Usage
+from gateway.sse import json_bytes, sse
+from protocol.models import ChoiceResult, TokenEvent, TokenLogprob, Usage
 
 _KIND_STATUS = {"invalid_request": 400, "internal": 500, "unavailable": 503}
 _REASON_STATUS = {"timeout": 504, "abort": 503, "cancelled": 499}
@@ -85,48 +86,104 @@ def chat_logprobs(events: Sequence[TokenEvent]) -> dict[str, Any] | None:
     return {"content": content}
 
 
-class Formatter:
-    """Builds bodies for one request: fixed id, creation time, model and object kind."""
+def _choice_content(
+    choice: ChoiceResult, events: Sequence[TokenEvent]
+) -> tuple[str, list[TokenEvent]]:
+    """A choice's text and its logprobs as pseudo-events: from the terminal event's
+    choice when it carries them (not streamed), else from the events of its index."""
+    if choice.text is not None:
+        pseudo = TokenEvent(request_id=events[-1].request_id, seq=0, index=choice.index,
+                            logprobs=choice.logprobs)
+        return choice.text, [pseudo]
+    own = [e for e in events if e.index == choice.index]
+    return "".join(e.text for e in own), own
 
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+
+_SLOT = "\x00ferry-text-slot\x00"
+
+
+class Formatter:
+    """Builds bodies for one request: fixed id, creation time, model and object kind.
+
+    Stream chunks that carry only text (nearly all of them) are the same bytes but for
+    the text: ``text_frame`` encodes everything around it once per choice index, so each
+    token costs one JSON string encoding and a concatenation."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, n: int = 1) -> None:
         self.chat = chat
+        self.n = n
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         self.created = int(time.time())
+        self._frames: dict[int, tuple[bytes, bytes]] = {}
+        self._finished: set[int] = set()  # choices whose finish chunk was sent
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
     def response(self, events: Sequence[TokenEvent]) -> dict[str, Any]:
-        """The whole non-streamed response."""
+        """The whole non-streamed response, one choice per index."""
         final = events[-1]
-        text = "".join(e.text for e in events)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": chat_logprobs(events), "finish_reason": final.finish_reason}
-            body = self._envelope("chat.completion", [choice])
+        if final.choices:  # n > 1: the terminal event lists them (with their content)
+            parts = [(c.index, *_choice_content(c, events), c.finish_reason)
+                     for c in final.choices]
         else:
-            choice = {"index": 0, "text": text, "logprobs": completion_logprobs(events),
-                      "finish_reason": final.finish_reason}
-            body = self._envelope("text_completion", [choice])
+            parts = [(0, "".join(e.text for e in events), list(events), final.finish_reason)]
+        choices = [self._choice(index, text, evs, reason) for index, text, evs, reason in parts]
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage_body(final.usage)
         return body
 
+    def _choice(self, index: int, text: str, events: Sequence[TokenEvent],
+                reason: str | None) -> dict[str, Any]:
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": chat_logprobs(events), "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": completion_logprobs(events),
+                "finish_reason": reason}
+
+    def finish_frame(self, index: int, reason: str | None) -> bytes:
+        """The chunk closing one choice (sent once per choice)."""
+        self._finished.add(index)
+        return sse(self.chunk(None, finish_reason=reason, index=index))
+
+    def close_open_choices(self, final: TokenEvent) -> list[bytes]:
+        """At the terminal event: finish chunks for every choice not closed yet."""
+        reasons = {c.index: c.finish_reason for c in final.choices or []}
+        return [self.finish_frame(i, reasons.get(i, final.finish_reason))
+                for i in range(self.n) if i not in self._finished]
+
     def chunk(self, event: TokenEvent | None, first: bool = False,
-              finish_reason: str | None = None) -> dict[str, Any]:
+              finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
         """One stream chunk: text of ``event`` (if any), or the closing finish_reason."""
-        text = event.text if event is not None else ""
         events = [event] if event is not None else []
+        return self._chunk(event.text if event is not None else "", event is not None, events,
+                           first, finish_reason, index)
+
+    def _chunk(self, text: str, has_event: bool, events: list[TokenEvent], first: bool,
+               finish_reason: str | None, index: int) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
-                {"content": text} if event is not None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(events),
+                {"content": text} if has_event else {})
+            choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(events),
                       "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": completion_logprobs(events),
+        choice = {"index": index, "text": text, "logprobs": completion_logprobs(events),
                   "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
+
+    def text_frame(self, text: str, index: int = 0) -> bytes:
+        """The framed SSE message of a chunk carrying only ``text`` (no logprobs): the
+        same JSON as ``sse(chunk(event))``, from pre-encoded parts."""
+        frame = self._frames.get(index)
+        if frame is None:
+            parts = sse(self._chunk(_SLOT, True, [], False, None, index)).split(
+                json_bytes(_SLOT))
+            if len(parts) != 2:  # a model name holding the slot marker: no shortcut
+                return sse(self._chunk(text, True, [], False, None, index))
+            frame = self._frames[index] = (parts[0], parts[1])
+        return frame[0] + json_bytes(text) + frame[1]
 
     def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

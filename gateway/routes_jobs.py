@@ -73,11 +73,15 @@ async def get_job(job_id: str, engine: Engine = Depends(get_engine)) -> dict[str
 
 @router.delete("/{job_id}", status_code=202)
 async def cancel_job(job_id: str, engine: Engine = Depends(get_engine)) -> JSONResponse:
-    """202 when the cancel took effect or was passed to the worker; 409 if already over."""
-    await _status_or_404(engine, job_id)
+    """202 when the cancel took effect or was passed to the worker; 409 once the job has
+    ended, however it ended (done, failed, timeout or cancelled): nothing is left to
+    cancel, and a second DELETE gets the same answer as a DELETE of a finished job."""
+    status = await _status_or_404(engine, job_id)
+    if status.is_terminal:
+        raise APIError(409, f"job: {job_id!r} already ended ({status.state})", param="id")
     found = await engine.client.cancel(job_id, reason="cancelled via API")
-    if found not in ("cancelled", "running", "queued"):
-        raise APIError(409, f"job: {job_id!r} already finished ({found})", param="id")
+    if found not in ("cancelled", "running", "queued"):  # ended meanwhile, or expired
+        raise APIError(409, f"job: {job_id!r} already ended ({found})", param="id")
     state = "cancelled" if found == "cancelled" else "cancelling"
     return JSONResponse({"id": job_id, "object": "job", "state": state}, status_code=202)
 
@@ -90,21 +94,28 @@ async def job_events(
     last_event_id: str | None = Header(default=None, alias="Last-Event-ID"),
     after: int | None = Query(default=None, ge=-1, description="Resume after this seq."),
 ) -> Response:
-    """SSE of TokenEvents (``id:`` is the seq); ends after the terminal event."""
+    """SSE of TokenEvents (``id:`` is the seq); ends after the terminal event.
+
+    A position past the end of the log (no client can have seen such an event) resumes
+    from the end: a finished job then sends its terminal event and closes at once; a
+    running one follows from its latest event. A client that saw the terminal event gets
+    204, which also stops EventSource from reconnecting."""
     if not _ID_RE.match(job_id):
         raise APIError(404, f"job: no job {job_id!r}", param="id")
     after_seq = _after_seq(last_event_id, after)
-    sub = engine.client.subscribe(job_id, after_seq)
-    await sub.open()
+    sub = await engine.open(job_id)  # before reading the log: nothing published is missed
     try:
         status = await _status_or_404(engine, job_id)
-        logged = await engine.client.redis.llen(engine.client.keys.events(job_id))  # type: ignore[misc]
+        last = int(await engine.client.redis.llen(engine.client.keys.events(job_id))) - 1  # type: ignore[misc]
     except BaseException:
         await sub.close()
         raise
-    if status.is_terminal and after_seq >= int(logged) - 1:
-        await sub.close()  # nothing more will come: 204 also stops EventSource reconnects
+    if status.is_terminal and (last < 0 or after_seq == last):
+        await sub.close()  # nothing more will come (or the log expired)
         return Response(status_code=204)
+    if after_seq > last:
+        after_seq = last - 1 if status.is_terminal else last
+    sub.start_after(after_seq)
     deadline = time.monotonic() + engine.settings.request_timeout_s
 
     async def close() -> None:
@@ -114,20 +125,30 @@ async def job_events(
     return EventStreamResponse(_events(sub, engine, deadline), on_close=close)
 
 
+_MAX_SEQ = 2**63 - 1  # what Redis list indices (and msgpack) can carry
+
+
 def _after_seq(last_event_id: str | None, after: int | None) -> int:
+    """The position to resume after; 400 naming the header or parameter if unusable."""
     if after is not None:
-        return after
-    if last_event_id is None:
+        name, value = "after", after
+    elif last_event_id is None:
         return -1
-    try:
-        return max(-1, int(last_event_id))
-    except ValueError:
-        raise APIError(400, "Last-Event-ID: must be an integer seq",
-                       param="Last-Event-ID") from None
+    else:
+        name = "Last-Event-ID"
+        try:
+            value = max(-1, int(last_event_id))
+        except ValueError:
+            raise APIError(400, "Last-Event-ID: must be an integer seq", param=name) from None
+    if value > _MAX_SEQ:
+        raise APIError(400, f"{name}: {value} is out of range (a seq is at most 2**63-1)",
+                       param=name)
+    return value
 
 
 async def _events(sub: AsyncSubscription, engine: Engine, deadline: float) -> AsyncIterator[bytes]:
-    """Until the terminal event, or the deadline (the client may then resume).
+    """Until the terminal event, or the deadline (the client may then resume); one write
+    per wake-up with every event that was ready.
 
     A Redis outage ends the stream with an ``error`` event; resuming later loses nothing.
     """
@@ -137,9 +158,7 @@ async def _events(sub: AsyncSubscription, engine: Engine, deadline: float) -> As
             if left <= 0:
                 return
             events = await sub.next_events(min(left, engine.settings.keepalive_s))
-            if not events:
-                yield PING
-            for event in events:
-                yield sse(event.model_dump(mode="json", exclude_none=True), event_id=event.seq)
+            yield b"".join(sse(e.model_dump(mode="json", exclude_none=True), event_id=e.seq)
+                           for e in events) if events else PING
     except (RedisError, OSError, ProtocolError) as exc:
         yield sse(unavailable(exc, engine.settings.retry_after_s).body(), event="error")

@@ -18,6 +18,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.served_models import ServedModels
 from gateway.sse import DONE, PING, EventStreamResponse, sse
 from protocol.codec import ProtocolError
+from protocol.models import TokenEvent
 from protocol.streaming import StreamTimeout
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -66,7 +67,7 @@ async def _serve(
     request = body.to_generate_request(engine.settings).model_copy(update={"model": model})
     await engine.admit(request)
     generation = await engine.start(request, received_at)
-    fmt = Formatter(request.request_id, model, chat)
+    fmt = Formatter(request.request_id, model, chat, n=request.params.n)
     if body.stream:
         return EventStreamResponse(
             _stream(generation, fmt, body.include_usage), on_close=generation.close
@@ -88,28 +89,15 @@ async def _serve(
 async def _stream(
     generation: Generation, fmt: Formatter, include_usage: bool
 ) -> AsyncIterator[bytes]:
-    """SSE chunks in OpenAI's format; errors become an error chunk, then ``[DONE]``."""
+    """SSE chunks in OpenAI's format, one write per wake-up carrying every event that was
+    ready by then; errors become an error chunk, then ``[DONE]``."""
     keepalive = generation.engine.settings.keepalive_s
-    first = fmt.chat
-    if first:
-        yield sse(fmt.chunk(None, first=True))
+    if fmt.chat:  # the role, once per choice
+        yield b"".join(sse(fmt.chunk(None, first=True, index=i)) for i in range(fmt.n))
     try:
         while not generation.finished:
             events = await generation.next(keepalive)
-            if not events:
-                yield PING
-            for event in events:
-                if event.text or event.logprobs:
-                    yield sse(fmt.chunk(event))
-                if not event.is_final:
-                    continue
-                error = failure(event)
-                if error is not None:
-                    yield sse(error.body())
-                    break
-                yield sse(fmt.chunk(None, finish_reason=event.finish_reason))
-                if include_usage:
-                    yield sse(fmt.usage_chunk(event.usage))
+            yield _frames(fmt, events, include_usage) if events else PING
     except StreamTimeout as exc:
         yield sse(APIError(504, str(exc)).body())
     except (RedisError, OSError) as exc:  # headers are sent: report in-band
@@ -117,3 +105,26 @@ async def _stream(
     except ProtocolError as exc:
         yield sse(APIError(502, f"bad message from the queue: {exc}").body())
     yield DONE
+
+
+def _frames(fmt: Formatter, events: list[TokenEvent], include_usage: bool) -> bytes:
+    """The SSE messages of a batch of events, as one write. With ``n > 1`` each event's
+    tokens go to choice ``event.index``; a choice's finish chunk follows the event that
+    ends it, and the terminal event closes whichever choices are still open."""
+    parts = []
+    for event in events:
+        if event.text or event.logprobs:
+            parts.append(fmt.text_frame(event.text, event.index) if event.logprobs is None
+                         else sse(fmt.chunk(event, index=event.index)))
+        if event.choice_finish_reason is not None:
+            parts.append(fmt.finish_frame(event.index, event.choice_finish_reason))
+        if event.finish_reason is None:
+            continue
+        error = failure(event)
+        if error is not None:
+            parts.append(sse(error.body()))
+            break
+        parts += fmt.close_open_choices(event)
+        if include_usage:
+            parts.append(sse(fmt.usage_chunk(event.usage)))
+    return b"".join(parts)

@@ -17,15 +17,35 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+try:
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - a dependency; the gateway bench hides it
+    _orjson = None  # type: ignore[assignment]
+
 DONE = b"data: [DONE]\n\n"
 PING = b": keep-alive\n\n"
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def json_bytes(data: Any) -> bytes:
+    """Compact JSON as UTF-8 bytes: orjson on the token path, ``json`` where it cannot
+    (orjson refuses lone surrogates, which ``json`` escapes) or is not installed."""
+    if _orjson is not None:
+        try:
+            return _orjson.dumps(data)  # type: ignore[no-any-return]
+        except TypeError:  # orjson.JSONEncodeError; e.g. a lone surrogate in a str
+            pass
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
 def sse(data: Any, event_id: int | None = None, event: str | None = None) -> bytes:
-    """One SSE message; ``data`` is JSON-encoded unless it is already a string."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    """One SSE message; ``data`` is JSON-encoded unless it is already a string.
+
+    Encoded JSON never holds a raw newline, so it is one ``data:`` line."""
+    if event_id is None and event is None and not isinstance(data, str):
+        return b"data: " + json_bytes(data) + b"\n\n"
+    payload = data if isinstance(data, str) else json_bytes(data).decode()
     lines = []
     if event_id is not None:
         lines.append(f"id: {event_id}")

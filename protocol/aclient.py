@@ -17,7 +17,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protocol.codec import ProtocolError, decode_event, decode_heartbeat, status_from_hash
+from protocol.codec import (
+    ProtocolError,
+    decode_event_trusted,
+    decode_heartbeat,
+    status_from_hash,
+)
 from protocol.keys import Keys
 from protocol.models import GenerateRequest, JobStatus, TokenEvent, WorkerHeartbeat
 from protocol.pubsub_hub import Inbox, PubSubHub
@@ -34,12 +39,19 @@ from protocol.streaming import (
     EventSequencer,
     Outage,
     StreamTimeout,
-    decode_log,
     log_misaligned,
     status_from_events,
 )
 
 SUBSCRIBE_TIMEOUT_S = 10.0
+QUIET_LOG_READ_S = 5.0
+QUIET_LOG_READ_MAX = 256
+
+
+def _decode_all(raw_items: list[Any]) -> list[TokenEvent]:
+    """Events from pub/sub or the replay log: written by our workers, so the fast decoder
+    (version-checked; anything unusual still validated strictly)."""
+    return [decode_event_trusted(item) for item in raw_items]
 
 
 class AsyncSubscription:
@@ -53,9 +65,10 @@ class AsyncSubscription:
         self._client = client
         self._seq = EventSequencer(request_id, after_seq)
         self._channel = client.keys.tokens(request_id)
-        self._inbox: Inbox[Any] | None = None
+        self._inbox: Inbox | None = None
         self._backfilled = False
         self._outage = Outage(client.reconnect_timeout_s)
+        self._heard_at = time.monotonic()
 
     @property
     def finished(self) -> bool:
@@ -64,6 +77,12 @@ class AsyncSubscription:
     @property
     def last_seq(self) -> int:
         return self._seq.last_seq
+
+    def start_after(self, seq: int) -> None:
+        """Set the position to resume after, once known (before reading any event)."""
+        if self._backfilled:
+            raise RuntimeError("start_after: events were already read")
+        self._seq = EventSequencer(self._seq.request_id, seq)
 
     async def open(self, timeout: float = SUBSCRIBE_TIMEOUT_S) -> AsyncSubscription:
         """SUBSCRIBE and wait for the confirmation, so later publishes are guaranteed heard."""
@@ -85,29 +104,51 @@ class AsyncSubscription:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def _fill_from_log(self) -> list[TokenEvent]:
+    async def _fill_from_log(self, limit: int = 0) -> list[TokenEvent]:
+        """Events from the replay log after the last one delivered (at most ``limit``)."""
         key = self._client.keys.events(self._seq.request_id)
         start = self._seq.next_seq
-        events = decode_log(await self._client.redis.lrange(key, start, -1))  # type: ignore[misc]
+        redis = self._client.redis
+        end = start + limit - 1 if limit > 0 else -1
+        events = _decode_all(await redis.lrange(key, start, end))  # type: ignore[misc]
         if log_misaligned(events, start):
-            events = decode_log(await self._client.redis.lrange(key, 0, -1))  # type: ignore[misc]
+            events = _decode_all(await redis.lrange(key, 0, -1))  # type: ignore[misc]
         return self._seq.push(events)
 
     async def _step(self, wait: float) -> list[TokenEvent]:
+        """Everything that is ready after at most one wait: all queued messages at once."""
         if not self._backfilled:
             self._backfilled = True
             return await self._fill_from_log()
-        if self._inbox is None:
+        inbox = self._inbox
+        if inbox is None:
             raise RuntimeError("subscription is not open")
-        try:
-            data = self._inbox.get_nowait() if not self._inbox.empty() or wait <= 0 \
-                else await asyncio.wait_for(self._inbox.get(), wait)
-        except (asyncio.QueueEmpty, asyncio.TimeoutError):
-            data = None
-        if data is None:
-            return await self._fill_from_log()  # quiet, or reconnected: maybe one was lost
-        ready = self._seq.push([decode_event(data)])
-        return ready + await self._fill_from_log() if self._seq.has_gap else ready
+        await inbox.wait(wait)
+        items = inbox.take()
+        now = time.monotonic()
+        if not items:
+            if self._trust_quiet(now):
+                return []
+        else:
+            self._heard_at = now
+        messages = [item for item in items if item is not None]
+        ready = self._seq.push(_decode_all(messages)) if messages else []
+        if len(messages) < len(items) or self._seq.has_gap:
+            # reconnected or a seq skipped: the log has whatever pub/sub lost
+            self._heard_at = now
+            ready += await self._fill_from_log()
+        elif not items:  # quiet: a bounded look, the rest may be on its way by pub/sub
+            self._heard_at = now
+            ready += await self._fill_from_log(QUIET_LOG_READ_MAX)
+        return ready
+
+    def _trust_quiet(self, now: float) -> bool:
+        """A quiet channel while the shared connection hears others is just quiet: pub/sub
+        on a live connection loses nothing (a reconnect is announced by a ``None``), and
+        re-reading the log there would decode, under load, events already on their way.
+        Past ``QUIET_LOG_READ_S`` the log is read anyway, as a last safety net."""
+        return (self._client.hub.heard_within(self._client.poll_interval_s)
+                and now - self._heard_at < QUIET_LOG_READ_S)
 
     async def next_events(self, timeout: float) -> list[TokenEvent]:
         """Wait up to ``timeout`` seconds; return the next events in order (maybe none)."""

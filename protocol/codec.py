@@ -72,13 +72,16 @@ def _pack(model: BaseModel) -> bytes:
     return msgpack.packb(payload, use_bin_type=True)  # type: ignore[no-any-return]
 
 
+_BYTES = (bytes, bytearray, memoryview)
+
+
 def _unpack_map(data: Any, what: str) -> dict[str, Any]:
-    if not isinstance(data, bytes | bytearray | memoryview):
+    if not isinstance(data, _BYTES):
         raise ProtocolError(f"{what}: expected msgpack bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"{what}: message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises many unrelated types on garbage
         raise ProtocolError(f"{what}: not valid msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(obj, dict):
@@ -142,6 +145,50 @@ def encode_event(event: TokenEvent) -> bytes:
 
 def decode_event(data: Any) -> TokenEvent:
     return _decode(TokenEvent, data)
+
+
+_TRUSTED_KEYS = frozenset({"version", "request_id", "seq", "token_ids", "text", "index"})
+
+
+def decode_event_trusted(data: Any) -> TokenEvent:
+    """``decode_event`` for the token path, where events come from our own workers.
+
+    The gateway decodes every token of every stream, and pydantic's strict validation is
+    a good part of its per-event cost. Events the worker emits per step carry just these
+    five fields; after the version check and a few type checks (those the ordering logic
+    relies on; the request id is compared with the subscription's by the sequencer) they
+    are built without validation. Anything else (a terminal event with
+    usage, logprobs, an unexpected field or type) takes the strict path, so malformed
+    input still ends in a ``ProtocolError`` naming the field.
+    """
+    obj = _unpack_map(data, "TokenEvent")
+    check_version(obj)
+    if obj.keys() <= _TRUSTED_KEYS:
+        seq, rid = obj.get("seq"), obj.get("request_id")
+        token_ids, text = obj.get("token_ids", []), obj.get("text", "")
+        index = obj.get("index", 0)
+        if (type(seq) is int and seq >= 0 and type(rid) is str and type(text) is str
+                and type(index) is int and index >= 0
+                and type(token_ids) is list and all(type(t) is int for t in token_ids)):
+            return _build_event(obj, token_ids)
+    return _validate(TokenEvent, obj)
+
+
+_EVENT_DEFAULTS = {name: field.default for name, field in TokenEvent.model_fields.items()
+                   if not field.is_required() and field.default_factory is None}
+_new, _set = object.__new__, object.__setattr__
+
+
+def _build_event(obj: dict[str, Any], token_ids: list[int]) -> TokenEvent:
+    """A TokenEvent from already-checked fields, the way pydantic's ``model_construct``
+    builds one, minus its per-call introspection (which costs more than validating)."""
+    event = _new(TokenEvent)
+    values = {**_EVENT_DEFAULTS, **obj, "token_ids": token_ids}
+    _set(event, "__dict__", values)
+    _set(event, "__pydantic_fields_set__", set(obj))
+    _set(event, "__pydantic_extra__", None)
+    _set(event, "__pydantic_private__", None)
+    return event
 
 
 def encode_cancel(cancel: Cancel) -> bytes:

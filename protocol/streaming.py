@@ -42,12 +42,16 @@ class EventSequencer:
 
     def push(self, events: Iterable[TokenEvent]) -> list[TokenEvent]:
         """Accept events in any order; return those now deliverable, in order."""
+        ready: list[TokenEvent] = []
         for event in events:
             if self.finished or event.request_id != self.request_id:
                 continue
-            if event.seq > self.last_seq:
+            if event.seq == self.last_seq + 1 and not self._held:  # the usual case
+                self.last_seq = event.seq
+                ready.append(event)
+                self.finished = event.finish_reason is not None
+            elif event.seq > self.last_seq:
                 self._held.setdefault(event.seq, event)
-        ready: list[TokenEvent] = []
         while not self.finished and self.next_seq in self._held:
             event = self._held.pop(self.next_seq)
             self.last_seq = event.seq

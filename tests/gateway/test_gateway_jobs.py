@@ -87,6 +87,70 @@ def test_live_events_then_cancel_while_queued(
     assert httpx.get(f"{gateway.url}/v1/jobs/q-1").json()["state"] == "cancelled"
 
 
+def test_cancelling_an_ended_job_is_409_however_it_ended(
+    gateway: GatewayServer, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    assert httpx.post(f"{gateway.url}/v1/jobs",
+                      json={"request_id": "c-1", "prompt": "x"}).status_code == 202
+    first = httpx.delete(f"{gateway.url}/v1/jobs/c-1")
+    assert first.status_code == 202 and first.json()["state"] == "cancelled"
+    again = httpx.delete(f"{gateway.url}/v1/jobs/c-1")  # already cancelled: ended
+    assert again.status_code == 409, again.text
+    assert "cancelled" in again.json()["error"]["message"]
+    assert again.json()["error"]["param"] == "id"
+    with FakeWorker(redis_server.url, Script(tokens=["a"])):
+        httpx.post(f"{gateway.url}/v1/jobs", json={"request_id": "c-2", "prompt": "x"})
+        assert _wait_state(gateway, "c-2", "done")["state"] == "done"
+    done = httpx.delete(f"{gateway.url}/v1/jobs/c-2")
+    assert done.status_code == 409 and "done" in done.json()["error"]["message"]
+
+
+def test_events_after_the_end_of_a_finished_job_close_with_its_terminal_event(
+    gateway: GatewayServer, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    with FakeWorker(redis_server.url, Script(tokens=["a", "b"])):
+        httpx.post(f"{gateway.url}/v1/jobs", json={"request_id": "end-1", "prompt": "x"})
+        assert _wait_state(gateway, "end-1", "done")["state"] == "done"
+    start = time.monotonic()
+    reply = httpx.get(f"{gateway.url}/v1/jobs/end-1/events?after=100000", timeout=10)
+    assert reply.status_code == 200
+    assert [(seq, data["finish_reason"]) for seq, data in _events(reply.text)] == [(1, "stop")]
+    assert time.monotonic() - start < 3  # closed at once, not after keep-alives
+    last = httpx.get(f"{gateway.url}/v1/jobs/end-1/events", headers={"Last-Event-ID": "1"})
+    assert last.status_code == 204  # it saw the terminal event: nothing more
+
+
+def test_events_after_the_end_of_a_running_job_end_with_it(
+    gateway: GatewayServer, redis_client: redis.Redis
+) -> None:
+    httpx.post(f"{gateway.url}/v1/jobs", json={"request_id": "end-2", "prompt": "x"})
+    with httpx.stream("GET", f"{gateway.url}/v1/jobs/end-2/events?after=100000",
+                      timeout=10) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith(":")  # queued: a keep-alive
+        assert httpx.delete(f"{gateway.url}/v1/jobs/end-2").status_code == 202
+        received, deadline = [], time.monotonic() + 5
+        for line in lines:  # ends with the job, not at the 600 s request timeout
+            received.append(line)
+            assert time.monotonic() < deadline, "the stream outlived its job"
+        events = _events("\n".join(received))
+    assert [(seq, data["finish_reason"]) for seq, data in events] == [(0, "cancelled")]
+
+
+def test_out_of_range_resume_positions_are_400(
+    gateway: GatewayServer, redis_client: redis.Redis
+) -> None:
+    httpx.post(f"{gateway.url}/v1/jobs", json={"request_id": "big-1", "prompt": "x"})
+    huge = "99999999999999999999999"
+    for headers, query, param in (({"Last-Event-ID": huge}, "", "Last-Event-ID"),
+                                  ({}, f"?after={huge}", "after"),
+                                  ({"Last-Event-ID": "seven"}, "", "Last-Event-ID")):
+        reply = httpx.get(f"{gateway.url}/v1/jobs/big-1/events{query}", headers=headers,
+                          timeout=10)
+        assert reply.status_code == 400, (param, reply.status_code, reply.text[:200])
+        assert reply.json()["error"]["param"] == param
+
+
 def test_unknown_job_is_404(gateway: GatewayServer, redis_client: redis.Redis) -> None:
     for method, path in (("GET", "/v1/jobs/nope"), ("DELETE", "/v1/jobs/nope"),
                          ("GET", "/v1/jobs/nope/events"), ("GET", "/v1/jobs/a%20b/events")):

@@ -14,6 +14,7 @@ from protocol.codec import (
     decode_cancel,
     decode_entry,
     decode_event,
+    decode_event_trusted,
     decode_heartbeat,
     decode_request,
     encode_cancel,
@@ -41,7 +42,8 @@ from protocol.models import (
 )
 from protocol.sampling import SamplingParams
 
-DECODERS = [decode_request, decode_event, decode_cancel, decode_heartbeat]
+DECODERS = [decode_request, decode_event, decode_event_trusted, decode_cancel,
+            decode_heartbeat]
 
 
 def _raw(**fields: object) -> bytes:
@@ -206,3 +208,26 @@ def test_fuzz_structured_maps_only_raise_protocol_error(obj: dict[str, object]) 
         except ProtocolError:
             continue
         assert decoded.version in SUPPORTED_VERSIONS
+
+
+def test_trusted_event_decoder_matches_the_strict_one() -> None:
+    """The token path's decoder builds per-step events without validation; it must give
+    the very same TokenEvent, and leave everything else to the strict path."""
+    per_step = TokenEvent(request_id="r-1", seq=3, token_ids=[5, 6], text="hé")
+    final = TokenEvent(request_id="r-1", seq=4, finish_reason="stop", usage=Usage(),
+                       worker_id="w")
+    for event in (per_step, final, TokenEvent(request_id="r-1", seq=0)):
+        data = encode_event(event)
+        fast, strict = decode_event_trusted(data), decode_event(data)
+        assert fast == strict == event
+        assert fast.model_dump() == strict.model_dump()
+        assert fast.model_fields_set == strict.model_fields_set
+    for bad, field in ((_raw(request_id="r", seq="3"), "seq"),
+                       (_raw(request_id="r", seq=-1), "seq"),
+                       (_raw(request_id="r", seq=1, token_ids=["a"]), "token_ids"),
+                       (_raw(request_id="r", seq=1, text=b"x"), "text"),
+                       (_raw(seq=1), "request_id"),
+                       (_raw(request_id="r", seq=1, extra=1), "extra"),
+                       (msgpack.packb({"version": 9, "request_id": "r", "seq": 0}), "version")):
+        with pytest.raises(ProtocolError, match=field):
+            decode_event_trusted(bad)

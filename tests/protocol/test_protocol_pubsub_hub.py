@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Any
 
+import pytest
 import redis
 import redis.asyncio as aredis
+from redis._parsers import _AsyncRESP3Parser
 
 from protocol.aclient import AsyncFerryClient
+from protocol.codec import encode_event
 from protocol.keys import Keys
 from protocol.models import TokenEvent
 from protocol.store import Ttls, push_event
@@ -26,6 +31,17 @@ def _pubsub_clients(r: redis.Redis) -> int:
     return sum(1 for c in r.client_list() if int(c.get("sub", 0)) > 0)
 
 
+async def _settled(read: Any, want: int, timeout: float = 5.0) -> int:
+    """``read()`` once it equals ``want`` (UNSUBSCRIBE is sent by the hub's reader task, so
+    it lands a moment after ``close``), or its last value at the deadline."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (value := await asyncio.to_thread(read)) != want:
+        if asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.02)
+    return int(value)
+
+
 def test_many_subscriptions_share_one_connection(redis_server: RedisServer,
                                                  redis_client: redis.Redis) -> None:
     async def scenario() -> tuple[int, list[str], int]:
@@ -39,7 +55,7 @@ def test_many_subscriptions_share_one_connection(redis_server: RedisServer,
             texts += [e.text for e in await sub.next_events(5.0)]
         for sub in subs:
             await sub.close()
-        after = await asyncio.to_thread(_pubsub_clients, redis_client)
+        after = await _settled(lambda: _pubsub_clients(redis_client), 0)
         await client.aclose()
         return connections, texts, after
 
@@ -66,3 +82,57 @@ def test_two_followers_of_one_request_both_hear_it(redis_server: RedisServer,
         return got_first, got_second, still
 
     assert asyncio.run(scenario()) == (["a"], ["a"], ["b"])
+
+
+@pytest.mark.parametrize("protocol,pure_python", [(2, False), (3, False), (3, True)],
+                         ids=["resp2", "resp3", "resp3-pure-python-parser"])
+def test_messages_arrive_by_pub_sub_not_by_log_polling(
+    redis_server: RedisServer, redis_client: redis.Redis, protocol: int, pure_python: bool
+) -> None:
+    """An event only PUBLISHed (not in the log) must arrive at once: the log is re-read
+    only after a minute of quiet here, so nothing but the hub can deliver it."""
+
+    async def scenario() -> tuple[list[str], float]:
+        parser = {"parser_class": _AsyncRESP3Parser} if pure_python else {}
+        client = AsyncFerryClient(
+            aredis.Redis.from_url(redis_server.url, protocol=protocol, **parser),
+            poll_interval_s=60.0)
+        sub = await client.subscribe("live").open()
+        await sub.next_events(0)  # the initial backfill: the log is empty
+        start = time.monotonic()
+        data = encode_event(TokenEvent(request_id="live", seq=0, text="x"))
+        await asyncio.to_thread(redis_client.publish, KEYS.tokens("live"), data)
+        got = [e.text for e in await sub.next_events(10.0)]
+        took = time.monotonic() - start
+        await sub.close()
+        await client.aclose()
+        return got, took
+
+    got, took = asyncio.run(scenario())
+    assert got == ["x"] and took < 5.0
+
+
+def test_a_reconnect_subscribes_only_what_is_still_wanted(redis_server: RedisServer,
+                                                          redis_client: redis.Redis) -> None:
+    async def scenario() -> tuple[list[bytes], list[str]]:
+        client = AsyncFerryClient(aredis.Redis.from_url(redis_server.url), poll_interval_s=0.2)
+        kept = await client.subscribe("kept").open()
+        ended = await client.subscribe("ended").open()
+        await asyncio.to_thread(redis_client.execute_command, "CLIENT", "KILL", "TYPE",
+                                "pubsub")
+        await ended.close()  # may race the reconnect: either way it must not come back
+        for _ in range(100):
+            if client.hub.reconnects:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        channels = await asyncio.to_thread(redis_client.pubsub_channels)
+        _publish(redis_client, "kept", 0, "after")
+        texts = [e.text for e in await kept.next_events(5.0)]
+        await kept.close()
+        await client.aclose()
+        return sorted(channels), texts
+
+    channels, texts = asyncio.run(scenario())
+    assert channels == [KEYS.tokens("kept").encode()]
+    assert texts == ["after"]
