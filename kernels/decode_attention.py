@@ -19,7 +19,16 @@ splits until about ``WAVES * num_SMs`` programs exist, but never give a split fe
 than ``MIN_TOKENS_PER_SPLIT`` tokens (below that the stage-2 traffic and per-program
 overhead win) and never more than ``MAX_KV_SPLITS``. The context length comes from the
 caller's ``max_seq_len`` hint, else from the block table's capacity, never from
-``seq_lens`` (reading it would sync the GPU). These constants are not yet tuned on a GPU.
+``seq_lens`` (reading it would sync the GPU).
+
+That rule is for launches inside a CUDA graph (the engine's decode steps), where stage 2
+costs a few microseconds. Launched eagerly, stage 2 costs a second Triton launch from
+Python plus two allocations — measured on the H100 (``ops/bench/kernels.py``, eager):
+batch 8 x 512 tokens took 0.147 ms with 2 splits and 0.023 ms with 1; batch 1 x 4,096
+took 0.269 ms with 16 splits and 0.110 ms with 1. So eagerly (``eager=True``: not
+capturing) a split must carry ``EAGER_MIN_TOKENS_PER_SPLIT`` tokens, which keeps
+everything below 16k tokens of context in one launch, only a grid that does not fill
+the GPU once is split, and the partial buffers are reused rather than allocated.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from kernels._attention_core import attend_kv_range, dot_needs_upcast, pow2_at_l
 DEFAULT_NUM_SMS = 132  # H100 SXM; used when the tensors are not on a CUDA device
 WAVES = 2
 MIN_TOKENS_PER_SPLIT = 256
+EAGER_MIN_TOKENS_PER_SPLIT = 8192
 MAX_KV_SPLITS = 64
 MAX_FORCED_SPLITS = 1024  # callers may force more than the heuristic ever picks
 
@@ -47,13 +57,45 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+def _capturing(q: torch.Tensor) -> bool:
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+_WORKSPACE: dict[torch.device, torch.Tensor] = {}
+
+
+def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1's partial outputs [S, Hq, splits, D] and LSEs [S, Hq, splits], fp32: one
+    reused buffer per device when launched eagerly (an allocation per call was part of
+    the measured eager cost), fresh (from the graph's pool) inside a capture."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    rows = num_seqs * num_q_heads * splits
+    size = rows * (head_dim + 1)
+    cached = None if _capturing(q) else _WORKSPACE.get(q.device)
+    if cached is not None and cached.numel() >= size:
+        flat = cached
+    else:
+        flat = q.new_empty(size, dtype=torch.float32)
+        if not _capturing(q):
+            _WORKSPACE[q.device] = flat
+    dest = flat[: rows * head_dim].view(num_seqs, num_q_heads, splits, head_dim)
+    lse = flat[rows * head_dim: rows * (head_dim + 1)].view(num_seqs, num_q_heads, splits)
+    return dest, lse
+
+
 def choose_num_kv_splits(
-    num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int = DEFAULT_NUM_SMS
+    num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int = DEFAULT_NUM_SMS,
+    eager: bool = False,
 ) -> int:
-    """How many KV splits keep ~WAVES programs per SM without making splits too short."""
+    """How many KV splits keep ~WAVES programs per SM without making splits too short
+    (``eager``: launched outside a CUDA graph, where each split must pay for a launch)."""
     programs = max(1, num_seqs * num_kv_heads)
+    if eager and programs >= num_sms:
+        return 1
+    min_tokens = EAGER_MIN_TOKENS_PER_SPLIT if eager else MIN_TOKENS_PER_SPLIT
     wanted = triton.cdiv(WAVES * num_sms, programs)
-    by_length = triton.cdiv(max(1, max_context), MIN_TOKENS_PER_SPLIT)
+    by_length = max(1, max_context) // min_tokens if eager else \
+        triton.cdiv(max(1, max_context), min_tokens)
     return max(1, min(wanted, by_length, MAX_KV_SPLITS))
 
 
@@ -190,7 +232,8 @@ def paged_decode_attention(
     if num_kv_splits is None:
         context = max_seq_len or block_tables.shape[1] * block_size
         context = min(context, window) if window else context
-        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, context, _num_sms(q.device))
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, context, _num_sms(q.device),
+                                             eager=not _capturing(q))
     if not (isinstance(num_kv_splits, int) and 1 <= num_kv_splits <= MAX_FORCED_SPLITS):
         raise ValueError(f"num_kv_splits must be an int in [1, {MAX_FORCED_SPLITS}], "
                          f"got {num_kv_splits!r}")  # fmt: skip
@@ -219,8 +262,7 @@ def _launch(
     head_dim_pad = pow2_at_least(head_dim, 16)
     partial = num_kv_splits > 1
     if partial:
-        dest = q.new_empty((num_seqs, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32)
-        lse = q.new_empty((num_seqs, num_q_heads, num_kv_splits), dtype=torch.float32)
+        dest, lse = _partials(q, num_kv_splits)
     else:
         dest, lse = out, out  # lse is unused without splits
     _decode_split_kernel[(num_seqs, num_kv_heads, num_kv_splits)](

@@ -135,6 +135,21 @@ def test_split_heuristic(num_seqs, num_kv_heads, context, expected):
     assert choose_num_kv_splits(num_seqs, num_kv_heads, context, num_sms=132) == expected
 
 
+@pytest.mark.parametrize(
+    "num_seqs,num_kv_heads,context,expected",
+    [
+        (8, 8, 512, 1),  # measured on the H100, eager: 1 split 0.023 ms, 2 splits 0.147 ms
+        (1, 8, 4096, 1),  # 1 split 0.110 ms, 16 splits 0.269 ms
+        (1, 8, 32768, 4),  # long enough that splits pay for their launch
+        (32, 8, 32768, 1),  # 256 programs fill the GPU already
+    ],
+)
+def test_eager_split_heuristic_pays_for_the_second_launch(num_seqs, num_kv_heads, context,
+                                                          expected):
+    assert choose_num_kv_splits(num_seqs, num_kv_heads, context, num_sms=132,
+                                eager=True) == expected
+
+
 def _good_args(device: torch.device) -> dict:
     return {
         "q": torch.zeros(2, 4, 64, device=device),
