@@ -47,39 +47,34 @@ def state_for_finish(reason: FinishReason) -> JobState:
     return _STATE_FOR_FINISH[reason]
 
 
-def _out_of_int64(value: object, path: str) -> str | None:
-    """Path of the first integer msgpack cannot carry (outside int64/uint64), if any."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return path if not -(2**63) <= value < 2**64 else None
-    items: Any = (
-        value.items() if isinstance(value, dict)
-        else enumerate(value) if isinstance(value, list) else ()
-    )
-    for key, item in items:
-        found = _out_of_int64(item, f"{path}.{key}" if path else str(key))
-        if found:
-            return found
-    return None
-
-
-def _unencodable(value: object, path: str) -> str | None:
-    """Path of the first string that is not valid Unicode text (a lone surrogate, which
-    JSON's ``\\ud800`` escape can produce): msgpack and UTF-8 cannot carry it."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "(value)"
+def _first_path(value: object, bad: Any, path: str = "") -> str | None:
+    """Dotted path of the first leaf (in maps and lists) for which ``bad(leaf)`` holds."""
+    if isinstance(value, dict | list):
+        items: Any = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            found = _first_path(item, bad, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
         return None
-    items: Any = (
-        value.items() if isinstance(value, dict)
-        else enumerate(value) if isinstance(value, list) else ()
-    )
-    for key, item in items:
-        found = _unencodable(item, f"{path}.{key}" if path else str(key))
-        if found:
-            return found
-    return None
+    return (path or "(value)") if bad(value) else None
+
+
+def _out_of_int64(value: object) -> bool:
+    """An integer msgpack cannot carry (outside int64/uint64)."""
+    return isinstance(value, int) and not isinstance(value, bool) \
+        and not -(2**63) <= value < 2**64
+
+
+def _unencodable(value: object) -> bool:
+    """A string that is not valid Unicode text (a lone surrogate, which JSON's ``\\ud800``
+    escape can produce): msgpack and UTF-8 cannot carry it."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def new_request_id() -> str:
@@ -131,10 +126,10 @@ class GenerateRequest(_Wire):
         if self.messages is not None and not self.messages:
             raise ValueError("messages: at least one message is required")
         dumped = self.model_dump()
-        too_big = _out_of_int64(dumped, "")
+        too_big = _first_path(dumped, _out_of_int64)
         if too_big:
             raise ValueError(f"{too_big}: integer out of the 64-bit range")
-        broken = _unencodable(dumped, "")
+        broken = _first_path(dumped, _unencodable)
         if broken:
             raise ValueError(f"{broken}: not valid Unicode text (a lone surrogate?)")
         if self.stream and self.params.ranks_candidates:

@@ -28,23 +28,22 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from ops.bench import baselines  # noqa: E402
-from ops.bench.workload import Job, build_bench_model, classic_workload, main_workload  # noqa: E402
+from ops.bench.workload import (  # noqa: E402
+    Job,
+    build_bench_model,
+    classic_workload,
+    main_workload,
+    run_jobs,
+)
 
 
 def run_ferry(path: str, jobs: list[Job], profile: dict[str, float] | None = None,
               **engine_kw: Any) -> list[list[int]]:
-    from protocol.sampling import SamplingParams
     from worker import Engine, EngineConfig
 
     engine = Engine(EngineConfig.create(path, device="cpu", **engine_kw))
     attn_time = _time_attention(engine) if profile is not None else None
-    for i, job in enumerate(jobs):
-        engine.add_request(str(i), job.prompt, SamplingParams(
-            temperature=0, max_tokens=job.max_tokens, ignore_eos=True))
-    outs: list[list[int]] = [[] for _ in jobs]
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outs[int(out.request_id)] += out.new_token_ids
+    outs = run_jobs(engine, jobs)
     if profile is not None:
         profile.update(engine.timer.totals)
         profile["attention"] = attn_time[0] if attn_time else 0.0

@@ -24,7 +24,7 @@ from ops.bench.engine_gpu import (
     hf_continuous_config,
     profile_decode_step,
 )
-from ops.bench.workload import Job
+from ops.bench.workload import Job, run_jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,19 +39,6 @@ def ferry_engine(path: str, device: str, jobs: list[Job], **kw: Any) -> Any:
         long_prefill_token_threshold=kw.pop("long_prefill_token_threshold", 2048),
         max_model_len=max(longest, 64), **kw,
     ))
-
-
-def run_ferry(engine: Any, jobs: list[Job]) -> list[list[int]]:
-    from protocol.sampling import SamplingParams
-
-    for i, job in enumerate(jobs):
-        engine.add_request(str(i), job.prompt, SamplingParams(
-            temperature=0, max_tokens=job.max_tokens, ignore_eos=True))
-    outs: list[list[int]] = [[] for _ in jobs]
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outs[int(out.request_id)] += out.new_token_ids
-    return outs
 
 
 def timed(name: str, fn: Callable[[], list[list[int]]], jobs: list[Job],
@@ -111,8 +98,8 @@ def ferry_row(path: str, device: str, jobs: list[Job], sync: Callable[[], None],
         result["decode_step"] = profile_decode_step(engine, batch=min(256, len(jobs)),
                                                     context=800 if size != "tiny" else 64)
         print(f"decode step: {result['decode_step']}", flush=True)
-    run_ferry(engine, jobs[:4])  # warm-up: compilation and first-call costs out of timing
-    return timed("ferry", lambda: run_ferry(engine, jobs), jobs, sync)
+    run_jobs(engine, jobs[:4])  # warm-up: compilation and first-call costs out of timing
+    return timed("ferry", lambda: run_jobs(engine, jobs), jobs, sync)
 
 
 def hf_rows(path: str, device: str, jobs: list[Job], sync: Callable[[], None]) -> list[dict]:

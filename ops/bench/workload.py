@@ -59,3 +59,18 @@ def classic_workload(seed: int = 1) -> list[Job]:
     rng = random.Random(seed)
     outs = [20, 45, 80, 120, 150, 90, 60, 200]
     return [Job([rng.randrange(2, VOCAB) for _ in range(64)], n) for n in outs]
+
+
+def run_jobs(engine: object, jobs: list[Job]) -> list[list[int]]:
+    """Every job on an ``Engine`` at once, greedy with EOS ignored (each exactly
+    ``max_tokens`` long); the output token ids in job order."""
+    from protocol.sampling import SamplingParams
+
+    for i, job in enumerate(jobs):
+        engine.add_request(str(i), job.prompt, SamplingParams(  # type: ignore[attr-defined]
+            temperature=0, max_tokens=job.max_tokens, ignore_eos=True))
+    outs: list[list[int]] = [[] for _ in jobs]
+    while engine.has_unfinished_requests():  # type: ignore[attr-defined]
+        for out in engine.step():  # type: ignore[attr-defined]
+            outs[int(out.request_id)] += out.new_token_ids
+    return outs

@@ -8,6 +8,7 @@ stays light on a shared machine.
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,3 +65,30 @@ class Reference:
 @pytest.fixture(scope="session")
 def reference(checkpoint: str) -> Reference:
     return Reference(checkpoint)
+
+
+def make_engine(checkpoint: str, **kw: object) -> Any:
+    """An in-process engine on the test checkpoint: CPU, one torch thread, 256 blocks."""
+    import torch
+
+    from worker import Engine, EngineConfig
+
+    torch.set_num_threads(1)
+    return Engine(EngineConfig.create(checkpoint, device="cpu", num_blocks=256, **kw))
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: str) -> Any:
+    """One engine per test module, for in-process services (``Running``)."""
+    return make_engine(checkpoint)
+
+
+@pytest.fixture
+def client(redis_server: Any, redis_client: Any) -> Iterator[Any]:  # noqa: F811
+    """A ``FerryClient`` on the module's redis-server, with the consumer groups created."""
+    from protocol.client import FerryClient
+
+    c = FerryClient.from_url(redis_server.url)
+    c.ensure_group()
+    yield c
+    c.close()

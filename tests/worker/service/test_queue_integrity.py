@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -23,32 +22,11 @@ from protocol.codec import decode_event, encode_request, status_from_hash
 from protocol.keys import Keys
 from protocol.models import GenerateRequest
 from protocol.sampling import SamplingParams
+from tests.worker.service.conftest import make_engine
 from tests.worker.service.procs import assert_contiguous, tokens_of
 from tests.worker.service.test_service_inprocess import Running
 
 KEYS = Keys()
-
-
-def _engine(checkpoint: str, **kw: Any) -> Any:
-    import torch
-
-    from worker import Engine, EngineConfig
-
-    torch.set_num_threads(1)
-    return Engine(EngineConfig.create(checkpoint, device="cpu", num_blocks=256, **kw))
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint: str) -> Any:
-    return _engine(checkpoint)
-
-
-@pytest.fixture
-def client(redis_server: Any, redis_client: redis.Redis) -> Iterator[FerryClient]:
-    c = FerryClient.from_url(redis_server.url)
-    c.ensure_group()
-    yield c
-    c.close()
 
 
 def _finished_job(client: FerryClient, engine: Any, redis_url: str, rid: str) -> list[bytes]:
@@ -185,7 +163,7 @@ def test_high_priority_request_is_admitted_next_on_a_full_worker(
     """4 long requests fill the batch; 12 wait at priority 10; then one at -100 arrives.
     It is read from the high lane at once and preempts a running request: it starts before
     any of the 12, and streams its first token before any of the 4 long requests ends."""
-    small = _engine(checkpoint, max_num_seqs=4)
+    small = make_engine(checkpoint, max_num_seqs=4)
     r = client.redis
     long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

@@ -4,11 +4,9 @@ resume that continues every choice from the replay log."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 
 from protocol.client import FerryClient
 from protocol.codec import encode_event
@@ -19,24 +17,6 @@ from tests.worker.service.procs import assert_contiguous
 from tests.worker.service.test_service_inprocess import Running
 
 KEYS = Keys()
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint: str) -> Any:
-    import torch
-
-    from worker import Engine, EngineConfig
-
-    torch.set_num_threads(1)
-    return Engine(EngineConfig.create(checkpoint, device="cpu", num_blocks=256))
-
-
-@pytest.fixture
-def client(redis_server: Any, redis_client: redis.Redis) -> Iterator[FerryClient]:
-    c = FerryClient.from_url(redis_server.url)
-    c.ensure_group()
-    yield c
-    c.close()
 
 
 def _stream(client: FerryClient, request: GenerateRequest) -> list[TokenEvent]:

@@ -12,13 +12,10 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgpack
-import pytest
-import redis
 
 from protocol.client import FerryClient
 from protocol.codec import encode_event, encode_request
@@ -29,16 +26,6 @@ from tests.worker.service.procs import assert_contiguous, tokens_of
 from worker.service.redis_io import WorkerSettings
 
 KEYS = Keys()
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint: str) -> Any:
-    import torch
-
-    from worker import Engine, EngineConfig
-
-    torch.set_num_threads(1)
-    return Engine(EngineConfig.create(checkpoint, device="cpu", num_blocks=256))
 
 
 class Running:
@@ -60,14 +47,6 @@ class Running:
         self.service.request_stop(force=True)
         self.thread.join(20)
         assert not self.thread.is_alive()
-
-
-@pytest.fixture
-def client(redis_server: Any, redis_client: redis.Redis) -> Iterator[FerryClient]:
-    c = FerryClient.from_url(redis_server.url)
-    c.ensure_group()
-    yield c
-    c.close()
 
 
 def _generate(client: FerryClient, request: GenerateRequest) -> list[TokenEvent]:
