@@ -1,0 +1,219 @@
+"""The requests this worker holds, as the engine loop sees them: admission, cancels,
+deadlines, and turning the engine's outputs into events.
+
+It is the engine loop's own state (only that thread touches it): ``jobs`` maps request ids
+to their ``ActiveJob``, deadlines and early cancels wait here, and every way a request
+ends — finished in the engine, cancelled, timed out, refused, lease lost — goes through
+``end``, which frees its slot and records its outcome. Kept apart from the service's
+thread wiring and lifecycle so each stays small.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from protocol.models import ErrorKind, FinishReason
+from worker.engine.engine import Engine
+from worker.engine.outputs import StepOutput
+from worker.engine.prompts import PromptError
+from worker.service.active_job import ActiveJob
+from worker.service.jobs import Admission, Command, Outgoing
+from worker.service.leases import HeldEntries
+from worker.service.metrics import WorkerMetrics
+from worker.service.outbox import Outbox
+from worker.service.slots import Slots
+from worker.service.stats import StatsBook
+
+_EARLY_CANCEL_TTL_S = 60.0
+
+
+class JobTable:
+    def __init__(
+        self, engine: Engine, outbox: Outbox, slots: Slots, held: HeldEntries,
+        book: StatsBook, metrics: WorkerMetrics, worker_id: str,
+        token_text: Callable[[int], str], log: Any,
+    ) -> None:
+        self.engine = engine
+        self.outbox = outbox
+        self.slots = slots
+        self.held = held
+        self.book = book
+        self.metrics = metrics
+        self.worker_id = worker_id
+        self.token_text = token_text
+        self.log = log
+        self.jobs: dict[str, ActiveJob] = {}
+        self._deadlines: dict[str, float] = {}
+        self._early_cancels: dict[str, tuple[str, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def events(self, outputs: list[StepOutput], now: float) -> tuple[list[Outgoing], int]:
+        """One step's engine outputs -> (events to send, tokens produced)."""
+        batch: list[Outgoing] = []
+        tokens = 0
+        for out in outputs:
+            job = self.jobs.get(out.request_id)
+            if job is None:
+                continue
+            tokens += len(out.new_token_ids)
+            if out.new_token_ids and job.last_token_mono is not None:
+                self.metrics.observe_inter_token(now - job.last_token_mono)
+            if out.new_token_ids:
+                job.last_token_mono = now
+            if out.finished:
+                batch += self._candidate_end(job, out)
+            else:
+                item = job.step_event(out, self.token_text)
+                if item is not None:
+                    batch.append(item)
+        return batch, tokens
+
+    def _candidate_end(self, job: ActiveJob, out: StepOutput) -> list[Outgoing]:
+        """A request (or one of its n candidates) ended in the engine: its events."""
+        reason, kind = _engine_finish(out)
+        if not job.multi:
+            return [self._end(job, reason, out, out.error, kind)]
+        if reason not in ("stop", "length"):  # one candidate failed: so does the request
+            job.absorb(out)
+            for other in self.engine.abort(job.request_id):
+                job.absorb(other)
+            return [self._end(job, reason, None, out.error, kind)]
+        item = job.choice_event(out, self.token_text)
+        items = [item] if item is not None else []
+        if job.done:
+            items.append(self._end(job, job.overall_reason(), None))
+        return items
+
+    def _stop_in_engine(self, job: ActiveJob) -> StepOutput | None:
+        """Abort a request's candidates; the output to close its event with (n = 1)."""
+        outs = self.engine.abort(job.request_id)
+        if not job.multi:
+            return outs[0] if outs else None
+        for out in outs:
+            job.absorb(out)
+        return None
+
+    def admit(self, admission: Admission) -> None:
+        job = ActiveJob(admission, self.worker_id)
+        rid = job.request_id
+        if admission.entry not in self.held or rid in self.jobs:
+            self.slots.release()  # lease lost while queued here, or a duplicate delivery
+            self.held.discard(admission.entry)
+            return
+        early = self._early_cancels.pop(rid, None)
+        if early is not None:
+            self._finish_now(job, "cancelled", early[0])
+            return
+        if job.deadline is not None and time.time() >= job.deadline:
+            self._finish_now(job, "timeout", _timeout_message(job))
+            return
+        if admission.error is not None or admission.prompt_token_ids is None:
+            self._refuse(job, admission.error)
+            return
+        if job.multi and job.done:  # resumed after every choice ended, before the last event
+            self.outbox.put([self._end(job, job.overall_reason(), None)])
+            return
+        request = admission.request
+        job.num_prompt_tokens = len(admission.prompt_token_ids)
+        try:
+            self.engine.add_tokens(
+                rid, admission.prompt_token_ids, request.params, priority=request.priority,
+                prior_by_choice=admission.prior,
+                skip_choices=frozenset(admission.finished_choices),
+            )
+        except Exception as exc:  # a bug must fail the request, not the worker
+            self.log.exception("add_request_failed", request_id=rid)
+            self._finish_now(job, "error", f"{type(exc).__name__}: {exc}", "internal")
+            return
+        self.jobs[rid] = job
+        if job.deadline is not None:
+            self._deadlines[rid] = job.deadline
+
+    def _refuse(self, job: ActiveJob, error: Exception | None) -> None:
+        """A prompt the pool could not build: invalid input is the client's fault."""
+        if isinstance(error, PromptError):
+            job.num_prompt_tokens = error.num_prompt_tokens
+            self._finish_now(job, "error", str(error), "invalid_request")
+        else:
+            message = f"{type(error).__name__}: {error}" if error else "prompt not built"
+            self._finish_now(job, "error", message, "internal")
+
+    def command(self, cmd: Command) -> None:
+        job = self.jobs.get(cmd.request_id)
+        if cmd.kind == "lost":
+            if job is not None:
+                self.jobs.pop(cmd.request_id)
+                self._deadlines.pop(cmd.request_id, None)
+                self.engine.abort(cmd.request_id)
+                self.slots.release()
+                self.log.warning("request_dropped_lease_lost", request_id=cmd.request_id)
+            return
+        if job is None:
+            self._remember_cancel(cmd)
+            return
+        out = self._stop_in_engine(job)
+        self.outbox.put([self._end(job, "cancelled", out, cmd.reason or "cancelled")])
+        self.log.info("request_cancelled", request_id=cmd.request_id)
+
+    def _remember_cancel(self, cmd: Command) -> None:
+        """A cancel for a request not admitted yet (still on its way from the intake)."""
+        now = time.monotonic()
+        self._early_cancels = {
+            rid: v for rid, v in self._early_cancels.items() if now - v[1] < _EARLY_CANCEL_TTL_S
+        }
+        self._early_cancels[cmd.request_id] = (cmd.reason or "cancelled", now)
+
+    def expire(self) -> None:
+        if not self._deadlines:
+            return
+        now = time.time()
+        for rid, deadline in list(self._deadlines.items()):
+            if now >= deadline:
+                job = self.jobs[rid]
+                out = self._stop_in_engine(job)
+                self.outbox.put([self._end(job, "timeout", out, _timeout_message(job))])
+
+    def _end(
+        self, job: ActiveJob, reason: FinishReason, out: StepOutput | None,
+        error: str | None = None, kind: ErrorKind | None = None,
+    ) -> Outgoing:
+        """Forget a job that the engine no longer holds; its terminal event."""
+        self.jobs.pop(job.request_id, None)
+        self._deadlines.pop(job.request_id, None)
+        self.slots.release()
+        item = job.final_event(reason, out, error, kind, self.token_text)
+        self.book.finished(job, item)
+        return item
+
+    def _finish_now(
+        self, job: ActiveJob, reason: FinishReason, error: str, kind: ErrorKind | None = None
+    ) -> None:
+        """End a job that never reached the engine."""
+        self.outbox.put([self._end(job, reason, None, error, kind)])
+
+    def abort_all(self) -> int:
+        """Shutdown: drop every request from the engine (their entries are handed back)."""
+        count = len(self.jobs)
+        for rid in list(self.jobs):
+            self.engine.abort(rid)
+        self.jobs.clear()
+        self._deadlines.clear()
+        return count
+
+
+def _engine_finish(out: StepOutput) -> tuple[FinishReason, ErrorKind | None]:
+    reason = out.finish_reason or "stop"
+    if reason == "error":  # the engine says when the request is at fault (structured output)
+        return "error", "invalid_request" if out.error_kind == "invalid_request" else "internal"
+    if reason in ("stop", "length", "abort"):
+        return reason, None  # type: ignore[return-value]
+    return "error", "internal"
+
+
+def _timeout_message(job: ActiveJob) -> str:
+    return f"timeout_s: the request did not finish within {job.request.timeout_s} s"
+
