@@ -99,6 +99,8 @@ class StatsBook:
             "steps": s.steps,
             "preemptions": s.num_preemptions,
             "prefix_hit_rate": round(s.prefix_cache_hit_rate, 4),
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
             "kv_blocks_cached": s.kv_blocks_cached,
             "queue_lag": c.queue_lag,
             "reclaimed": c.reclaimed,
