@@ -6,6 +6,7 @@ for models, workloads and the decode-step profile).
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import time
@@ -73,6 +74,12 @@ def main(args: Any) -> None:
         "output_tokens": sum(j.max_tokens for j in jobs),
     }
     rows = [ferry_row(path, device, jobs, sync, result, args.profile, size)]
+    if device.startswith("cuda") and "variants" not in args.skip:
+        # what each GPU lever is worth, in the same run
+        rows.append(ferry_row(path, device, jobs, sync, result, False, size,
+                              "ferry, steps not overlapped", async_scheduling=False))
+        rows.append(ferry_row(path, device, jobs, sync, result, False, size,
+                              "ferry, eager (no CUDA graphs)", enforce_eager=True))
     if "hf" not in args.skip:
         rows += hf_rows(path, device, jobs, sync)
     base = rows[0]["output_tok_s"]
@@ -90,16 +97,22 @@ def main(args: Any) -> None:
 
 
 def ferry_row(path: str, device: str, jobs: list[Job], sync: Callable[[], None],
-              result: dict[str, Any], profile: bool, size: str) -> dict[str, Any]:
+              result: dict[str, Any], profile: bool, size: str, name: str = "ferry",
+              **engine_kw: Any) -> dict[str, Any]:
     """Ferry's row (and, with ``profile``, the decode-step profile); the engine and its KV
-    cache are freed on return, before the transformers rows load the model again."""
-    engine = ferry_engine(path, device, jobs)
+    cache are freed on return, before the next row loads the model again."""
+    engine = ferry_engine(path, device, jobs, **engine_kw)
     if profile:
         result["decode_step"] = profile_decode_step(engine, batch=min(256, len(jobs)),
                                                     context=800 if size != "tiny" else 64)
         print(f"decode step: {result['decode_step']}", flush=True)
     run_jobs(engine, jobs[:4])  # warm-up: compilation and first-call costs out of timing
-    return timed("ferry", lambda: run_jobs(engine, jobs), jobs, sync)
+    row = timed(name, lambda: run_jobs(engine, jobs), jobs, sync)
+    engine = None  # the KV pool (90% of free memory) goes before the next row's
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return row
 
 
 def hf_rows(path: str, device: str, jobs: list[Job], sync: Callable[[], None]) -> list[dict]:

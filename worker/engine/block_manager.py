@@ -66,6 +66,7 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}  # hash -> block
         self._registered: dict[str, int] = {}  # request -> leading table blocks hashed
         self._step: list[tuple[str, int, bytes]] = []  # registrations since begin_step
+        self._prev_step: list[tuple[str, int, bytes]] = []  # the step's before
         self.stats = CacheStats()
 
     # -- queries -----------------------------------------------------------------------
@@ -119,7 +120,7 @@ class BlockManager:
         computed = request.num_computed_tokens
         if not self.enable_caching or computed != len(table) * self.block_size:
             return []
-        limit = (request.num_tokens - 1) // self.block_size
+        limit = min(request.num_tokens - 1, request.num_known_tokens) // self.block_size
         if limit <= len(table):
             return []
         hits = []
@@ -173,7 +174,8 @@ class BlockManager:
             return
         rid = request.request_id
         table = self._tables.get(rid, [])
-        full = min(num_tokens // self.block_size, len(table))
+        # blocks holding a pending token (placeholder) wait for a later step's call
+        full = min(min(num_tokens, request.num_known_tokens) // self.block_size, len(table))
         start = self._registered.get(rid, 0)
         if full <= start:
             return
@@ -186,23 +188,29 @@ class BlockManager:
         self._registered[rid] = full
 
     def begin_step(self) -> None:
-        self._step.clear()
+        # the previous step may still be running (overlapped steps): a failure read back
+        # from it must be able to undo its registrations too
+        self._prev_step, self._step = self._step, []
 
     def forget_step(self, request_id: str | None = None) -> None:
-        """Unregister this step's registrations (of one request, or all): their blocks will
-        not be computed after all (a failed forward, a request preempted before running)."""
-        kept = []
-        for rid, block, h in self._step:
-            if request_id is not None and rid != request_id:
-                kept.append((rid, block, h))
-                continue
+        """Unregister this step's registrations (of one request), or those of this step
+        and the one before (all): their blocks will not be computed after all (a failed
+        forward, a request preempted before running)."""
+        if request_id is None:
+            self._forget(self._prev_step)
+            self._prev_step = []
+        kept = [r for r in self._step if request_id is not None and r[0] != request_id]
+        self._forget([r for r in self._step if request_id is None or r[0] == request_id])
+        self._step = kept
+
+    def _forget(self, registrations: list[tuple[str, int, bytes]]) -> None:
+        for rid, block, h in registrations:
             if self._block_of.get(h) == block:
                 del self._block_of[h]
                 del self._hash_of[block]
-            if rid in self._registered:
-                self._registered[rid] = min(self._registered[rid],
-                                            self._tables[rid].index(block))
-        self._step = kept
+            table = self._tables.get(rid, [])
+            if rid in self._registered and block in table:
+                self._registered[rid] = min(self._registered[rid], table.index(block))
 
     def provides_this_step(self, request_id: str) -> bool:
         """Whether another request holds a block this one registers this step (so this one

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from worker.engine.transfer import to_device
+
 
 class BlockTableBuffer:
     def __init__(self, rows: int, max_blocks_per_seq: int, device: torch.device) -> None:
@@ -63,7 +65,7 @@ class BlockTableBuffer:
             rows.append(row)
         if upd_vals:
             self._scatter(upd_rows, upd_cols, upd_vals)
-        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        index = to_device(rows, torch.long, self.device)
         return self.table.index_select(0, index)
 
     def _assign(self, rid: str) -> int:
@@ -76,9 +78,5 @@ class BlockTableBuffer:
         return row
 
     def _scatter(self, rows: list[int], cols: list[int], vals: list[int]) -> None:
-        idx = torch.tensor([rows, cols], dtype=torch.long)  # [2, U]
-        src = torch.tensor(vals, dtype=torch.int32)  # [U]
-        if self.device.type == "cuda":
-            idx, src = idx.pin_memory(), src.pin_memory()
-        idx = idx.to(self.device, non_blocking=True)
-        self.table.index_put_((idx[0], idx[1]), src.to(self.device, non_blocking=True))
+        idx = to_device([rows, cols], torch.long, self.device)  # [2, U]
+        self.table.index_put_((idx[0], idx[1]), to_device(vals, torch.int32, self.device))

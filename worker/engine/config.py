@@ -55,6 +55,9 @@ class SchedulerConfig:
     # A prefill chunk never takes more than this many tokens of one step's budget, so a
     # long prompt is spread over steps and never stalls the running decodes.
     long_prefill_token_threshold: int = 512
+    # Launch step N+1 before reading step N back (worker/engine/inflight.py); None: on
+    # for CUDA, where the host's share of a step would leave the GPU idle, off on a CPU
+    async_scheduling: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ class EngineConfig:
             enable_prefix_caching=_bool("FERRY_PREFIX_CACHING"),
             max_num_seqs=_int("FERRY_MAX_NUM_SEQS"),
             max_num_batched_tokens=_int("FERRY_MAX_NUM_BATCHED_TOKENS"),
+            async_scheduling=_bool("FERRY_ASYNC_SCHEDULING"),
         )
         return cfg
 

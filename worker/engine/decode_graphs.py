@@ -23,6 +23,7 @@ the scratch block and the metadata against the eager path token for token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -120,14 +121,18 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, ids: list[int], positions: list[int], slots: list[int],
-            seq_lens: list[int], tables: torch.Tensor) -> torch.Tensor:
-        """Fill the static rows, pad to the bucket, replay; logits [len(ids), vocab]."""
+            seq_lens: list[int], tables: torch.Tensor,
+            patch_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Fill the static rows, pad to the bucket, replay; logits [len(ids), vocab].
+        ``patch_ids`` fills, on the device, input tokens still being read back."""
         n, size = len(ids), self._bucket(len(ids))
         host = torch.tensor([ids, positions, slots, seq_lens], dtype=torch.long)  # [4, n]
         if self.runner.device.type == "cuda":
             host = host.pin_memory()
         dev = host.to(self.runner.device, non_blocking=True)
         self.ids[:n].copy_(dev[0])
+        if patch_ids is not None:
+            patch_ids(self.ids)
         self.positions[:n].copy_(dev[1])
         self.slots[:n].copy_(dev[2])
         self.seq_lens[:n].copy_(dev[3])

@@ -2,7 +2,9 @@
 
 ``step()`` is schedule -> execute -> sample -> update. The service drives it from one
 thread; anything arriving from other threads (new requests, cancels) is handed over
-between steps.
+between steps. With ``async_scheduling`` (on for CUDA) a step is launched before the
+previous one is read back, and ``step()`` returns the previous step's outputs
+(``inflight.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.choices import candidate_id, candidate_params
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.inflight import InflightStep, needs_known_tokens, without_finished
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, StepOutput
 from worker.engine.prompts import PromptBuilder, PromptLimits
@@ -48,6 +51,9 @@ class Engine:
             self.tokenizer, self.runner.shape.vocab_size, self.runner.loaded.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[str]] = {}  # request id -> its unfinished candidates
+        overlap = config.scheduler.async_scheduling
+        self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
+        self._inflight: InflightStep | None = None  # launched, not read back
         self._tokens_generated = 0
         self._steps = 0
 
@@ -140,29 +146,59 @@ class Engine:
 
     # -- stepping ----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def step(self) -> list[StepOutput]:
-        timer = self.timer
-        failed = self._grammar_failures()  # [structured output]
-        with timer.phase("schedule"):
+        """Schedule and launch a step; return the outputs of the step read back (this one,
+        or with overlap the one launched before it)."""
+        outputs = self._grammar_failures()  # [structured output]
+        with self.timer.phase("schedule"):
             sched = self.scheduler.schedule()
+        if self._inflight is not None and not sched.is_empty and needs_known_tokens(sched):
+            outputs += self._read_back()
+            sched = without_finished(sched)
         if sched.is_empty:
-            if not failed and self.structured.has_pending:
+            if self._inflight is not None:
+                return outputs + self._read_back()
+            if not outputs and self.structured.has_pending:
                 self.structured.wait(_GRAMMAR_WAIT_S)  # [structured output] nothing else to do
-            return failed
+            return outputs
         self._steps += 1
-        sampling = [s.request for s in sched.scheduled if s.sample]
         try:
-            mask = self.structured.start_bitmask(sampling)  # [structured output] overlaps forward
-            with timer.phase("forward"):
-                logits = self.runner.execute(sched, self.block_manager)
-            with timer.phase("sample"):
-                sampled = self.sampler(logits, [_row(r) for r in sampling], mask.get())
+            launched = self._launch(sched)
         except Exception as exc:  # a failed forward fails its batch, not the worker
-            return failed + self._fail_batch(sched, exc)
-        with timer.phase("update"):
-            return failed + self._update(sched, sampled.token_ids, sampled.logprobs)
+            if self._inflight is not None:
+                outputs += self._read_back()
+            return outputs + self._fail_batch(sched, exc)
+        if self._inflight is not None:
+            outputs += self._read_back()
+        self._inflight = launched
+        if not self.overlap:
+            outputs += self._read_back()
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput) -> InflightStep:
+        """Forward and sample without waiting for the device; placeholders for the tokens."""
+        sampling = [s.request for s in sched.scheduled if s.sample]
+        rows = [_row(r) for r in sampling]
+        mask = self.structured.start_bitmask(sampling)  # [structured output] overlaps forward
+        with self.timer.phase("forward"):
+            logits = self.runner.execute(sched, self.block_manager, self._inflight)
+        with self.timer.phase("sample"):
+            sample = self.sampler.launch(logits, rows, mask.get())
+        self.scheduler.advance(sched)
+        return InflightStep(sched, sample, {r.request_id: i for i, r in enumerate(sampling)})
+
+    def _read_back(self) -> list[StepOutput]:
+        """Wait for the launched step's tokens, then stops, detokenizing and outputs."""
+        step, self._inflight = self._inflight, None
+        assert step is not None
+        with self.timer.phase("update"):
+            try:
+                result = step.sample.result()
+            except Exception as exc:  # an asynchronous device error surfaces here
+                return self._fail_batch(step.sched, exc)
+            return self._update(step.sched, result.token_ids, result.logprobs)
 
     def _grammar_failures(self) -> list[StepOutput]:
         """[structured output] Finish requests whose grammar failed to compile: their fault."""
@@ -186,7 +222,7 @@ class Engine:
             else:
                 aligned.append(None)
         outputs = []
-        for request, token in self.scheduler.update(sched, aligned):
+        for request, token in self.scheduler.resolve(sched, aligned):
             self._tokens_generated += 1
             result = self._detok[request.request_id].step(token)
             if result.stopped and not request.is_finished:
@@ -272,7 +308,7 @@ def _as_params(params: SamplingParams | dict[str, Any] | None) -> SamplingParams
 def _row(request: Request) -> SamplingRow:
     return SamplingRow(
         request.params, request.num_output_tokens, request.prompt_token_ids,
-        request.output_token_ids,
+        request.known_output_ids,
     )
 
 

@@ -2,8 +2,11 @@
 
 Inputs are one flattened ragged batch with no padding: input ids, positions, slot
 mapping, query start offsets and context lengths, built on the host with plain lists
-(O(tokens of the step)) and moved to the device once per step; block tables stay on the
-device and change only by the entries that changed (``block_table_buffer.py``).
+(O(tokens of the step)) and moved to the device once per step without a host sync
+(``transfer.py``); block tables stay on the device and change only by the entries that
+changed (``block_table_buffer.py``). A token still being read back from the previous
+step (a placeholder, ``inflight.py``) is copied in on the device from that step's
+sampled tokens.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.block_table_buffer import BlockTableBuffer
 from worker.engine.config import CacheConfig, ModelConfig
 from worker.engine.decode_graphs import DecodeGraphs
+from worker.engine.inflight import InflightStep
 from worker.engine.model_loader import _DTYPES, LoadedModel, ModelShape, load_model
+from worker.engine.request import PLACEHOLDER
 from worker.engine.scheduler import SchedulerOutput
+from worker.engine.transfer import to_device
 
 _log = structlog.get_logger("ferry.worker.runner")
 _DEFAULT_CPU_KV_BYTES = 2 << 30
@@ -113,7 +119,7 @@ class ModelRunner:
         return [(pool[i, 0], pool[i, 1]) for i in range(s.num_layers)]
 
     def prepare(
-        self, sched: SchedulerOutput, blocks: BlockManager
+        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the step: (input_ids [T], positions [T], metadata, logits rows [n])."""
         bs = self.block_size
@@ -140,9 +146,9 @@ class ModelRunner:
         self.tables.release_missing(blocks.tables)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            slot_mapping=to_device(slots, torch.long, dev),
+            query_start_loc=to_device(starts, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
             block_tables=self.tables.gather(tables),
             num_decodes=sched.num_decodes,
             max_decode_seq_len=max(seq_lens[: sched.num_decodes], default=0),
@@ -152,21 +158,24 @@ class ModelRunner:
             query_start_host=starts,
             seq_lens_host=seq_lens,
         )
+        input_ids = to_device(ids, torch.long, dev)
+        patch_pending(input_ids, ids, sched, prev)
         return (
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            meta,
-            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            input_ids, to_device(positions, torch.long, dev), meta,
+            to_device(sample_rows, torch.long, dev),
         )
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, blocks: BlockManager) -> torch.Tensor:
-        """Run one step; returns logits [num_sampled, vocab] for the rows that sample."""
+    def execute(
+        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None = None
+    ) -> torch.Tensor:
+        """Run one step; returns logits [num_sampled, vocab] for the rows that sample.
+        ``prev``: the step launched before, whose sampled tokens fill the placeholders."""
         if self.graphs is not None and self.graphs.fits(
                 len(sched.scheduled), sched.num_batched_tokens) \
                 and all(item.sample for item in sched.scheduled):
-            return self._decode_static(sched, blocks)
-        input_ids, positions, meta, sample_rows = self.prepare(sched, blocks)
+            return self._decode_static(sched, blocks, prev)
+        input_ids, positions, meta, sample_rows = self.prepare(sched, blocks, prev)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         if sample_rows.numel() == 0:
             self.model.base_model(
@@ -180,7 +189,9 @@ class ModelRunner:
         )
         return out.logits[0]  # type: ignore[no-any-return]
 
-    def _decode_static(self, sched: SchedulerOutput, blocks: BlockManager) -> torch.Tensor:
+    def _decode_static(
+        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None
+    ) -> torch.Tensor:
         """A pure-decode step through the static buffers (a CUDA graph replay on a GPU)."""
         assert self.graphs is not None
         bs = self.block_size
@@ -195,4 +206,33 @@ class ModelRunner:
             lens.append(pos + 1)
             tables.append((req.request_id, table))
         self.tables.release_missing(blocks.tables)
-        return self.graphs.run(ids, positions, slots, lens, self.tables.gather(tables))
+        return self.graphs.run(ids, positions, slots, lens, self.tables.gather(tables),
+                               lambda static_ids: patch_pending(static_ids, ids, sched, prev))
+
+
+def patch_pending(
+    input_ids: torch.Tensor, host_ids: list[int], sched: SchedulerOutput,
+    prev: InflightStep | None,
+) -> None:
+    """Copy, on the device, each placeholder input token from ``prev``'s sampled tokens.
+
+    ``host_ids`` is the flat host list ``input_ids`` was made from (its first entries are
+    ``input_ids``' first): a placeholder can only be the newest token of a request that
+    sampled in ``prev``, so its row there says where the value is.
+    """
+    if PLACEHOLDER not in host_ids:
+        return
+    if prev is None:
+        raise RuntimeError("a placeholder input token with no step in flight to fill it")
+    dst: list[int] = []
+    src: list[int] = []
+    offset = 0
+    for item in sched.scheduled:
+        for k in range(offset, offset + item.num_new_tokens):
+            if host_ids[k] == PLACEHOLDER:
+                dst.append(k)
+                src.append(prev.row_of[item.request.request_id])
+        offset += item.num_new_tokens
+    dev = input_ids.device
+    values = prev.sample.tokens.index_select(0, to_device(src, torch.long, dev))
+    input_ids.index_copy_(0, to_device(dst, torch.long, dev), values)

@@ -4,6 +4,11 @@ Progress is ``num_computed_tokens`` catching up with ``num_tokens``: a prompt be
 prefilled in chunks, a decode step and a recompute after preemption are all the same
 thing — schedule ``num_tokens - num_computed_tokens`` more tokens — so the scheduler
 needs no phase machine.
+
+With overlapped steps (``worker/engine/inflight.py``) a token is counted when its step is
+launched, before its value is known: the token lists end with ``num_pending``
+placeholders, filled in order as their steps are read back. Everything that needs token
+*values* (stops, hashes, grammars, penalties) reads only the known ones.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
+
+
+PLACEHOLDER = -1  # a token sampled by a step still running on the device
 
 
 class FinishReason(str, enum.Enum):
@@ -64,6 +72,8 @@ class Request:
     # [structured output] the request's grammar matcher (worker/engine/structured.py:
     # RequestGrammar); the scheduler leaves the request waiting until it is ready.
     grammar: Any = None
+    # Tokens at the end of the lists sampled by steps not read back yet (PLACEHOLDER).
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
@@ -88,6 +98,16 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values are known (all but the pending placeholders)."""
+        return len(self.all_token_ids) - self.num_pending
+
+    @property
+    def known_output_ids(self) -> list[int]:
+        out = self.output_token_ids
+        return out[:len(out) - self.num_pending] if self.num_pending else out
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
@@ -95,15 +115,42 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def check_token_stop(self, max_model_len: int) -> FinishReason | None:
-        """Finish reason implied by the last sampled token, if any (stop strings aside)."""
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= self.params.min_tokens:
-            if not self.params.ignore_eos and last in self.eos_token_ids:
+    def append_placeholder(self) -> None:
+        """A token sampled by a step just launched; ``resolve_placeholder`` fills it."""
+        self.append_output_token(PLACEHOLDER)
+        self.num_pending += 1
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """The oldest pending token's value, read back from its step."""
+        assert self.num_pending > 0, f"{self.request_id}: no pending token to resolve"
+        self.output_token_ids[-self.num_pending] = token_id
+        self.all_token_ids[-self.num_pending] = token_id
+        self.num_pending -= 1
+
+    def drop_pending(self) -> None:
+        """Forget the tokens of steps still in flight (the request ends before them)."""
+        if self.num_pending:
+            del self.output_token_ids[-self.num_pending:]
+            del self.all_token_ids[-self.num_pending:]
+            self.num_pending = 0
+
+    def will_finish_by_length(self, max_model_len: int) -> bool:
+        """Its pending tokens already reach max_tokens or the model's context: another
+        step would compute a token that can only be dropped (or lies past the context)."""
+        return self.num_pending > 0 and (self.num_output_tokens >= self.params.max_tokens
+                                         or self.num_tokens >= max_model_len)
+
+    def check_token_stop(self, token_id: int, max_model_len: int) -> FinishReason | None:
+        """Finish reason implied by ``token_id``, the newest known token (stop strings
+        aside); counts are of known tokens: later placeholders do not count."""
+        known_outputs = self.num_output_tokens - self.num_pending
+        if known_outputs >= self.params.min_tokens:
+            if not self.params.ignore_eos and token_id in self.eos_token_ids:
                 return FinishReason.STOP
-            if last in self.stop_token_ids:
+            if token_id in self.stop_token_ids:
                 return FinishReason.STOP
-        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        if known_outputs >= self.params.max_tokens or \
+                self.num_known_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None
 

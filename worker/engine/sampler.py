@@ -5,6 +5,10 @@ request's tokens do not depend on the batch around it, on preemption, or on whic
 resumes it after a crash. Sampling uses the exponential-race trick
 (``argmax(p / E)``, E ~ Exp(1)), which equals a categorical draw and needs one noise
 tensor per row.
+
+Nothing here waits for the device: parameters go up through pinned memory, decisions
+are made from the host-side parameters, and ``launch`` returns the tokens still on the
+device (the next step's inputs read them there) with a copy to the host under way.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import numpy as np
 import torch
 
 from protocol.sampling import SamplingParams
+from worker.engine.transfer import ReadBack, host_to_device, to_device
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over generator seeds
 
@@ -36,14 +41,40 @@ class SamplerOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
+class PendingSample:
+    """One step's sampled tokens: on the device now, on the host after ``result()``."""
+
+    def __init__(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None,
+                 rows: list[SamplingRow]) -> None:
+        self.tokens = tokens  # [num_rows] int64, on the logits' device
+        self._host = ReadBack(tokens)
+        self._raw_logprobs = raw_logprobs
+        self._rows = rows
+
+    def result(self) -> SamplerOutput:
+        """Wait for the copy (and so for the step) and gather the asked-for logprobs."""
+        token_list: list[int] = self._host.wait().tolist()
+        return SamplerOutput(token_list,
+                             _gather_logprobs(self._raw_logprobs, token_list, self._rows))
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
         self._generator = torch.Generator().manual_seed(seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow],
         grammar_mask: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplerOutput:
+        """Sample and wait for the tokens: ``launch(...).result()``."""
+        return self.launch(logits, rows, grammar_mask).result()
+
+    def launch(
+        self, logits: torch.Tensor, rows: list[SamplingRow],
+        grammar_mask: tuple[list[int], torch.Tensor] | None = None,
+    ) -> PendingSample:
         """logits: [num_rows, vocab] (any float dtype, any device).
 
         ``grammar_mask``: (constrained row indices, their int32 bitmask), see
@@ -60,32 +91,47 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, rows)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, token_list, rows))
+        return PendingSample(tokens, raw_logprobs, rows)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
-        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
-        temps = torch.tensor(
-            [1.0 if r.params.greedy else r.params.temperature for r in rows], device=device
-        )
+        greedy = to_device([r.params.greedy for r in rows], torch.bool, device)
+        temps = to_device([1.0 if r.params.greedy else r.params.temperature for r in rows],
+                          torch.float32, device)
         scaled = apply_top_k_top_p_min_p(logits / temps.unsqueeze(1), rows)
         probs = torch.softmax(scaled, dim=-1)  # [B, V]
-        noise = self._exponential_noise(rows, probs.shape[1]).to(device)  # [B, V]
+        noise = self._exponential_noise(rows, probs.shape[1], device)  # [B, V]
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
-    def _exponential_noise(self, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
-        noise = torch.empty(len(rows), vocab)
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if device.type == "cpu":
+            return self._generator
+        if device not in self._device_generators:
+            self._device_generators[device] = torch.Generator(device).manual_seed(self._seed)
+        return self._device_generators[device]
+
+    def _exponential_noise(
+        self, rows: list[SamplingRow], vocab: int, device: torch.device
+    ) -> torch.Tensor:
+        """[B, V] Exp(1) noise: unseeded rows from the engine's generator on the device;
+        seeded rows from their own CPU generator (the same draws on any device)."""
+        seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(
-                generator=self._generator
-            )
-        for i, row in enumerate(rows):
-            if row.params.seed is not None:
-                gen = torch.Generator().manual_seed(_row_seed(row.params.seed, row.output_index))
-                noise[i].exponential_(generator=gen)
+        shape = (len(unseeded), vocab)
+        free = torch.empty(shape, device=device).exponential_(
+            generator=self._generator_for(device)) if unseeded else None
+        if not seeded and free is not None:
+            return free.clamp_min_(1e-10)
+        own = torch.empty(len(seeded), vocab)  # [S, V]
+        for k, i in enumerate(seeded):
+            row = rows[i]
+            gen = torch.Generator().manual_seed(_row_seed(row.params.seed or 0, row.output_index))
+            own[k].exponential_(generator=gen)
+        noise = torch.empty(len(rows), vocab, device=device)
+        noise.index_copy_(0, to_device(seeded, torch.long, device), host_to_device(own, device))
+        if free is not None:
+            noise.index_copy_(0, to_device(unseeded, torch.long, device), free)
         return noise.clamp_min_(1e-10)
 
 
@@ -139,8 +185,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     device = logits.device
     logits = logits.clone()
     logits.index_put_(
-        (torch.tensor(row_idx, device=device), torch.tensor(token_idx, device=device)),
-        torch.tensor(values, device=device, dtype=logits.dtype), accumulate=True,
+        (to_device(row_idx, torch.long, device), to_device(token_idx, torch.long, device)),
+        to_device(values, logits.dtype, device), accumulate=True,
     )
     return logits
 
@@ -188,16 +234,17 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> to
     """Mask (to -inf) the tokens each row's top-k, top-p and min-p exclude. logits: [B, V]."""
     vocab = logits.shape[1]
     device = logits.device
-    top_k = torch.tensor(
-        [r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device
-    ).clamp(max=vocab)
-    top_p = torch.tensor([r.params.top_p for r in rows], device=device)
-    min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-    if bool((min_p > 0).any()):
+    k_host = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]
+    p_host = [r.params.top_p for r in rows]
+    min_p_host = [r.params.min_p for r in rows]
+    if any(m > 0 for m in min_p_host):
+        min_p = to_device(min_p_host, torch.float32, device)
         probs = torch.softmax(logits, dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
-    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+    if any(k < vocab for k in k_host) or any(p < 1.0 for p in p_host):
+        top_k = to_device(k_host, torch.long, device)
+        top_p = to_device(p_host, torch.float32, device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
         ranks = torch.arange(vocab, device=device).unsqueeze(0)
         drop = ranks >= top_k.unsqueeze(1)

@@ -3,8 +3,9 @@
 ``schedule()`` picks, for this step, how many new tokens each request computes:
 running requests first (decodes and unfinished prefill chunks), then waiting requests
 while blocks, ``max_num_seqs`` and the token budget allow. ``update()`` applies the
-sampled tokens and finishes requests, freeing their blocks in the same step. No I/O and
-no tensors here: the scheduler is tested on CPU with fake runner output.
+sampled tokens and finishes requests, freeing their blocks in the same step; when steps
+overlap it is split into ``advance`` (at launch) and ``resolve`` (at read-back). No I/O
+and no tensors here: the scheduler is tested on CPU with fake runner output.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        request.drop_pending()
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
@@ -96,6 +98,8 @@ class Scheduler:
         pending = list(self.running)  # highest priority first; victims come off the end
         while pending and budget > 0:
             request = pending.pop(0)
+            if request.will_finish_by_length(self.max_model_len):
+                continue  # ends when its pending token is read back: nothing to compute
             while (item := self._allocate(request, budget)) is None:
                 victim = pending.pop() if pending else request
                 self._preempt(victim)
@@ -143,8 +147,8 @@ class Scheduler:
         skip = 0  # [structured output] requests waiting for their grammar keep their place
         while len(self.waiting) > skip and budget > 0:
             request = self.waiting[skip]
-            if request.waiting_for_grammar:
-                skip += 1
+            if request.waiting_for_grammar or request.num_pending:
+                skip += 1  # a grammar to compile, or a token still being read back
                 continue
             item = None
             if len(self.running) < self.config.max_num_seqs:
@@ -202,22 +206,38 @@ class Scheduler:
     def update(
         self, output: SchedulerOutput, sampled: Sequence[int | None]
     ) -> list[tuple[Request, int]]:
-        """Advance counters, append sampled tokens, finish on token-level stops.
+        """``advance`` then ``resolve``: one step whose tokens are known at once."""
+        self.advance(output)
+        return self.resolve(output, sampled)
 
-        ``sampled`` is aligned with ``output.scheduled`` (None where nothing was sampled).
-        Returns (request, token) for every request that got a token this step.
-        """
-        new_tokens: list[tuple[Request, int]] = []
-        for item, token in zip(output.scheduled, sampled, strict=True):
+    def advance(self, output: SchedulerOutput) -> None:
+        """The step is launched: its tokens count as computed, and each sampling row gets a
+        placeholder for the token it is sampling (so the next step can be scheduled
+        before this one is read back)."""
+        for item in output.scheduled:
             request = item.request
             if request.is_finished:
                 continue
             request.num_computed_tokens += item.num_new_tokens
-            if not item.sample or token is None:
+            if item.sample:
+                request.append_placeholder()
+
+    def resolve(
+        self, output: SchedulerOutput, sampled: Sequence[int | None]
+    ) -> list[tuple[Request, int]]:
+        """Fill an advanced step's placeholders with its sampled tokens and finish on
+        token-level stops. ``sampled`` is aligned with ``output.scheduled`` (None where
+        nothing was sampled). Returns (request, token) for every request that got a token
+        (a request finished meanwhile has dropped its placeholders and gets none).
+        """
+        new_tokens: list[tuple[Request, int]] = []
+        for item, token in zip(output.scheduled, sampled, strict=True):
+            request = item.request
+            if request.is_finished or not item.sample or token is None:
                 continue
-            request.append_output_token(token)
+            request.resolve_placeholder(token)
             new_tokens.append((request, token))
-            reason = request.check_token_stop(self.max_model_len)
+            reason = request.check_token_stop(token, self.max_model_len)
             if reason is not None:
                 self.finish(request, reason)
         return new_tokens

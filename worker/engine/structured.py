@@ -172,7 +172,7 @@ class StructuredOutputs:
             grammar = request.grammar
             if request.is_finished or grammar is None:
                 continue
-            grammar.poll(request.output_token_ids)
+            grammar.poll(request.known_output_ids)
             if grammar.error is not None:
                 failed.append(request)
             elif not grammar.ready:
@@ -198,7 +198,7 @@ class StructuredOutputs:
         matchers = []
         for i in rows:
             grammar = requests[i].grammar
-            grammar.sync(requests[i].output_token_ids)
+            grammar.sync(requests[i].known_output_ids)
             matchers.append(grammar.matcher)
         self._inflight = self._filler.submit(_fill, matchers, bitmask)
         return PendingMask(rows, bitmask, self._inflight)
@@ -215,7 +215,7 @@ class StructuredOutputs:
         if grammar is None or request.is_finished:
             return None
         self._settle()
-        grammar.sync(request.output_token_ids)
+        grammar.sync(request.known_output_ids)
         if grammar.error is not None:
             return FinishReason.ERROR, grammar.error
         if grammar.stopped:
