@@ -180,7 +180,7 @@ class Engine:
     def _launch(self, sched: SchedulerOutput) -> InflightStep:
         """Forward and sample without waiting for the device; placeholders for the tokens."""
         sampling = [s.request for s in sched.scheduled if s.sample]
-        rows = [_row(r) for r in sampling]
+        rows = [SamplingRow.of(r) for r in sampling]
         mask = self.structured.start_bitmask(sampling)  # [structured output] overlaps forward
         with self.timer.phase("forward"):
             logits = self.runner.execute(sched, self.block_manager, self._inflight)
@@ -303,12 +303,3 @@ def _as_params(params: SamplingParams | dict[str, Any] | None) -> SamplingParams
     if isinstance(params, dict):
         return SamplingParams(**params)  # pydantic ValidationError is a ValueError
     raise TypeError(f"params must be SamplingParams or dict, not {type(params).__name__}")
-
-
-def _row(request: Request) -> SamplingRow:
-    return SamplingRow(
-        request.params, request.num_output_tokens, request.prompt_token_ids,
-        request.known_output_ids,
-    )
-
-

@@ -14,12 +14,16 @@ device (the next step's inputs read them there) with a copy to the host under wa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from protocol.sampling import SamplingParams
 from worker.engine.transfer import ReadBack, host_to_device, to_device
+
+if TYPE_CHECKING:
+    from worker.engine.request import Request
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over generator seeds
 
@@ -32,6 +36,13 @@ class SamplingRow:
     output_index: int  # index of the token being sampled within the request's output
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+
+    @classmethod
+    def of(cls, request: Request) -> SamplingRow:
+        """The row of a request about to sample: its output index counts the tokens of
+        steps still in flight; penalties read only the known tokens."""
+        return cls(request.params, request.num_output_tokens, request.prompt_token_ids,
+                   request.known_output_ids)
 
 
 @dataclass
