@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ferry.local_stack import free_port, start_redis
 from ferry.recovery import Recovery
 from ferry.supervisor import ChildSpec, Exit, Fatal, Supervisor
 from protocol.keys import Keys
@@ -44,12 +44,6 @@ class _Stop(Exception):
 
 def _on_signal(signum: int, _frame: FrameType | None) -> None:
     raise _Stop(signal.Signals(signum).name)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -75,59 +69,6 @@ class WorkerSlot:
         if exit.restart_in_s is not None:
             notes.append(self.recovery.record_exit(exit, self.worker_id(exit.next_incarnation)))
         return "; ".join(n for n in notes if n) or None
-
-
-def _start_redis(sup: Supervisor, data: Path) -> str:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise typer.BadParameter("redis-server not found on PATH; pass --redis-url")
-    port = _free_port()
-    data.mkdir()
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-           "--appendonly", "yes", "--save", "", "--daemonize", "no"]
-    child = sup.start(ChildSpec("redis", lambda _n: cmd, restart=False, stop_order=2))
-    url = f"redis://127.0.0.1:{port}/0"
-    import redis
-
-    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
-    deadline = time.monotonic() + 15
-    try:
-        while True:
-            try:
-                client.ping()
-                return url
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-                sup.poll()  # raises if it exited
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server (pid {child.pid}) did not start") from None
-                time.sleep(0.05)
-    finally:
-        client.close()
-
-
-class Stack:
-    """Fail-fast processes for the benchmarks (``ops/bench/service.py``): the supervisor
-    with restarts off, so any exit raises in ``check_alive``; stops workers, then the
-    gateway, then Redis."""
-
-    def __init__(self, log_dir: Path | None) -> None:
-        self.sup = Supervisor(log_dir=log_dir)
-        self.tmp = Path(tempfile.mkdtemp(prefix="ferry-stack-"))
-
-    def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        order, grace = (1, 15.0) if name == "gateway" else (0, 60.0)
-        self.sup.start(ChildSpec(name, lambda _n: cmd, env, restart=False, stop_order=order,
-                                 stop_grace_s=grace))
-
-    def start_redis(self) -> str:
-        return _start_redis(self.sup, self.tmp / "redis")
-
-    def check_alive(self) -> None:
-        self.sup.poll()  # Fatal (a RuntimeError) if anything exited
-
-    def stop(self) -> None:
-        self.sup.stop()
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _readyz(url: str) -> dict[str, Any]:
@@ -177,7 +118,7 @@ def _demo(url: str, max_tokens: int) -> None:
 def _metrics_ports(first: int | None, workers: int) -> list[int]:
     """Worker i's Prometheus port: ``first + i``; free ports when unset; 0 turns them off."""
     if first is None:
-        return [_free_port() for _ in range(workers)]
+        return [free_port() for _ in range(workers)]
     return [first + i if first else 0 for i in range(workers)]
 
 
@@ -271,7 +212,7 @@ def up(
         sup.log_dir.mkdir()
     code, grace, recovery = 0, 1.0, None
     try:
-        url = redis_url or _start_redis(sup, tmp / "redis")
+        url = redis_url or start_redis(sup, tmp / "redis")
         recovery = Recovery(url, Keys(os.environ.get("FERRY_PREFIX", "ferry")),
                             f"up-{os.getpid()}")
         gateway_url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import redis  # noqa: E402
 import torch  # noqa: E402
 
-from ferry.commands.up import Stack, _free_port  # noqa: E402
+from ferry.local_stack import Stack, free_port  # noqa: E402
 from ops.bench.engine import run_ferry  # noqa: E402
 from ops.bench.service_clients import http_streams, redis_streams, requests_for  # noqa: E402
 from ops.bench.workload import Job, build_bench_model, main_workload  # noqa: E402
@@ -105,7 +105,7 @@ def run_service(path: str, jobs: list[Job], workers: int, tmp: Path, via: str,
 def _start_gateway(stack: Stack, url: str) -> str:
     import httpx
 
-    port = _free_port()
+    port = free_port()
     stack.spawn("gateway", [*FERRY, "gateway", "--redis-url", url, "--host", "127.0.0.1",
                             "--port", str(port), "--log-level", "warning"], dict(os.environ))
     base = f"http://127.0.0.1:{port}"
@@ -146,7 +146,7 @@ def enqueue_rate(n: int, concurrency: int, tmp: Path) -> dict[str, float]:
 
     stack = Stack(tmp)
     try:
-        url, port = stack.start_redis(), _free_port()
+        url, port = stack.start_redis(), free_port()
         stack.spawn("gateway", [*FERRY, "gateway", "--redis-url", url, "--host", "127.0.0.1",
                                 "--port", str(port), "--log-level", "warning"],
                     dict(os.environ, FERRY_MAX_QUEUE_LAG="none"))

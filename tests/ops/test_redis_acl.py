@@ -19,7 +19,7 @@ import redis
 import redis.asyncio as aredis
 from redis.exceptions import NoPermissionError, ResponseError
 
-from ferry.commands.top import collect
+from ferry.fleet import collect
 from ferry.recovery import RestartRecord
 from protocol.aclient import AsyncFerryClient
 from protocol.keys import Keys

@@ -1,0 +1,133 @@
+"""What ``ferry top`` shows, read from Redis: live workers' heartbeats, the priority lanes
+as the consumer group sees them, and ``ferry up``'s restart records.
+
+Why heartbeats and not each worker's ``/metrics``: workers behind a scaler come and go and
+often have no reachable port, but every live worker writes ``{prefix}:worker:{id}`` every
+few seconds with its batch and KV statistics. So one Redis connection sees the whole
+fleet, with nothing to discover. The queue view comes from ``XINFO GROUPS`` on the request
+streams. Restarts come from the records ``ferry up``'s supervisor keeps in
+``{prefix}:restarts`` (``ferry/recovery.py``). Everything here only reads (no SREM of dead
+ids: a monitor must not need write permission), so it runs as the read-only
+``ferry-monitor`` ACL user. No terminal code here: ``ferry/commands/top.py`` renders.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ferry.recovery import RestartRecord, read_restarts
+from protocol.codec import ProtocolError, decode_heartbeat
+from protocol.keys import Keys
+from protocol.store import as_str, queue_commands, queue_lags
+
+HISTORY_LEN = 20
+
+
+@dataclass
+class WorkerView:
+    """One live worker as shown in a frame: its heartbeat plus its tokens/s history."""
+
+    worker_id: str
+    model: str
+    age_s: float
+    uptime_s: float
+    stats: dict[str, Any]
+    history: list[float] = field(default_factory=list)
+
+
+@dataclass
+class QueueView:
+    """The request stream as the consumer group sees it."""
+
+    depth: int = 0
+    lag: int | None = 0
+    pending: int = 0
+    consumers: int = 0
+    dead_letters: int = 0
+    group_exists: bool = False
+
+
+@dataclass
+class Snapshot:
+    """Everything one frame shows; built by :func:`collect`."""
+
+    taken_at: float
+    prefix: str
+    queue: QueueView
+    workers: list[WorkerView]
+    restarts: list[RestartRecord] = field(default_factory=list)
+
+
+class History:
+    """Short in-memory tokens/s history per worker, for the sparklines (not persisted)."""
+
+    def __init__(self, length: int = HISTORY_LEN) -> None:
+        self.length = length
+        self._series: dict[str, deque[float]] = {}
+
+    def add(self, worker_id: str, value: float) -> list[float]:
+        series = self._series.setdefault(worker_id, deque(maxlen=self.length))
+        series.append(value)
+        return list(series)
+
+    def forget_except(self, live: set[str]) -> None:
+        for worker_id in set(self._series) - live:
+            del self._series[worker_id]
+
+
+def _queue(redis: Any, keys: Keys) -> QueueView:
+    """XLEN and XINFO GROUPS of every priority lane, summed; zeros before streams exist."""
+    pipe = redis.pipeline(transaction=False)
+    queue_commands(pipe, keys)
+    replies = pipe.execute(raise_on_error=False)
+    lanes = queue_lags(replies, keys)
+    view = QueueView(depth=sum(d for d, _ in lanes.values()))
+    view.dead_letters = int(redis.xlen(keys.dead_letter))
+    view.lag = sum(lag for _, lag in lanes.values())
+    for i in range(len(keys.request_streams)):
+        groups = replies[2 * i + 1]
+        for group in [] if isinstance(groups, Exception) else groups:
+            if as_str(group["name"]) != keys.group:
+                continue
+            view.group_exists = True
+            view.pending += int(group.get("pending") or 0)
+            view.consumers = max(view.consumers, int(group.get("consumers") or 0))
+    return view
+
+
+def collect(redis: Any, keys: Keys, history: History | None = None) -> Snapshot:
+    """Read heartbeats and queue state with a sync ``redis.Redis`` (bytes responses)."""
+    now = time.time()
+    ids = sorted(as_str(i) for i in redis.smembers(keys.workers))
+    values = redis.mget([keys.worker(i) for i in ids]) if ids else []
+    workers: list[WorkerView] = []
+    for worker_id, raw in zip(ids, values, strict=True):
+        if raw is None:
+            continue  # key expired: the worker is gone (the gateway prunes the set)
+        try:
+            beat = decode_heartbeat(raw)
+        except ProtocolError:
+            continue
+        tps = float(beat.stats.get("tokens_per_s", 0) or 0)
+        series = history.add(worker_id, tps) if history is not None else [tps]
+        workers.append(WorkerView(
+            worker_id=beat.worker_id, model=beat.model, age_s=max(0.0, now - beat.updated_at),
+            uptime_s=max(0.0, now - beat.started_at), stats=dict(beat.stats), history=series,
+        ))
+    if history is not None:
+        history.forget_except({w.worker_id for w in workers})
+    return Snapshot(taken_at=now, prefix=keys.prefix, queue=_queue(redis, keys), workers=workers,
+                    restarts=_restarts(redis, keys))
+
+
+def _restarts(redis: Any, keys: Keys) -> list[RestartRecord]:
+    """Supervisor restart records; none where the ACL hides them (an older monitor user)."""
+    from redis.exceptions import ResponseError
+
+    try:
+        return read_restarts(redis, keys)
+    except ResponseError:  # NOPERM, or a key of another type
+        return []
