@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import typer
 
+from ferry.commands import batcher as batcher_cmd
 from ferry.commands import gateway as gateway_cmd
 from ferry.commands import generate as generate_cmd
 from ferry.commands import top as top_cmd
@@ -31,6 +32,7 @@ app.command(
 )(generate_cmd.generate)
 app.command("worker")(worker_cmd.worker)
 app.command("gateway")(gateway_cmd.gateway)
+app.command("batcher")(batcher_cmd.batcher)
 app.command("up")(up_cmd.up)
 app.command("top")(top_cmd.top)
 

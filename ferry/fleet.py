@@ -5,10 +5,11 @@ Why heartbeats and not each worker's ``/metrics``: workers behind a scaler come 
 often have no reachable port, but every live worker writes ``{prefix}:worker:{id}`` every
 few seconds with its batch and KV statistics. So one Redis connection sees the whole
 fleet, with nothing to discover. The queue view comes from ``XINFO GROUPS`` on the request
-streams. Restarts come from the records ``ferry up``'s supervisor keeps in
-``{prefix}:restarts`` (``ferry/recovery.py``). Everything here only reads (no SREM of dead
-ids: a monitor must not need write permission), so it runs as the read-only
-``ferry-monitor`` ACL user. No terminal code here: ``ferry/commands/top.py`` renders.
+streams (on a Redis Cluster, of every shard, with the master each shard lives on).
+Restarts come from the records ``ferry up``'s supervisor keeps in ``{prefix}:restarts``
+(``ferry/recovery.py``). Everything here only reads (no SREM of dead ids: a monitor must
+not need write permission), so it runs as the read-only ``ferry-monitor`` ACL user. No
+terminal code here: ``ferry/commands/top.py`` renders.
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ class QueueView:
     group_exists: bool = False
 
 
+@dataclass(frozen=True)
+class ShardView:
+    """One request-stream shard of a Redis Cluster: where it lives and what waits there."""
+
+    shard: int
+    node: str  # host:port of the master holding its slot
+    depth: int
+    lag: int
+
+
 @dataclass
 class Snapshot:
     """Everything one frame shows; built by :func:`collect`."""
@@ -59,6 +70,7 @@ class Snapshot:
     queue: QueueView
     workers: list[WorkerView]
     restarts: list[RestartRecord] = field(default_factory=list)
+    shards: list[ShardView] = field(default_factory=list)  # on a cluster
 
 
 class History:
@@ -78,14 +90,27 @@ class History:
             del self._series[worker_id]
 
 
-def _queue(redis: Any, keys: Keys) -> QueueView:
-    """XLEN and XINFO GROUPS of every priority lane, summed; zeros before streams exist."""
+def _shards(redis: Any, keys: Keys, lanes: dict[str, tuple[int, int]]) -> list[ShardView]:
+    """Per shard of a cluster: its master and the depth and lag of its three lanes."""
+    views = []
+    for k in range(keys.shards if keys.cluster else 0):
+        streams = keys.shard_streams(k)
+        node = redis.get_node_from_key(streams[0])
+        views.append(ShardView(k, node.name if node else "?",
+                               sum(lanes[s][0] for s in streams),
+                               sum(lanes[s][1] for s in streams)))
+    return views
+
+
+def _queue(redis: Any, keys: Keys) -> tuple[QueueView, dict[str, tuple[int, int]]]:
+    """XLEN and XINFO GROUPS of every priority lane (of every shard), summed, and per
+    stream; zeros before streams exist."""
     pipe = redis.pipeline(transaction=False)
     queue_commands(pipe, keys)
     replies = pipe.execute(raise_on_error=False)
     lanes = queue_lags(replies, keys)
     view = QueueView(depth=sum(d for d, _ in lanes.values()))
-    view.dead_letters = int(redis.xlen(keys.dead_letter))
+    view.dead_letters = sum(int(redis.xlen(dead)) for dead in keys.dead_letters)
     view.lag = sum(lag for _, lag in lanes.values())
     for i in range(len(keys.request_streams)):
         groups = replies[2 * i + 1]
@@ -95,7 +120,7 @@ def _queue(redis: Any, keys: Keys) -> QueueView:
             view.group_exists = True
             view.pending += int(group.get("pending") or 0)
             view.consumers = max(view.consumers, int(group.get("consumers") or 0))
-    return view
+    return view, lanes
 
 
 def collect(redis: Any, keys: Keys, history: History | None = None) -> Snapshot:
@@ -119,8 +144,9 @@ def collect(redis: Any, keys: Keys, history: History | None = None) -> Snapshot:
         ))
     if history is not None:
         history.forget_except({w.worker_id for w in workers})
-    return Snapshot(taken_at=now, prefix=keys.prefix, queue=_queue(redis, keys), workers=workers,
-                    restarts=_restarts(redis, keys))
+    queue, lanes = _queue(redis, keys)
+    return Snapshot(taken_at=now, prefix=keys.prefix, queue=queue, workers=workers,
+                    restarts=_restarts(redis, keys), shards=_shards(redis, keys, lanes))
 
 
 def _restarts(redis: Any, keys: Keys) -> list[RestartRecord]:

@@ -1,5 +1,6 @@
-"""Processes of a Ferry stack on one machine: free ports, a redis-server child under the
-supervisor, and the fail-fast ``Stack`` the service benchmarks start their parts with.
+"""Processes of a Ferry stack on one machine: free ports, a redis-server child (or a local
+Redis Cluster's nodes) under the supervisor, and the fail-fast ``Stack`` the service
+benchmarks start their parts with.
 
 ``ferry up`` and ``ops/bench/service.py`` both need a private Redis started and pinged the
 same way; the benchmark wants no restarts (an exit is a failed measurement), so it gets
@@ -12,10 +13,18 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
 
+from ferry.local_cluster import (
+    ClusterLayout,
+    create_cluster,
+    free_node_ports,
+    node_command,
+    wait_answering,
+)
 from ferry.supervisor import ChildSpec, Supervisor
 
 
@@ -53,6 +62,37 @@ def start_redis(sup: Supervisor, data: Path) -> str:
                 time.sleep(0.05)
     finally:
         client.close()
+
+
+def _fixed(cmd: list[str]) -> Callable[[int], list[str]]:
+    """The same argv for every incarnation (a restarted node keeps its port and dir)."""
+    return lambda _incarnation: cmd
+
+
+def start_redis_cluster(sup: Supervisor, data: Path, layout: ClusterLayout) -> str:
+    """A private Redis Cluster on loopback (``layout.masters`` masters with
+    ``layout.replicas`` replicas each), one supervised child per node, joined with
+    ``redis-cli --cluster create``; returns a URL naming its first node.
+
+    Unlike the single Redis, a node that dies is restarted (same port, same ``nodes.conf``):
+    its replica has taken over meanwhile, and it rejoins as a replica, so the stack rides
+    through it instead of stopping."""
+    try:
+        ports = free_node_ports(layout.nodes)
+        data.mkdir()
+        for i, port in enumerate(ports):
+            node_dir = data / str(port)
+            node_dir.mkdir()
+            cmd = node_command(port, node_dir, layout, appendonly=True)
+            sup.start(ChildSpec(f"redis-{i}", _fixed(cmd), stop_order=2))
+        wait_answering(ports)
+        create_cluster(ports, layout)
+    except FileNotFoundError as exc:
+        raise typer.BadParameter(f"{exc}; pass --redis-url") from exc
+    except (TimeoutError, RuntimeError) as exc:
+        sup.poll()  # a node that exited says why
+        raise RuntimeError(f"Redis Cluster did not form: {exc}") from exc
+    return f"redis://127.0.0.1:{ports[0]}/0"
 
 
 class Stack:

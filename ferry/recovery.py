@@ -71,7 +71,10 @@ class Recovery:
     def __init__(self, redis_url: str, keys: Keys, launcher: str) -> None:
         import redis
 
-        self.redis = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        from protocol.cluster import cluster_client
+
+        connect = cluster_client if keys.cluster else redis.Redis.from_url
+        self.redis = connect(redis_url, socket_timeout=2, socket_connect_timeout=2)
         self.keys = keys
         self.launcher = launcher
         self._fields: set[str] = set()

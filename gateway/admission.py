@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Mapping
 
 from fastapi import Request
 from starlette.exceptions import HTTPException
@@ -74,22 +75,26 @@ def require_api_key(request: Request) -> None:
 
 class BodyLimitMiddleware:
     """413 for bodies over ``max_bytes``: from Content-Length up front, else while reading.
+    ``paths`` gives some paths their own limit (``/v1/files`` takes whole files).
 
     Pure ASGI (not BaseHTTPMiddleware) so it neither buffers nor breaks SSE responses.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 paths: Mapping[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.paths = dict(paths or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.paths.get(scope.get("path", ""), self.max_bytes)
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length", b"").decode(errors="replace")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(send)
+        if declared.isdigit() and int(declared) > limit:
+            await self._reject(send, limit)
             return
         received = 0
 
@@ -98,18 +103,18 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > limit:
                     # An HTTPException passes FastAPI's body parsing untouched -> handler.
-                    raise HTTPException(413, self._message())
+                    raise HTTPException(413, self._message(limit))
             return message
 
         await self.app(scope, limited_receive, send)
 
-    def _message(self) -> str:
-        return f"body: request body exceeds the limit of {self.max_bytes} bytes"
+    def _message(self, limit: int) -> str:
+        return f"body: request body exceeds the limit of {limit} bytes"
 
-    async def _reject(self, send: Send) -> None:
-        body = json.dumps(error_body(self._message(), "invalid_request_error", "body",
+    async def _reject(self, send: Send, limit: int) -> None:
+        body = json.dumps(error_body(self._message(limit), "invalid_request_error", "body",
                                      "request_too_large"))
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),

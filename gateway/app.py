@@ -5,42 +5,22 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import redis.asyncio as aredis
 import structlog
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 from redis.exceptions import RedisError
 
-from gateway import routes_health, routes_jobs, routes_openai
-from gateway.admission import BodyLimitMiddleware
+from gateway import routes_batches, routes_files, routes_health, routes_jobs, routes_openai
+from gateway.admission import BodyLimitMiddleware, require_api_key
 from gateway.engine import Engine
 from gateway.errors import APIError, install_error_handlers, unavailable
 from gateway.metrics import Metrics, MetricsMiddleware
+from gateway.redis_client import ferry_client
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
-from protocol.aclient import AsyncFerryClient
 
 log = structlog.get_logger("ferry.gateway")
-
-
-def _redis(settings: GatewaySettings) -> aredis.Redis:
-    # One quick retry: it re-dials a pooled connection that a Redis restart closed (the
-    # command never ran), and a request still gets its 503 in about a second, not a hang.
-    # It must be redis.asyncio's Retry: the sync one, given to the asyncio client, only
-    # wraps the creation of the coroutine and so never retries anything.
-    return aredis.Redis.from_url(
-        settings.redis_url,
-        socket_timeout=settings.redis_timeout_s,
-        socket_connect_timeout=min(settings.redis_timeout_s, 2.0),
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1),
-        health_check_interval=30,
-        # redis-py's default pool (100) answered "Too many connections" (503) at ~64
-        # concurrent streams when each held its own pub/sub connection; now they share one
-        # (protocol/pubsub_hub.py), but a burst of requests still runs commands at once.
-        max_connections=settings.redis_max_connections,
-    )
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
@@ -50,9 +30,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = AsyncFerryClient(
-            _redis(settings), settings.keys, settings.ttls, settings.poll_interval_s
-        )
+        client = ferry_client(settings)
         app.state.engine = Engine(client, settings, metrics)
         app.state.served = ServedModels(client, settings.served_model_name)
         try:
@@ -64,16 +42,40 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         finally:
             await client.aclose()
 
-    app = FastAPI(title="Ferry gateway", version="1", lifespan=lifespan)
+    # The docs are routes of our own, so that FERRY_API_KEYS guards them like the API.
+    app = FastAPI(title="Ferry gateway", version="1", lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
     app.state.settings = settings
+    _install_docs(app)
     install_error_handlers(app, settings.retry_after_s)
     _install_fallback_handlers(app, settings.retry_after_s)
     app.include_router(routes_health.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_jobs.router)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.include_router(routes_files.router)
+    app.include_router(routes_batches.router)
+    upload_limit = settings.batch_file_max_bytes + routes_files.MULTIPART_SLACK
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
+                       paths={"/v1/files": upload_limit})
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: sees every status
     return app
+
+
+def _install_docs(app: FastAPI) -> None:
+    """/openapi.json, /docs and /redoc, behind the API key when keys are configured."""
+    guard = [Depends(require_api_key)]
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=guard)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=guard)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+    @app.get("/redoc", include_in_schema=False, dependencies=guard)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
 
 
 def _install_fallback_handlers(app: FastAPI, retry_after_s: int) -> None:

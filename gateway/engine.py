@@ -40,10 +40,12 @@ class Engine:
         self.settings = settings
         self.metrics = metrics
 
-    async def admit(self, request: GenerateRequest) -> None:
-        """Refuse before enqueueing: caps first (cheap, local), then the queue lag."""
+    async def admit(self, requests: list[GenerateRequest]) -> None:
+        """Refuse before enqueueing: caps first (cheap, local), then the queue lag (once
+        for all the requests of one exchange)."""
         try:
-            check_limits(request, self.settings)
+            for request in requests:
+                check_limits(request, self.settings)
         except APIError:
             self.metrics.rejections.labels("limits").inc()
             raise

@@ -15,12 +15,15 @@ from typing import Any
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from protocol.cluster import NotReplicatedError
 from protocol.codec import ProtocolError, describe_errors
+from protocol.models import TokenEvent
 
 log = structlog.get_logger("ferry.gateway")
 
@@ -76,10 +79,15 @@ def error_body(
 
 
 def unavailable(exc: Exception, retry_after_s: int) -> APIError:
-    return APIError(
-        503, f"queue unavailable: {type(exc).__name__}: {exc}",
-        headers={"Retry-After": str(retry_after_s)},
-    )
+    """503 with Retry-After. The message names the kind of failure only: Redis' own
+    message holds its host and port, which is no business of an unauthenticated caller
+    (the log has it)."""
+    log.warning("queue_unavailable", error=f"{type(exc).__name__}: {exc}")
+    # Ferry's own "no replica confirmed" names the request and the WAIT, no address: the
+    # caller should learn why its request was not accepted (docs/operations.md).
+    why = str(exc) if isinstance(exc, NotReplicatedError) else type(exc).__name__
+    return APIError(503, f"queue unavailable ({why}); retry later",
+                    headers={"Retry-After": str(retry_after_s)})
 
 
 def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
@@ -109,6 +117,10 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         log.error("bad_message_from_queue", error=str(exc))
         return APIError(502, f"bad message from the queue: {exc}", type_="server_error").response()
 
+    async def on_client_gone(_: Request, exc: Exception) -> Response:
+        # the client hung up while its body was being read: nobody to answer (499)
+        return Response(status_code=499)
+
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         # Never a plain-text 500: an OpenAI-shaped body, and the traceback in the log.
         log.error("unhandled_error", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
@@ -121,3 +133,33 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     app.add_exception_handler(RedisConnectionError, on_redis)
     app.add_exception_handler(RedisTimeoutError, on_redis)
     app.add_exception_handler(ProtocolError, on_protocol)
+    app.add_exception_handler(ClientDisconnect, on_client_gone)
+
+
+_KIND_STATUS = {"invalid_request": 400, "internal": 500, "unavailable": 503}
+_REASON_STATUS = {"timeout": 504, "abort": 503, "cancelled": 499}
+_DEFAULT_MESSAGES = {
+    "error": "the worker failed to run the request",
+    "timeout": "the request timed out",
+    "abort": "the request was aborted by the worker; retry",
+    "cancelled": "the request was cancelled",
+}
+_HTTP_PARAM = {"prompt_token_ids": "prompt"}  # wire field -> the HTTP body's
+
+
+def failure(event: TokenEvent) -> APIError | None:
+    """The HTTP error a terminal event stands for, or None for stop/length: ``error`` by
+    the worker's ``error_kind`` (invalid_request -> 400, e.g. a model without a chat
+    template), ``timeout`` -> 504, ``abort`` -> 503 (retry), ``cancelled`` -> 499 (gRPC's
+    CANCELLED over HTTP); the worker's ``error_code`` and ``error_param`` are kept."""
+    reason = event.finish_reason
+    if reason in (None, "stop", "length"):
+        return None
+    if reason == "error":
+        status = _KIND_STATUS.get(event.error_kind or "internal", 500)
+    else:
+        status = _REASON_STATUS[reason]
+    message = event.error or _DEFAULT_MESSAGES[reason]
+    type_ = "invalid_request_error" if status == 400 else None
+    param = _HTTP_PARAM.get(event.error_param or "", event.error_param)
+    return APIError(status, message, type_=type_, param=param, code=event.error_code)

@@ -1,8 +1,11 @@
 """TokenEvents -> OpenAI response bodies and stream chunks (completions and chat).
 
-Finish reasons outside OpenAI's vocabulary become errors: ``error`` maps by the worker's
-``error_kind`` (invalid_request -> 400, e.g. a model without a chat template), ``timeout``
--> 504, ``abort`` -> 503 (retry), ``cancelled`` -> 499 (gRPC's CANCELLED over HTTP).
+One ``Formatter`` serves one HTTP exchange, which may carry several requests (a prompt
+list: choice ``i`` of prompt ``p`` is index ``p * n + i``). Each request's first event
+brings its prompt's facts (``prompt_tokens``, ``prompt_logprobs``, ``prompt_text``),
+which echo, continuous usage and vLLM's ``prompt_logprobs`` field need.
+
+Terminal events that are failures become HTTP errors (``gateway.errors.failure``).
 """
 
 from __future__ import annotations
@@ -11,79 +14,265 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.errors import APIError
+from gateway.errors import APIError, failure
+from gateway.openai_logprobs import (
+    CompletionLogprobs,
+    chat_content,
+    entries_of,
+    merge,
+    vllm_prompt_logprobs,
+)
+from gateway.response_shape import ResponseShape
 from gateway.sse import json_bytes, sse
-from protocol.models import ChoiceResult, TokenEvent, TokenLogprob, Usage
-
-_KIND_STATUS = {"invalid_request": 400, "internal": 500, "unavailable": 503}
-_REASON_STATUS = {"timeout": 504, "abort": 503, "cancelled": 499}
-_DEFAULT_MESSAGES = {
-    "error": "the worker failed to run the request",
-    "timeout": "the request timed out",
-    "abort": "the request was aborted by the worker; retry",
-    "cancelled": "the request was cancelled",
-}
+from protocol.models import ChoiceResult, PromptLogprob, TokenEvent, Usage
 
 
-def failure(event: TokenEvent) -> APIError | None:
-    """The HTTP error a terminal event stands for, or None for stop/length."""
-    reason = event.finish_reason
-    if reason in (None, "stop", "length"):
-        return None
-    if reason == "error":
-        status = _KIND_STATUS.get(event.error_kind or "internal", 500)
-    else:
-        status = _REASON_STATUS[reason]
-    message = event.error or _DEFAULT_MESSAGES[reason]
-    type_ = "invalid_request_error" if status == 400 else None
-    return APIError(status, message, type_=type_)
+def usage_body(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
-def usage_body(usage: Usage | None) -> dict[str, int]:
-    usage = usage or Usage()
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-    }
+_SLOT = "\x00ferry-text-slot\x00"
 
 
-def _token_text(lp: TokenLogprob | Any) -> str:
-    return lp.token if lp.token is not None else f"token_id:{lp.token_id}"
+class _Prompt:
+    """What one request (one prompt of the exchange) has said so far."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.prompt_logprobs: list[PromptLogprob] | None = None
+        self.prompt_text: str | None = None
+
+    def learn(self, event: TokenEvent) -> bool:
+        """Take the prompt's facts from its first event; True the first time."""
+        first = not self.started
+        self.started = True
+        if event.prompt_tokens is not None:
+            self.prompt_tokens = event.prompt_tokens
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
+        if event.prompt_text is not None:
+            self.prompt_text = event.prompt_text
+        if event.usage is not None:
+            self.prompt_tokens = event.usage.prompt_tokens or self.prompt_tokens
+        return first
 
 
-def completion_logprobs(events: Sequence[TokenEvent], offset: int = 0) -> dict[str, Any] | None:
-    """Legacy completions layout: parallel lists, top logprobs as {token: logprob}."""
-    entries = [lp for e in events for lp in (e.logprobs or [])]
-    if not any(e.logprobs is not None for e in events):
-        return None
-    tokens = [_token_text(lp) for lp in entries]
-    offsets, pos = [], offset
-    for text in tokens:
-        offsets.append(pos)
-        pos += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in entries],
-        "top_logprobs": [{_token_text(t): t.logprob for t in lp.top} for lp in entries],
-        "text_offset": offsets,
-    }
+class Formatter:
+    """Builds bodies for one exchange: fixed id, creation time, model and object kind.
 
+    Stream chunks that carry only text (nearly all of them) are the same bytes but for
+    the text: ``text_frame`` encodes everything around it once per choice index, so each
+    token costs one JSON string encoding and a concatenation."""
 
-def chat_logprobs(events: Sequence[TokenEvent]) -> dict[str, Any] | None:
-    """Chat layout: one entry per token with its bytes and its top alternatives."""
-    if not any(e.logprobs is not None for e in events):
-        return None
+    def __init__(self, request_id: str, model: str, shape: ResponseShape) -> None:
+        self.shape = shape
+        self.chat = shape.chat
+        self.id = f"{'chatcmpl' if shape.chat else 'cmpl'}-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+        self.obj = "chat.completion.chunk" if shape.chat else "text_completion"
+        self._frames: dict[int, tuple[bytes, bytes]] = {}
+        self._finished: set[int] = set()  # choices whose finish chunk was sent
+        self._prompts = [_Prompt() for _ in range(shape.prompts)]
+        self._logprobs: dict[int, CompletionLogprobs] = {}
 
-    def entry(lp: Any) -> dict[str, Any]:
-        text = _token_text(lp)
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
 
-    content = [
-        {**entry(lp), "top_logprobs": [entry(t) for t in lp.top]}
-        for e in events for lp in (e.logprobs or [])
-    ]
-    return {"content": content}
+    def _echo_text(self, p: int) -> str:
+        if self.chat:
+            return self.shape.chat_echo or ""
+        if not self.shape.echo:
+            return ""
+        own = self.shape.echo_texts[p] if p < len(self.shape.echo_texts) else None
+        return own if own is not None else self._prompts[p].prompt_text or ""
+
+    # -- whole responses -----------------------------------------------------------------
+    def response(self, per_prompt: Sequence[Sequence[TokenEvent]]) -> dict[str, Any]:
+        """The non-streamed response: every prompt's choices, usage summed."""
+        choices: list[dict[str, Any]] = []
+        prompt_total = completion_total = 0
+        for p, events in enumerate(per_prompt):
+            state = self._prompts[p]
+            for event in events:
+                state.learn(event)
+            final = events[-1]
+            usage = final.usage or Usage()
+            prompt_total += usage.prompt_tokens
+            completion_total += usage.completion_tokens if self.shape.generate else 0
+            parts = [(c.index, *_choice_content(c, events), c.finish_reason)
+                     for c in final.choices] if final.choices else \
+                [(0, "".join(e.text for e in events), list(events), final.finish_reason)]
+            choices += [self._choice(p, i, text, evs, reason) for i, text, evs, reason in parts]
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        body["usage"] = usage_body(prompt_total, completion_total)
+        if self.chat and self.shape.prompt_logprobs:
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(0)
+        return body
+
+    def _choice(self, p: int, i: int, text: str, events: Sequence[TokenEvent],
+                reason: str | None) -> dict[str, Any]:
+        index = self.shape.index(p, i)
+        echo = self._echo_text(p)
+        if not self.shape.generate:
+            text, events, reason = "", [], "length"
+        if self.chat:
+            lp = chat_content(entries_of(events), self.shape.token_ids_as_text) \
+                if any(e.logprobs is not None for e in events) else None
+            return {"index": index, "message": {"role": "assistant", "content": echo + text},
+                    "logprobs": lp, "finish_reason": reason}
+        choice = {"index": index, "text": echo + text,
+                  "logprobs": self._completion_logprobs(p, events, echo, CompletionLogprobs(
+                      self.shape.token_ids_as_text)),
+                  "finish_reason": reason}
+        if self.shape.prompt_logprobs:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(p)
+        return choice
+
+    def _completion_logprobs(self, p: int, events: Sequence[TokenEvent], echo: str,
+                             layout: CompletionLogprobs) -> dict[str, Any] | None:
+        """Echo's prompt block (from offset 0), then the completion's (after the echo)."""
+        prompt_block = None
+        prompt_lps = self._prompts[p].prompt_logprobs
+        if echo and prompt_lps is not None:
+            prompt_block = layout.block(prompt_lps)
+        layout.offset = len(echo)
+        completion = layout.block(entries_of(events)) \
+            if any(e.logprobs is not None for e in events) else None
+        return merge(prompt_block, completion)
+
+    def _vllm_prompt_logprobs(self, p: int) -> list[dict[str, Any] | None] | None:
+        entries = self._prompts[p].prompt_logprobs
+        return None if entries is None else \
+            vllm_prompt_logprobs(entries, self.shape.token_ids_as_text)
+
+    # -- stream chunks -------------------------------------------------------------------
+    def opening(self) -> bytes:
+        """Chat: the role chunk of every choice, then the echoed content, if any."""
+        if not self.chat:
+            return b""
+        frames = [sse(self._chunk(i, {"role": "assistant", "content": ""}))
+                  for i in range(self.shape.choices)]
+        if self.shape.chat_echo:
+            frames += [sse(self._chunk(i, {"content": self.shape.chat_echo}))
+                       for i in range(self.shape.choices)]
+        return b"".join(frames)
+
+    def frames(self, p: int, events: Sequence[TokenEvent]) -> tuple[bytes, APIError | None]:
+        """The SSE messages of prompt ``p``'s events, as one write; the error that ends
+        the exchange, if one of them is a failed terminal event."""
+        parts: list[bytes] = []
+        state = self._prompts[p]
+        for event in events:
+            if not state.started:
+                state.learn(event)
+                parts += self._echo_frames(p)
+            state.completion_tokens += len(event.token_ids)
+            index = self.shape.index(p, event.index)
+            if (event.text or event.logprobs) and self.shape.generate:
+                parts.append(self._token_frame(p, index, event))
+            if event.choice_finish_reason is not None:
+                parts.append(self.finish_frame(p, index, event.choice_finish_reason))
+            if event.finish_reason is None:
+                continue
+            error = failure(event)
+            if error is not None:
+                return b"".join(parts), error
+            parts += self._close_prompt(p, event)
+        return b"".join(parts), None
+
+    def _echo_frames(self, p: int) -> list[bytes]:
+        """Completions echo: each choice of prompt ``p`` starts with the prompt's text
+        (and, if asked, its tokens' logprobs)."""
+        echo = self._echo_text(p)
+        if self.chat or not echo:
+            return []
+        frames = []
+        for i in range(self.shape.n):
+            index = self.shape.index(p, i)
+            layout = self._layout(index)
+            lps = self._prompts[p].prompt_logprobs
+            choice = {"index": index, "text": echo, "finish_reason": None,
+                      "logprobs": layout.block(lps) if lps is not None else None}
+            layout.offset = len(echo)
+            frames.append(sse(self._with_usage(p, self._envelope(self.obj, [choice]))))
+        return frames
+
+    def _layout(self, index: int) -> CompletionLogprobs:
+        if index not in self._logprobs:
+            self._logprobs[index] = CompletionLogprobs(self.shape.token_ids_as_text)
+        return self._logprobs[index]
+
+    def _token_frame(self, p: int, index: int, event: TokenEvent) -> bytes:
+        if event.logprobs is None and not self.shape.continuous_usage:
+            return self.text_frame(event.text, index)
+        if self.chat:
+            lp = chat_content(event.logprobs or [], self.shape.token_ids_as_text) \
+                if event.logprobs is not None else None
+            chunk = self._chunk(index, {"content": event.text}, logprobs=lp)
+        else:
+            lp = self._layout(index).block(event.logprobs) if event.logprobs is not None \
+                else None
+            chunk = self._chunk(index, None, text=event.text, logprobs=lp)
+        return sse(self._with_usage(p, chunk))
+
+    def _with_usage(self, p: int, chunk: dict[str, Any]) -> dict[str, Any]:
+        if self.shape.continuous_usage:
+            state = self._prompts[p]
+            chunk["usage"] = usage_body(state.prompt_tokens, state.completion_tokens
+                                        if self.shape.generate else 0)
+        return chunk
+
+    def finish_frame(self, p: int, index: int, reason: str | None) -> bytes:
+        """The chunk closing one choice (sent once per choice)."""
+        self._finished.add(index)
+        if not self.shape.generate:
+            reason = "length"
+        delta: dict[str, Any] | None = {} if self.chat else None
+        return sse(self._with_usage(p, self._chunk(index, delta, finish_reason=reason)))
+
+    def _close_prompt(self, p: int, final: TokenEvent) -> list[bytes]:
+        """At prompt ``p``'s terminal event: finish chunks for its choices still open."""
+        state = self._prompts[p]
+        if final.usage is not None:
+            state.prompt_tokens = final.usage.prompt_tokens or state.prompt_tokens
+            state.completion_tokens = final.usage.completion_tokens
+        reasons = {c.index: c.finish_reason for c in final.choices or []}
+        return [self.finish_frame(p, self.shape.index(p, i), reasons.get(i, final.finish_reason))
+                for i in range(self.shape.n) if self.shape.index(p, i) not in self._finished]
+
+    def _chunk(self, index: int, delta: dict[str, Any] | None, text: str = "",
+               logprobs: Any = None, finish_reason: str | None = None) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": index, "delta": delta or {}, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
+        return self._envelope(self.obj, [choice])
+
+    def text_frame(self, text: str, index: int = 0) -> bytes:
+        """The framed SSE message of a chunk carrying only ``text`` (no logprobs): the
+        same JSON as the slow path, from pre-encoded parts."""
+        frame = self._frames.get(index)
+        if frame is None:
+            chunk = self._chunk(index, {"content": _SLOT}, text=_SLOT)
+            parts = sse(chunk).split(json_bytes(_SLOT))
+            if len(parts) != 2:  # a model name holding the slot marker: no shortcut
+                return sse(self._chunk(index, {"content": text}, text=text))
+            frame = self._frames[index] = (parts[0], parts[1])
+        return frame[0] + json_bytes(text) + frame[1]
+
+    def usage_chunk(self) -> bytes:
+        """``include_usage``: the last chunk, usage summed over every prompt."""
+        prompt = sum(s.prompt_tokens for s in self._prompts)
+        completion = sum(s.completion_tokens for s in self._prompts) \
+            if self.shape.generate else 0
+        return sse({**self._envelope(self.obj, []), "usage": usage_body(prompt, completion)})
 
 
 def _choice_content(
@@ -97,94 +286,3 @@ def _choice_content(
         return choice.text, [pseudo]
     own = [e for e in events if e.index == choice.index]
     return "".join(e.text for e in own), own
-
-
-_SLOT = "\x00ferry-text-slot\x00"
-
-
-class Formatter:
-    """Builds bodies for one request: fixed id, creation time, model and object kind.
-
-    Stream chunks that carry only text (nearly all of them) are the same bytes but for
-    the text: ``text_frame`` encodes everything around it once per choice index, so each
-    token costs one JSON string encoding and a concatenation."""
-
-    def __init__(self, request_id: str, model: str, chat: bool, n: int = 1) -> None:
-        self.chat = chat
-        self.n = n
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
-        self.model = model
-        self.created = int(time.time())
-        self._frames: dict[int, tuple[bytes, bytes]] = {}
-        self._finished: set[int] = set()  # choices whose finish chunk was sent
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def response(self, events: Sequence[TokenEvent]) -> dict[str, Any]:
-        """The whole non-streamed response, one choice per index."""
-        final = events[-1]
-        if final.choices:  # n > 1: the terminal event lists them (with their content)
-            parts = [(c.index, *_choice_content(c, events), c.finish_reason)
-                     for c in final.choices]
-        else:
-            parts = [(0, "".join(e.text for e in events), list(events), final.finish_reason)]
-        choices = [self._choice(index, text, evs, reason) for index, text, evs, reason in parts]
-        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
-        body["usage"] = usage_body(final.usage)
-        return body
-
-    def _choice(self, index: int, text: str, events: Sequence[TokenEvent],
-                reason: str | None) -> dict[str, Any]:
-        if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": chat_logprobs(events), "finish_reason": reason}
-        return {"index": index, "text": text, "logprobs": completion_logprobs(events),
-                "finish_reason": reason}
-
-    def finish_frame(self, index: int, reason: str | None) -> bytes:
-        """The chunk closing one choice (sent once per choice)."""
-        self._finished.add(index)
-        return sse(self.chunk(None, finish_reason=reason, index=index))
-
-    def close_open_choices(self, final: TokenEvent) -> list[bytes]:
-        """At the terminal event: finish chunks for every choice not closed yet."""
-        reasons = {c.index: c.finish_reason for c in final.choices or []}
-        return [self.finish_frame(i, reasons.get(i, final.finish_reason))
-                for i in range(self.n) if i not in self._finished]
-
-    def chunk(self, event: TokenEvent | None, first: bool = False,
-              finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
-        """One stream chunk: text of ``event`` (if any), or the closing finish_reason."""
-        events = [event] if event is not None else []
-        return self._chunk(event.text if event is not None else "", event is not None, events,
-                           first, finish_reason, index)
-
-    def _chunk(self, text: str, has_event: bool, events: list[TokenEvent], first: bool,
-               finish_reason: str | None, index: int) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
-                {"content": text} if has_event else {})
-            choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(events),
-                      "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": index, "text": text, "logprobs": completion_logprobs(events),
-                  "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice])
-
-    def text_frame(self, text: str, index: int = 0) -> bytes:
-        """The framed SSE message of a chunk carrying only ``text`` (no logprobs): the
-        same JSON as ``sse(chunk(event))``, from pre-encoded parts."""
-        frame = self._frames.get(index)
-        if frame is None:
-            parts = sse(self._chunk(_SLOT, True, [], False, None, index)).split(
-                json_bytes(_SLOT))
-            if len(parts) != 2:  # a model name holding the slot marker: no shortcut
-                return sse(self._chunk(text, True, [], False, None, index))
-            frame = self._frames[index] = (parts[0], parts[1])
-        return frame[0] + json_bytes(text) + frame[1]
-
-    def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(obj, []), "usage": usage_body(usage)}

@@ -18,14 +18,15 @@ from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
 from gateway.admission import require_api_key
+from gateway.body import parse_json, run_sized, validate
 from gateway.engine import Engine
 from gateway.errors import APIError, unavailable
-from gateway.routes_openai import get_engine, get_served
+from gateway.routes_openai import body_schema, get_engine, get_served
 from gateway.schemas import JobCreate
 from gateway.sse import PING, EventStreamResponse, sse
 from protocol.aclient import AsyncSubscription
 from protocol.codec import ProtocolError
-from protocol.models import ID_PATTERN, JobStatus
+from protocol.models import ID_PATTERN, GenerateRequest, JobStatus
 from protocol.store import DuplicateRequestError
 
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)])
@@ -43,14 +44,16 @@ async def _status_or_404(engine: Engine, job_id: str) -> JobStatus:
     return status
 
 
-@router.post("", status_code=202)
-async def create_job(
-    body: JobCreate, http: Request, engine: Engine = Depends(get_engine)
-) -> JSONResponse:
-    if body.model is not None:
-        await get_served(http).resolve(body.model)
-    request = body.to_generate_request()
-    await engine.admit(request)
+@router.post("", status_code=202, openapi_extra=body_schema(JobCreate))
+async def create_job(http: Request, engine: Engine = Depends(get_engine)) -> JSONResponse:
+    def prepare(raw: bytes) -> GenerateRequest:
+        body = parse_json(raw, engine.settings.max_messages, engine.settings.max_prompt_chars)
+        return validate(JobCreate, body).to_generate_request()
+
+    request = await run_sized(await http.body(), prepare)
+    if request.model is not None:
+        await get_served(http).resolve(request.model)
+    await engine.admit([request])
     try:
         await engine.client.enqueue(request)
     except DuplicateRequestError as exc:

@@ -1,4 +1,14 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models."""
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+Bodies are read raw and parsed by ``gateway/body.py`` (off the event loop when large).
+A streamed response does not commit its 200 at once: it holds until every request of the
+exchange has sent its first event (``Generations.first``), so anything the worker knows
+before the first token — the prompt's length, an out-of-vocabulary id, a grammar the
+vocabulary cannot follow — is a 4xx the client's SDK can act on, not an in-band error
+after a 200. The held events are the response's first chunks; nothing waits longer than
+it would have (docs/operations.md measures it), and past ``stream_hold_s`` (a long queue)
+the 200 goes out and a late refusal comes in-band as before.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +21,17 @@ from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
 from gateway.admission import require_api_key
-from gateway.engine import ClientGone, Engine, Generation
-from gateway.errors import APIError, unavailable
-from gateway.openai_format import Formatter, failure
+from gateway.body import parse_json, run_sized, validate
+from gateway.engine import ClientGone, Engine
+from gateway.errors import APIError, failure, unavailable
+from gateway.generations import Batch, Generations
+from gateway.openai_format import Formatter
+from gateway.response_shape import ResponseShape
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.served_models import ServedModels
 from gateway.sse import DONE, PING, EventStreamResponse, sse
 from protocol.codec import ProtocolError
-from protocol.models import TokenEvent
+from protocol.models import GenerateRequest
 from protocol.streaming import StreamTimeout
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -34,18 +47,29 @@ def get_served(request: Request) -> ServedModels:
     return served
 
 
-@router.post("/completions")
-async def completions(
-    body: CompletionRequest, http: Request, engine: Engine = Depends(get_engine)
-) -> Response:
-    return await _serve(body, http, engine, chat=False)
+def body_schema(model: type[Any]) -> dict[str, Any]:
+    """OpenAPI for a body the route parses itself (FastAPI would validate it on the loop)."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": model.model_json_schema()}}}}
 
 
-@router.post("/chat/completions")
-async def chat_completions(
-    body: ChatCompletionRequest, http: Request, engine: Engine = Depends(get_engine)
-) -> Response:
-    return await _serve(body, http, engine, chat=True)
+@router.post("/completions", openapi_extra=body_schema(CompletionRequest))
+async def completions(http: Request, engine: Engine = Depends(get_engine)) -> Response:
+    def prepare(raw: bytes) -> tuple[list[GenerateRequest], ResponseShape]:
+        return validate(CompletionRequest, parse_json(raw)).to_generate_requests(
+            engine.settings)
+
+    return await _serve(*await run_sized(await http.body(), prepare), http, engine)
+
+
+@router.post("/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
+async def chat_completions(http: Request, engine: Engine = Depends(get_engine)) -> Response:
+    def prepare(raw: bytes) -> tuple[list[GenerateRequest], ResponseShape]:
+        settings = engine.settings
+        body = parse_json(raw, settings.max_messages, settings.max_prompt_chars)
+        return validate(ChatCompletionRequest, body).to_generate_requests(settings)
+
+    return await _serve(*await run_sized(await http.body(), prepare), http, engine)
 
 
 @router.get("/models")
@@ -59,72 +83,77 @@ async def models(served: ServedModels = Depends(get_served)) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-async def _serve(
-    body: CompletionRequest | ChatCompletionRequest, http: Request, engine: Engine, chat: bool
-) -> Response:
+async def _serve(requests: list[GenerateRequest], shape: ResponseShape, http: Request,
+                 engine: Engine) -> Response:
     received_at = time.time()
-    model = await get_served(http).resolve(body.model)
-    request = body.to_generate_request(engine.settings).model_copy(update={"model": model})
-    await engine.admit(request)
-    generation = await engine.start(request, received_at)
-    fmt = Formatter(request.request_id, model, chat, n=request.params.n)
-    if body.stream:
-        return EventStreamResponse(
-            _stream(generation, fmt, body.include_usage), on_close=generation.close
-        )
+    model = await get_served(http).resolve(requests[0].model)
+    requests = [r.model_copy(update={"model": model}) for r in requests]
+    await engine.admit(requests)
+    group = await Generations.start(engine, requests, received_at)
+    fmt = Formatter(shape.request_id, model, shape)
     try:
-        events = await generation.collect(http)
+        if shape.stream:
+            held = await group.first(http, engine.settings.stream_hold_s)
+            for _, events in held:
+                error = failure(events[-1])
+                if error is not None:
+                    raise error
+            return EventStreamResponse(_stream(group, fmt, held), on_close=group.close)
+        per_prompt = await group.collect(http)
     except StreamTimeout as exc:
+        await group.close()
         raise APIError(504, str(exc)) from None
     except ClientGone:
+        await group.close()
         return Response(status_code=499)
-    finally:
-        await generation.close()
-    error = failure(events[-1])
-    if error is not None:
-        raise error
-    return JSONResponse(fmt.response(events))
+    except BaseException:
+        await group.close()
+        raise
+    await group.close()
+    for events in per_prompt:
+        error = failure(events[-1]) if events else None
+        if error is not None:
+            raise error
+    return JSONResponse(fmt.response(per_prompt))
 
 
-async def _stream(
-    generation: Generation, fmt: Formatter, include_usage: bool
-) -> AsyncIterator[bytes]:
+async def _stream(group: Generations, fmt: Formatter, held: Batch) -> AsyncIterator[bytes]:
     """SSE chunks in OpenAI's format, one write per wake-up carrying every event that was
-    ready by then; errors become an error chunk, then ``[DONE]``."""
-    keepalive = generation.engine.settings.keepalive_s
-    if fmt.chat:  # the role, once per choice
-        yield b"".join(sse(fmt.chunk(None, first=True, index=i)) for i in range(fmt.n))
+    ready by then (the held ones first); errors become an error chunk, then ``[DONE]``."""
+    settings = group.engine.settings
+    batch = held
     try:
-        while not generation.finished:
-            events = await generation.next(keepalive)
-            yield _frames(fmt, events, include_usage) if events else PING
+        opening = fmt.opening()
+        while True:
+            out, error = _frames(fmt, batch)
+            if opening:
+                out, opening = opening + out, b""
+            if error is not None:
+                yield out + sse(error.body())
+                break
+            if out:
+                yield out
+            if group.finished:
+                if fmt.shape.include_usage:
+                    yield fmt.usage_chunk()
+                break
+            batch = await group.next(settings.keepalive_s)
+            if not batch:
+                yield PING
     except StreamTimeout as exc:
         yield sse(APIError(504, str(exc)).body())
     except (RedisError, OSError) as exc:  # headers are sent: report in-band
-        yield sse(unavailable(exc, generation.engine.settings.retry_after_s).body())
+        yield sse(unavailable(exc, settings.retry_after_s).body())
     except ProtocolError as exc:
         yield sse(APIError(502, f"bad message from the queue: {exc}").body())
     yield DONE
 
 
-def _frames(fmt: Formatter, events: list[TokenEvent], include_usage: bool) -> bytes:
-    """The SSE messages of a batch of events, as one write. With ``n > 1`` each event's
-    tokens go to choice ``event.index``; a choice's finish chunk follows the event that
-    ends it, and the terminal event closes whichever choices are still open."""
+def _frames(fmt: Formatter, batch: Batch) -> tuple[bytes, APIError | None]:
     parts = []
-    for event in events:
-        if event.text or event.logprobs:
-            parts.append(fmt.text_frame(event.text, event.index) if event.logprobs is None
-                         else sse(fmt.chunk(event, index=event.index)))
-        if event.choice_finish_reason is not None:
-            parts.append(fmt.finish_frame(event.index, event.choice_finish_reason))
-        if event.finish_reason is None:
-            continue
-        error = failure(event)
+    for prompt, events in batch:
+        out, error = fmt.frames(prompt, events)
+        parts.append(out)
         if error is not None:
-            parts.append(sse(error.body()))
-            break
-        parts += fmt.close_open_choices(event)
-        if include_usage:
-            parts.append(sse(fmt.usage_chunk(event.usage)))
-    return b"".join(parts)
+            return b"".join(parts), error
+    return b"".join(parts), None

@@ -1,52 +1,52 @@
 """HTTP request bodies (OpenAI-compatible, plus the jobs API) and their mapping to the protocol.
 
-Unknown OpenAI fields are ignored, as OpenAI-compatible servers do, because SDKs and
-frameworks send many harmless ones (``user``, ``metadata``, ``store``); fields whose meaning
-we cannot honour (``tools``, ``functions``, ``tool_choice: "required"``, audio, ...) are
-refused with 400 rather than silently dropped.
+Types are strict, as OpenAI's are: ``max_tokens: "5"`` or ``true`` is a 400, not a 5 or a
+1 (a float field still takes an integer). Fields Ferry honours are declared here; every
+other known OpenAI / vLLM field is refused or ignored by ``gateway/openai_fields.py``, so
+none that changes the output is silently dropped. A completions ``prompt`` may be a list:
+each prompt becomes a request of its own (``to_generate_requests``), choice ``i`` of
+prompt ``p`` is returned as index ``p * n + i``, as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
+import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.body import validation_error
 from gateway.errors import APIError
+from gateway.openai_fields import refuse_unsupported
+from gateway.response_shape import ResponseShape
 from gateway.settings import GatewaySettings
 from gateway.structured import StructuredFields, check_params
-from protocol.codec import describe_validation_error
-from protocol.models import ID_PATTERN, ChatMessage, GenerateRequest
-from protocol.sampling import SamplingParams
+from protocol.models import ID_PATTERN, ChatMessage, GenerateRequest, new_request_id
+from protocol.sampling import MAX_LOGPROBS, SamplingParams
+
+log = structlog.get_logger("ferry.gateway")
 
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "ignore_eos", "min_tokens", "stop_token_ids",
-    "skip_special_tokens", "include_stop_str_in_output", "logit_bias",
+    "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "prompt_logprobs",
 )
-# OpenAI chat fields that change what the answer must be, which Ferry cannot produce.
-# Each maps to the values that are harmless (an empty/"none" choice means "no tools").
-_UNSUPPORTED_CHAT = {
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "tool_choice": (None, "none", "auto"),
-    "audio": (None,),
-    "prediction": (None,),
-    "web_search_options": (None,),
-}
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk (guidellm sends it)
 
 
-class _OpenAIBase(StructuredFields):  # [structured output] response_format, guided_*
+class _OpenAIBase(StructuredFields):  # [structured output] response_format, guided_*, ...
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow", strict=True)
+    route: ClassVar[str] = "completions"
 
     model: str | None = Field(default=None, max_length=256)
-    max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
@@ -56,7 +56,7 @@ class _OpenAIBase(StructuredFields):  # [structured output] response_format, gui
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: str | None = None
+    echo: bool = False
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -67,14 +67,18 @@ class _OpenAIBase(StructuredFields):  # [structured output] response_format, gui
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
     # Ferry extras
     request_id: str | None = Field(default=None, pattern=ID_PATTERN)
     timeout_s: float | None = Field(default=None, gt=0)
 
-    def _check_choices(self, settings: GatewaySettings, best_of: int | None = None) -> None:
-        """``n`` and ``best_of`` within the configured maximum; ``best_of`` (more candidates
-        than choices) cannot be streamed, as OpenAI answers."""
+    def _check_common(self, settings: GatewaySettings, best_of: int | None = None) -> None:
+        """Refused fields, ``n``/``best_of`` bounds, and what cannot be streamed."""
+        ignored = refuse_unsupported(self.model_extra or {}, self.route)
+        if ignored:
+            log.info("request_fields_ignored", fields=ignored[:20])
         for name, value in (("n", self.n), ("best_of", best_of)):
             if value is not None and not 1 <= value <= settings.max_n:
                 raise APIError(400, f"{name}: must be between 1 and {settings.max_n}, got "
@@ -85,86 +89,106 @@ class _OpenAIBase(StructuredFields):  # [structured output] response_format, gui
         if self.stream and best_of is not None and best_of > self.n:
             raise APIError(400, "best_of: cannot be used with stream (the best choices are "
                            "known only once every candidate has finished)", param="best_of")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only allowed when stream is true",
+                           param="stream_options")
+        _check_range("prompt_logprobs", self.prompt_logprobs)
 
-    def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int, fit: bool, logprobs: int | None) -> SamplingParams:
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
         values: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
         if self.stop is not None:
             values["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
-        values["max_tokens"] = max_tokens
-        values["n"] = self.n
-        values["best_of"] = getattr(self, "best_of", None)
+        values.update(max_tokens=max_tokens, fit_to_context=fit, n=self.n,
+                      best_of=getattr(self, "best_of", None))
         if logprobs is not None:
             values["logprobs"] = logprobs
         values["structured_output"] = self.structured_output()  # [structured output]
         try:
             return SamplingParams.model_validate(values)
         except ValidationError as exc:
-            message = describe_validation_error(exc)
-            raise APIError(400, message, param=_param_of(exc, message)) from None
+            raise validation_error(exc) from None
 
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+    def _shape(self, chat: bool, **kw: Any) -> ResponseShape:
+        options = self.stream_options or StreamOptions()
+        return ResponseShape(
+            chat=chat, n=self.n, stream=self.stream, include_usage=options.include_usage,
+            continuous_usage=options.continuous_usage_stats,
+            token_ids_as_text=bool(self.return_tokens_as_token_ids),
+            prompt_logprobs=self.prompt_logprobs is not None, **kw)
 
 
-def _param_of(exc: ValidationError, message: str) -> str | None:
-    """The top-level field an error is about: its location, else the field that a model
-    validator's message starts with (``"logit_bias: ..."``)."""
-    loc = exc.errors()[0]["loc"]
-    if loc:
-        return str(loc[0])
-    named = message.split(":", 1)[0]
-    return named.split(".")[0] if named and " " not in named else None
+def _check_range(name: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(400, f"{name}: must be between 0 and {MAX_LOGPROBS}, got {value}",
+                       param=name)
 
 
 def _build(**fields: Any) -> GenerateRequest:
     try:
         return GenerateRequest(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
-        message = describe_validation_error(exc)
-        raise APIError(400, message, param=_param_of(exc, message)) from None
+        raise validation_error(exc) from None
 
 
 class CompletionRequest(_OpenAIBase):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0)
-    echo: bool = False
-    suffix: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    logprobs: int | None = None
     best_of: int | None = None
 
-    def to_generate_request(self, settings: GatewaySettings) -> GenerateRequest:
-        self._check_choices(settings, self.best_of)
-        for name, unsupported in (("echo", self.echo), ("suffix", self.suffix)):
-            if unsupported:
-                raise APIError(400, f"{name}: not supported", param=name)
-        prompt, token_ids = _single_prompt(self.prompt)
-        params = self._sampling(self.max_tokens or 16, self.logprobs)
-        return _build(
-            request_id=self.request_id, prompt=prompt, prompt_token_ids=token_ids, params=params,
-            priority=self.priority, timeout_s=self.timeout_s, model=self.model, stream=self.stream,
-        )
+    def to_generate_requests(
+        self, settings: GatewaySettings
+    ) -> tuple[list[GenerateRequest], ResponseShape]:
+        """One request per prompt, and how to shape the response."""
+        self._check_common(settings, self.best_of)
+        _check_range("logprobs", self.logprobs)
+        prompts = _prompts(self.prompt, settings.max_prompts)
+        generate = self.max_tokens != 0
+        if not generate and not self.echo:
+            raise APIError(400, "max_tokens: must be at least 1 (0 only with echo)",
+                           param="max_tokens")
+        max_tokens = self.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        if not generate:
+            max_tokens = 1  # generated and dropped: vLLM's echo without generation
+        params = self._sampling(max_tokens, self.max_tokens is None, self.logprobs)
+        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
+            params = params.model_copy(update={"prompt_logprobs": self.logprobs})
+        base = self.request_id or new_request_id()
+        requests = [_build(
+            request_id=base if len(prompts) == 1 else f"{base}-{i}", params=params,
+            prompt=p if isinstance(p, str) else None,
+            prompt_token_ids=p if isinstance(p, list) else None, priority=self.priority,
+            timeout_s=self.timeout_s, model=self.model, stream=self.stream,
+            echo=self.echo or None,
+        ) for i, p in enumerate(prompts)]
+        shape = self._shape(False, request_id=base, echo=self.echo, generate=generate,
+                            prompts=len(prompts),
+                            echo_texts=[p if isinstance(p, str) else None for p in prompts])
+        return requests, shape
 
 
-def _single_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
+def _prompts(prompt: Any, limit: int) -> list[str | list[int]]:
+    """The prompt list: a string, one list of token ids, or a list of either."""
     if isinstance(prompt, str):
-        return prompt, None
-    if prompt and all(isinstance(p, int) for p in prompt):
-        return None, list(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1:
-        return _single_prompt(prompt[0])
-    raise APIError(400, "prompt: exactly one prompt (a string or a list of token ids) is "
-                   "supported per request", param="prompt")
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: must not be empty", param="prompt")
+    prompts = [prompt] if isinstance(prompt[0], int) else list(prompt)
+    if len(prompts) > limit:
+        raise APIError(400, f"prompt: {len(prompts)} prompts exceed the limit of {limit}",
+                       param="prompt")
+    return prompts
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: str
     text: str | None = None
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: str = Field(min_length=1, max_length=64)
     content: str | list[TextPart] | None = None
 
@@ -180,46 +204,42 @@ class ChatMessageIn(BaseModel):
 
 
 class ChatCompletionRequest(_OpenAIBase):
+    route: ClassVar[str] = "chat"
+
     messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    tool_choice: Any = None
-    audio: Any = None
-    modalities: list[str] | None = None
-    prediction: Any = None
-    web_search_options: Any = None
+    top_logprobs: int | None = None
 
-    def _check_chat_supported(self) -> None:
-        if self.tools:
-            raise APIError(400, "tools: tool calling is not supported", param="tools")
-        for name, harmless in _UNSUPPORTED_CHAT.items():
-            if getattr(self, name) not in harmless:
-                raise APIError(400, f"{name}: not supported by this server", param=name)
-        if self.modalities not in (None, ["text"]):
-            raise APIError(400, "modalities: only ['text'] is supported", param="modalities")
-
-    def to_generate_request(self, settings: GatewaySettings) -> GenerateRequest:
-        self._check_choices(settings)
-        self._check_chat_supported()
-        default = min(settings.default_max_tokens, settings.max_tokens_limit)
-        max_tokens = self.max_completion_tokens or self.max_tokens or default
+    def to_generate_requests(
+        self, settings: GatewaySettings
+    ) -> tuple[list[GenerateRequest], ResponseShape]:
+        self._check_common(settings)
+        _check_range("top_logprobs", self.top_logprobs)
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs to be true",
+                           param="top_logprobs")
+        given = self.max_completion_tokens or self.max_tokens
+        default = min(settings.default_max_tokens or settings.max_tokens_limit,
+                      settings.max_tokens_limit)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        params = self._sampling(given or default, given is None, logprobs)
         messages = [m.to_protocol(i) for i, m in enumerate(self.messages)]
-        return _build(
-            request_id=self.request_id, messages=messages,
-            params=self._sampling(max_tokens, logprobs), priority=self.priority,
-            timeout_s=self.timeout_s, model=self.model, stream=self.stream,
+        last = messages[-1]
+        request = _build(
+            request_id=self.request_id, messages=messages, params=params,
+            priority=self.priority, timeout_s=self.timeout_s, model=self.model,
+            stream=self.stream,
         )
+        echo = last.content if self.echo and last.role == "assistant" else None
+        return [request], self._shape(True, request_id=request.request_id, chat_echo=echo)
 
 
 class JobCreate(BaseModel):
     """POST /v1/jobs: the protocol's GenerateRequest, minus what the gateway fills in."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     request_id: str | None = Field(default=None, pattern=ID_PATTERN)
     prompt: str | None = None
@@ -230,8 +250,8 @@ class JobCreate(BaseModel):
     timeout_s: float | None = Field(default=None, gt=0)
     model: str | None = Field(default=None, max_length=256)
     stream: bool = True
+    echo: bool = False
 
     def to_generate_request(self) -> GenerateRequest:
         check_params(self.params)  # [structured output] 400 if the grammar cannot compile
         return _build(**{name: getattr(self, name) for name in type(self).model_fields})
-

@@ -6,9 +6,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from protocol.keys import Keys
+from protocol.cluster import Replication
+from protocol.keys import DEFAULT_SHARDS, MAX_SHARDS, Keys, keys_for
 from protocol.store import Ttls
 
 _NONE_WORDS = frozenset({"", "none", "off", "null"})
@@ -25,14 +26,34 @@ class GatewaySettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     redis_url: str = "redis://localhost:6379/0"
+    redis_cluster: bool = Field(
+        default=False, description="Redis Cluster: redis_url names any node (database 0).")
+    stream_shards: int = Field(
+        default=DEFAULT_SHARDS, ge=1, le=MAX_SHARDS,
+        description="Cluster: request-stream shards, the same on every gateway and worker.")
+    redis_wait_replicas: int = Field(
+        default=1, ge=0, description="Cluster: replicas that must have a request (WAIT) "
+        "before it is accepted; 0: accept once on its master.")
+    redis_wait_timeout_ms: int = Field(default=2000, ge=1, description="Cluster: WAIT timeout.")
     prefix: str = "ferry"
     api_keys: tuple[str, ...] = Field(default=(), description="Empty: no authentication.")
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_prompt_chars: int = Field(default=400_000, ge=1, description="prompt or all messages.")
     max_prompt_tokens: int = Field(default=32_768, ge=1, description="prompt_token_ids length.")
     max_tokens_limit: int = Field(default=8192, ge=1, description="Cap on max_tokens.")
-    default_max_tokens: int = Field(default=256, ge=1, description="Chat default if unset.")
+    default_max_tokens: int | None = Field(
+        default=None, ge=1, description="Chat without max_tokens: at most this many (None: "
+        "max_tokens_limit), and never more than the model's context leaves.")
     max_n: int = Field(default=16, ge=1, le=128, description="Cap on n and best_of.")
+    max_prompts: int = Field(
+        default=128, ge=1, description="Prompts in one /v1/completions list (each one is "
+        "a request of its own).")
+    max_messages: int = Field(
+        default=4096, ge=1, description="Chat messages per request, checked before any "
+        "other validation.")
+    stream_hold_s: float = Field(
+        default=30.0, ge=0, description="A streamed response's status waits this long for "
+        "the request's first event, so a refusal is a 4xx, not an in-band error (0: off).")
     max_queue_lag: int | None = Field(
         default=1000, ge=0, description="Requests waiting for a worker before 429; None: off."
     )
@@ -57,10 +78,51 @@ class GatewaySettings(BaseModel):
         description="The model name this gateway answers to (besides the names live workers "
         "advertise); requests naming another model get 404.",
     )
+    # --- Batch API: /v1/files, /v1/batches and the batcher (docs/batch.md) -----------------
+    batch_file_max_bytes: int = Field(
+        default=100 * 1024 * 1024, ge=1024, description="Largest file /v1/files takes (413).")
+    batch_file_max_lines: int = Field(
+        default=50_000, ge=1, description="Most requests (non-blank lines) in one file.")
+    batch_file_ttl_s: int = Field(
+        default=30 * 24 * 3600, ge=60, description="How long an uploaded file is kept unless "
+        "its expires_after says otherwise (OpenAI keeps batch files 30 days).")
+    batch_ttl_s: int = Field(
+        default=30 * 24 * 3600, ge=60, description="How long a batch and its output and "
+        "error files are kept once it has ended (unless output_expires_after).")
+    batch_completion_window_s: int | None = Field(
+        default=None, ge=1, description="Every batch's window in seconds instead of the "
+        "24h it asks for (tests shorten it); None: the requested window.")
+    batch_max_in_flight: int = Field(
+        default=32, ge=1, description="Lines of one batch enqueued and not yet finished.")
+    batch_fleet_share: float = Field(
+        default=0.25, gt=0, le=1, description="Lines of all batches in flight, at most this "
+        "share of the live workers' max_num_seqs summed (interactive requests keep the rest).")
+    batch_max_active: int = Field(
+        default=8, ge=1, description="Batches one batcher drives at a time.")
+    batch_priority: int = Field(
+        default=1, ge=1, lt=2**31, description="The lowest priority a batch line runs at "
+        "(> 0: the low lane); a line may ask for a larger (later) one.")
+    batch_poll_interval_s: float = Field(default=0.25, gt=0)
+    batch_lease_s: float = Field(
+        default=10.0, gt=0, description="A batch whose batcher died moves to another "
+        "batcher after this long.")
+
+    @model_validator(mode="after")
+    def _lease_outlasts_polls(self) -> GatewaySettings:
+        """A batcher renews its leases between ticks: a lease of fewer than four poll
+        intervals would run out under a batcher that is merely busy."""
+        if self.batch_lease_s < 4 * self.batch_poll_interval_s:
+            raise ValueError(f"batch_lease_s: {self.batch_lease_s} must be at least 4 x "
+                             f"batch_poll_interval_s ({self.batch_poll_interval_s})")
+        return self
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.prefix)
+        return keys_for(self.prefix, self.redis_cluster, self.stream_shards)
+
+    @property
+    def replication(self) -> Replication:
+        return Replication(self.redis_wait_replicas, self.redis_wait_timeout_ms)
 
     @property
     def ttls(self) -> Ttls:

@@ -1,18 +1,8 @@
-"""Paged-attention kernels: Triton launchers for CUDA, pure-torch ``kernels.reference``.
+"""Paged-attention kernels: Triton launchers for CUDA, the C++ CPU kernel, pure torch.
 
-Importing this package is cheap and safe without a GPU: it imports triton and defines
-the ``@triton.jit`` kernels, but nothing touches CUDA until a launcher is called.
+Import a launcher from its own module (``from kernels.decode_attention import
+paged_decode_attention``): the package itself imports no Triton module, so a CPU worker,
+which never launches a Triton kernel, runs without triton installed (the CPU worker image
+leaves it out, about 1 GB). Importing a launcher is cheap and safe without a GPU: nothing
+touches CUDA until it is called. ``kernels.reference`` holds the pure-torch twins.
 """
-
-from kernels import reference
-from kernels.decode_attention import choose_num_kv_splits, paged_decode_attention
-from kernels.prefill_attention import paged_prefill_attention
-from kernels.store_kv import store_kv
-
-__all__ = [
-    "choose_num_kv_splits",
-    "paged_decode_attention",
-    "paged_prefill_attention",
-    "reference",
-    "store_kv",
-]

@@ -25,10 +25,15 @@ That rule is for launches inside a CUDA graph (the engine's decode steps), where
 costs a few microseconds. Launched eagerly, stage 2 costs a second Triton launch from
 Python plus two allocations — measured on the H100 (``ops/bench/kernels.py``, eager):
 batch 8 x 512 tokens took 0.147 ms with 2 splits and 0.023 ms with 1; batch 1 x 4,096
-took 0.269 ms with 16 splits and 0.110 ms with 1. So eagerly (``eager=True``: not
-capturing) a split must carry ``EAGER_MIN_TOKENS_PER_SPLIT`` tokens, which keeps
-everything below 16k tokens of context in one launch, only a grid that does not fill
-the GPU once is split, and the partial buffers are reused rather than allocated.
+took 0.269 ms with 16 splits and 0.110 ms with 1. So eagerly a split must carry
+``EAGER_MIN_TOKENS_PER_SPLIT`` tokens, which keeps everything below 16k tokens of context
+in one launch, only a grid that does not fill the GPU once is split, and the partial
+buffers are reused rather than allocated.
+
+Which rule applies is the caller's explicit choice (``cuda_graph=True`` for a graph's
+capture *and* for the warm-up before it), never read from the stream's capture state:
+a warm-up that took the eager rule would leave the graph's split variant and the merge
+kernel to compile during capture, where loading a module is refused.
 """
 
 from __future__ import annotations
@@ -50,6 +55,18 @@ MAX_KV_SPLITS = 64
 MAX_FORCED_SPLITS = 1024  # callers may force more than the heuristic ever picks
 
 
+def eager_warmup_contexts(max_context: int) -> list[int]:
+    """``max_seq_len`` hints whose eager launches (one sequence) compile every variant the
+    eager rule can pick up to ``max_context``: one split, then split counts padded to each
+    power of two (the merge kernel's ``SPLITS_PAD``)."""
+    most = min(MAX_KV_SPLITS, max_context // EAGER_MIN_TOKENS_PER_SPLIT)
+    contexts, pad = [1], 2
+    while pad // 2 < most:  # a count in (pad / 2, pad] is padded to pad
+        contexts.append(min(pad, most) * EAGER_MIN_TOKENS_PER_SPLIT)
+        pad *= 2
+    return contexts
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -57,26 +74,22 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def _capturing(q: torch.Tensor) -> bool:
-    return q.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 _WORKSPACE: dict[torch.device, torch.Tensor] = {}
 
 
-def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _partials(q: torch.Tensor, splits: int, reuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1's partial outputs [S, Hq, splits, D] and LSEs [S, Hq, splits], fp32: one
-    reused buffer per device when launched eagerly (an allocation per call was part of
-    the measured eager cost), fresh (from the graph's pool) inside a capture."""
+    reused buffer per device when launched eagerly (``reuse``: an allocation per call was
+    part of the measured eager cost), fresh (from the graph's pool) for a CUDA graph."""
     num_seqs, num_q_heads, head_dim = q.shape
     rows = num_seqs * num_q_heads * splits
     size = rows * (head_dim + 1)
-    cached = None if _capturing(q) else _WORKSPACE.get(q.device)
+    cached = _WORKSPACE.get(q.device) if reuse else None
     if cached is not None and cached.numel() >= size:
         flat = cached
     else:
         flat = q.new_empty(size, dtype=torch.float32)
-        if not _capturing(q):
+        if reuse:
             _WORKSPACE[q.device] = flat
     dest = flat[: rows * head_dim].view(num_seqs, num_q_heads, splits, head_dim)
     lse = flat[rows * head_dim: rows * (head_dim + 1)].view(num_seqs, num_q_heads, splits)
@@ -99,7 +112,9 @@ def choose_num_kv_splits(
     return max(1, min(wanted, by_length, MAX_KV_SPLITS))
 
 
-@triton.jit
+# num_splits changes with the batch: left unspecialized (Triton would otherwise compile a
+# variant for 1 and for multiples of 16), so WRITE_PARTIAL alone separates the variants.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr,  # [S, Hq, D]
     k_cache_ptr,  # [num_blocks, PAGE_SIZE, Hkv, D]
@@ -168,7 +183,7 @@ def _decode_split_kernel(
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_ptr,  # [S, Hq, num_splits, D] fp32, each split's normalised output
     lse_ptr,  # [S, Hq, num_splits] fp32, each split's log2-sum-exp (-inf if empty)
@@ -211,11 +226,15 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     max_seq_len: int | None = None,
+    cuda_graph: bool = False,
 ) -> torch.Tensor:
     """Triton version of ``kernels.reference.paged_decode_attention`` (same semantics).
 
     ``num_kv_splits`` forces the split count (1 disables split-KV); ``max_seq_len`` is an
     optional upper bound on ``seq_lens`` that sharpens the split heuristic without a sync.
+    ``cuda_graph``: the launch belongs to a CUDA graph (its capture, or the warm-up that
+    must compile exactly what the capture launches): splits fill the SMs and the partial
+    buffers are fresh allocations; otherwise the eager rule and a reused workspace.
     """
     q = chk.check_tensor("q", q, ndim=3, dtypes=chk.FLOAT_DTYPES)
     num_seqs, num_q_heads, head_dim = q.shape
@@ -233,13 +252,13 @@ def paged_decode_attention(
         context = max_seq_len or block_tables.shape[1] * block_size
         context = min(context, window) if window else context
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, context, _num_sms(q.device),
-                                             eager=not _capturing(q))
+                                             eager=not cuda_graph)
     if not (isinstance(num_kv_splits, int) and 1 <= num_kv_splits <= MAX_FORCED_SPLITS):
         raise ValueError(f"num_kv_splits must be an int in [1, {MAX_FORCED_SPLITS}], "
                          f"got {num_kv_splits!r}")  # fmt: skip
     if num_seqs > 0:
         _launch(q, k_cache, v_cache, block_tables, seq_lens, out, float(scale), window,
-                soft_cap, num_kv_splits)  # fmt: skip
+                soft_cap, num_kv_splits, reuse_workspace=not cuda_graph)  # fmt: skip
     return out
 
 
@@ -254,6 +273,7 @@ def _launch(
     window: int,
     soft_cap: float,
     num_kv_splits: int,
+    reuse_workspace: bool,
 ) -> None:
     """Stage 1, then (with more than one split) the stage-2 merge, on validated inputs."""
     num_seqs, num_q_heads, head_dim = q.shape
@@ -262,7 +282,7 @@ def _launch(
     head_dim_pad = pow2_at_least(head_dim, 16)
     partial = num_kv_splits > 1
     if partial:
-        dest, lse = _partials(q, num_kv_splits)
+        dest, lse = _partials(q, num_kv_splits, reuse_workspace)
     else:
         dest, lse = out, out  # lse is unused without splits
     _decode_split_kernel[(num_seqs, num_kv_heads, num_kv_splits)](

@@ -96,7 +96,10 @@ def load(source_name: str) -> ctypes.CDLL:
     ``ctypes.CDLL`` releases the GIL during calls, so the worker's I/O threads keep
     running while a kernel does.
     """
-    path = build(source_name)
+    try:
+        path = build(source_name)
+    except OSError as exc:  # a source left out of an install, a read-only cache dir, ...
+        raise NativeBuildError(f"building {source_name} failed: {exc}") from exc
     try:
         return ctypes.CDLL(str(path))
     except OSError as exc:

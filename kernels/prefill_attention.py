@@ -36,6 +36,12 @@ from kernels._attention_core import attend_kv_range, dot_needs_upcast, pow2_at_l
 BLOCK_M_ROWS = 64  # query rows (tokens x group) per program; not yet tuned on a GPU
 
 
+def warmup_query_lens() -> list[int]:
+    """Query lengths whose launches compile every query-tile size (BLOCK_Q) a step can
+    pick: the tile follows the longest query by powers of two up to BLOCK_M_ROWS."""
+    return [1 << i for i in range(BLOCK_M_ROWS.bit_length())]
+
+
 @triton.jit
 def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     """Last sequence i whose first tile, query_start_loc[i] // BLOCK_Q + i, is <= tile."""
@@ -49,7 +55,12 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+# The sequence count and the metadata pointers change from step to step without changing
+# the code that helps: specializing them (num_seqs == 1 as a constant, 16-byte alignment of
+# ``seq_lens[num_decodes:]``) only multiplied the variants compiled while serving.
+@triton.jit(do_not_specialize=["num_seqs"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr",
+                                            "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, PAGE_SIZE, Hkv, D]

@@ -17,15 +17,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from protocol.cluster import Replication, async_cluster_client
+from protocol.cluster_enqueue import EnqueuePlan, aenqueue
 from protocol.codec import (
     ProtocolError,
     decode_event_trusted,
     decode_heartbeat,
     status_from_hash,
 )
-from protocol.keys import Keys
+from protocol.keys import DEFAULT_SHARDS, Keys, keys_for
 from protocol.models import GenerateRequest, JobStatus, TokenEvent, WorkerHeartbeat
 from protocol.pubsub_hub import Inbox, PubSubHub
+from protocol.sharded_hub import ShardedPubSubHub
 from protocol.store import (
     DuplicateRequestError,
     Ttls,
@@ -147,7 +150,7 @@ class AsyncSubscription:
         on a live connection loses nothing (a reconnect is announced by a ``None``), and
         re-reading the log there would decode, under load, events already on their way.
         Past ``QUIET_LOG_READ_S`` the log is read anyway, as a last safety net."""
-        return (self._client.hub.heard_within(self._client.poll_interval_s)
+        return (self._client.hub.heard_within(self._client.poll_interval_s, self._channel)
                 and now - self._heard_at < QUIET_LOG_READ_S)
 
     async def next_events(self, timeout: float) -> list[TokenEvent]:
@@ -178,33 +181,41 @@ class AsyncSubscription:
 
 
 class AsyncFerryClient:
-    """Producer-side API over a ``redis.asyncio.Redis`` (``decode_responses`` must be off)."""
+    """Producer-side API over a ``redis.asyncio.Redis``, or an asyncio ``RedisCluster``
+    with ``ClusterKeys`` (``decode_responses`` must be off)."""
 
     def __init__(
         self,
-        client: aredis.Redis,
+        client: Any,
         keys: Keys | None = None,
         ttls: Ttls | None = None,
         poll_interval_s: float = 1.0,
         reconnect_timeout_s: float = 10.0,
+        replication: Replication | None = None,
     ) -> None:
         self.redis = client
         self.keys = keys or Keys()
         self.ttls = ttls or Ttls()
         self.poll_interval_s = poll_interval_s
         self.reconnect_timeout_s = reconnect_timeout_s
+        self.replication = replication or Replication()  # cluster only: WAIT after enqueue
         self._hub: PubSubHub | None = None
 
     @property
     def hub(self) -> PubSubHub:
-        """The shared pub/sub connection, created on first use (in the running loop)."""
+        """The shared pub/sub connection(s), created on first use (in the running loop):
+        one connection, or on a cluster one per master holding a followed channel."""
         if self._hub is None:
-            self._hub = PubSubHub(self.redis)
+            self._hub = ShardedPubSubHub(self.redis) if self.keys.cluster \
+                else PubSubHub(self.redis)
         return self._hub
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "ferry", **kwargs: Any) -> AsyncFerryClient:
-        return cls(aredis.Redis.from_url(url), keys=Keys(prefix), **kwargs)
+    def from_url(cls, url: str, prefix: str = "ferry", cluster: bool = False,
+                 shards: int = DEFAULT_SHARDS, **kwargs: Any) -> AsyncFerryClient:
+        """A client on the Redis ``url`` names, or on the cluster it is a node of."""
+        client = async_cluster_client(url) if cluster else aredis.Redis.from_url(url)
+        return cls(client, keys=keys_for(prefix, cluster, shards), **kwargs)
 
     async def aclose(self) -> None:
         if self._hub is not None:
@@ -221,7 +232,12 @@ class AsyncFerryClient:
                     raise
 
     async def enqueue(self, request: GenerateRequest) -> str:
-        """Record the job as queued and XADD it; returns the request id."""
+        """Record the job as queued and XADD it; returns the request id. On a cluster it
+        is accepted once replicated (``NotReplicatedError`` otherwise)."""
+        if self.keys.cluster:
+            await aenqueue(self.redis, EnqueuePlan(self.keys, request, self.ttls,
+                                                   self.replication))
+            return request.request_id
         script, keys, argv = enqueue_script(self.keys, request, self.ttls)
         if await self.redis.eval(script, len(keys), *keys, *argv) is None:  # type: ignore[misc]
             raise DuplicateRequestError(f"request_id: {request.request_id!r} is already in use")
@@ -254,6 +270,19 @@ class AsyncFerryClient:
         """The job hash as a JobStatus, or None if unknown or expired."""
         fields = await self.redis.hgetall(self.keys.job(request_id))  # type: ignore[misc]
         return status_from_hash(fields) if fields else None
+
+    async def states(self, request_ids: list[str]) -> list[str | None]:
+        """Each job's ``state`` (None: no such job, or expired), in one round trip: how a
+        poller (the batcher) follows many jobs without subscribing to their tokens."""
+        pipe = self.redis.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.hget(self.keys.job(request_id), "state")
+        return [None if s is None else as_str(s) for s in await pipe.execute()]
+
+    async def replay(self, request_id: str) -> list[TokenEvent]:
+        """The job's whole replay log, in ``seq`` order (empty once it expired)."""
+        raw = await self.redis.lrange(self.keys.events(request_id), 0, -1)  # type: ignore[misc]
+        return _decode_all(raw)
 
     async def cancel(self, request_id: str, reason: str = "cancelled by client") -> str:
         """Cancel; returns the state found (see ``FerryClient.cancel``)."""

@@ -11,6 +11,7 @@ stays quiet (a message lost during a reconnect is thereby recovered).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,8 +20,16 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from protocol.cluster import (
+    TRANSIENT_CLUSTER_ERRORS,
+    Replication,
+    cluster_client,
+    refresh_topology,
+)
+from protocol.cluster_enqueue import EnqueuePlan
+from protocol.cluster_enqueue import enqueue as cluster_enqueue
 from protocol.codec import decode_event, status_from_hash
-from protocol.keys import Keys
+from protocol.keys import DEFAULT_SHARDS, Keys, keys_for
 from protocol.models import GenerateRequest, JobStatus, TokenEvent
 from protocol.store import (
     DuplicateRequestError,
@@ -40,6 +49,7 @@ from protocol.streaming import (
 )
 
 SUBSCRIBE_TIMEOUT_S = 10.0
+_SHARDED = {"ssubscribe": "subscribe", "smessage": "message"}
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -53,6 +63,8 @@ class Subscription:
         self._client = client
         self._seq = EventSequencer(request_id, after_seq)
         self._pubsub = client.redis.pubsub()
+        self._sharded = client.keys.cluster  # SSUBSCRIBE: the channel lives in one shard
+        self._unsubscribed = False  # sharded, after a failover: SSUBSCRIBE still to send
         self._channel = client.keys.tokens(request_id)
         self._backfilled = False
         self._outage = Outage(client.reconnect_timeout_s)
@@ -61,12 +73,28 @@ class Subscription:
     def finished(self) -> bool:
         return self._seq.finished
 
+    def _message(self, timeout: float) -> dict[str, Any] | None:
+        """The next pub/sub message, sharded ones typed like classic ones."""
+        if not self._sharded:
+            return self._pubsub.get_message(timeout=timeout)  # type: ignore[no-any-return]
+        self._ensure_subscribed()
+        if self._unsubscribed:  # no master took it yet: wait as a quiet channel would
+            time.sleep(min(timeout, 0.1))
+            return None
+        msg = self._pubsub.get_sharded_message(timeout=timeout)
+        if msg is not None:
+            msg = {**msg, "type": _SHARDED.get(msg["type"], msg["type"])}
+        return msg  # type: ignore[no-any-return]
+
     def open(self, timeout: float = SUBSCRIBE_TIMEOUT_S) -> Subscription:
         """SUBSCRIBE and wait for the confirmation, so later publishes are guaranteed heard."""
-        self._pubsub.subscribe(self._channel)
+        if self._sharded:
+            self._pubsub.ssubscribe(self._channel)
+        else:
+            self._pubsub.subscribe(self._channel)
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            msg = self._pubsub.get_message(timeout=left)
+            msg = self._message(left)
             if msg is not None and msg["type"] == "subscribe":
                 return self
         self.close()
@@ -74,6 +102,27 @@ class Subscription:
 
     def close(self) -> None:
         self._pubsub.close()
+
+    def _resubscribe_sharded(self) -> None:
+        """After a connection error on a cluster: the channel's master may have failed
+        over, and redis-py's sharded pub/sub keeps dialling the old one, so subscribe
+        anew on whichever master the refreshed topology names (its confirmation makes the
+        next step re-read the log). A classic pub/sub re-subscribes by itself."""
+        if not self._sharded:
+            return
+        with contextlib.suppress(Exception):
+            self._pubsub.close()
+        refresh_topology(self._client.redis)
+        self._pubsub = self._client.redis.pubsub()
+        self._unsubscribed = True
+
+    def _ensure_subscribed(self) -> None:
+        """Sharded: SSUBSCRIBE again after ``_resubscribe_sharded`` until a master takes it
+        (until then the quiet-channel log reads keep the stream going)."""
+        if self._unsubscribed:
+            with contextlib.suppress(*TRANSIENT_CLUSTER_ERRORS):
+                self._pubsub.ssubscribe(self._channel)
+                self._unsubscribed = False
 
     def __enter__(self) -> Subscription:
         return self.open()
@@ -93,7 +142,7 @@ class Subscription:
         if not self._backfilled:
             self._backfilled = True
             return self._fill_from_log()
-        msg = self._pubsub.get_message(timeout=wait)
+        msg = self._message(wait)
         if msg is None or msg["type"] == "subscribe":
             return self._fill_from_log()  # quiet, or resubscribed: maybe a message was lost
         if msg["type"] != "message":
@@ -111,6 +160,7 @@ class Subscription:
                 self._outage.ok()
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 self._outage.failed(exc)
+                self._resubscribe_sharded()
                 ready = []
                 time.sleep(min(0.1, left))
             if ready or left <= 0:
@@ -128,25 +178,31 @@ class Subscription:
 
 
 class FerryClient:
-    """Producer-side API over a ``redis.Redis`` (``decode_responses`` must be off)."""
+    """Producer-side API over a ``redis.Redis``, or a ``redis.cluster.RedisCluster`` with
+    ``ClusterKeys`` (``decode_responses`` must be off)."""
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: Any,
         keys: Keys | None = None,
         ttls: Ttls | None = None,
         poll_interval_s: float = 1.0,
         reconnect_timeout_s: float = 10.0,
+        replication: Replication | None = None,
     ) -> None:
         self.redis = client
         self.keys = keys or Keys()
         self.ttls = ttls or Ttls()
         self.poll_interval_s = poll_interval_s
         self.reconnect_timeout_s = reconnect_timeout_s
+        self.replication = replication or Replication()  # cluster only: WAIT after enqueue
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "ferry", **kwargs: Any) -> FerryClient:
-        return cls(redis.Redis.from_url(url), keys=Keys(prefix), **kwargs)
+    def from_url(cls, url: str, prefix: str = "ferry", cluster: bool = False,
+                 shards: int = DEFAULT_SHARDS, **kwargs: Any) -> FerryClient:
+        """A client on the Redis ``url`` names, or on the cluster it is a node of."""
+        client = cluster_client(url) if cluster else redis.Redis.from_url(url)
+        return cls(client, keys=keys_for(prefix, cluster, shards), **kwargs)
 
     def close(self) -> None:
         self.redis.close()
@@ -155,7 +211,12 @@ class FerryClient:
         ensure_group(self.redis, self.keys)
 
     def enqueue(self, request: GenerateRequest) -> str:
-        """Record the job as queued and XADD it; returns the request id."""
+        """Record the job as queued and XADD it; returns the request id. On a cluster it
+        is accepted once replicated (``NotReplicatedError`` otherwise)."""
+        if self.keys.cluster:
+            cluster_enqueue(self.redis, EnqueuePlan(self.keys, request, self.ttls,
+                                                    self.replication))
+            return request.request_id
         script, keys, argv = enqueue_script(self.keys, request, self.ttls)
         if self.redis.eval(script, len(keys), *keys, *argv) is None:
             raise DuplicateRequestError(f"request_id: {request.request_id!r} is already in use")

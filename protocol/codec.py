@@ -54,7 +54,9 @@ def describe_errors(errors: Sequence[Mapping[str, Any]], skip_loc: int = 0) -> s
         loc = ".".join(str(p) for p in tuple(err.get("loc", ()))[skip_loc:])
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
         named = _NAMED_MSG.match(msg)  # model validators name their field: "stop: ..."
-        if named and loc:
+        if named and loc and loc.split(".")[-1] == named[1]:  # "logit_bias: ..." on logit_bias
+            parts.append(f"{loc}: {named[2]}")
+        elif named and loc:
             parts.append(f"{loc}.{named[1]}: {named[2]}")
         else:
             parts.append(f"{loc}: {msg}" if loc else msg)

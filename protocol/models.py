@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.sampling import SamplingParams
+from protocol.values import first_path, out_of_int64, unencodable
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any incompatible change; decoders refuse versions they do not know. Version 2
-added fields (logit_bias, structured_output, n, best_of; per-choice events): version 1
-messages are still read, and mean the same."""
+added fields (logit_bias, structured_output, n, best_of; per-choice events), version 3 more
+(prompt logprobs, echo, fit_to_context; the first event's prompt fields; error codes):
+older messages are still read, and mean the same."""
 
-SUPPORTED_VERSIONS = frozenset({1, PROTOCOL_VERSION})
+SUPPORTED_VERSIONS = frozenset({1, 2, PROTOCOL_VERSION})
 
 ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 """Request and worker ids become part of Redis key names: only key-safe characters."""
@@ -45,36 +47,6 @@ _STATE_FOR_FINISH: dict[str, JobState] = {
 def state_for_finish(reason: FinishReason) -> JobState:
     """The job state a request ends in, given the finish reason of its terminal event."""
     return _STATE_FOR_FINISH[reason]
-
-
-def _first_path(value: object, bad: Any, path: str = "") -> str | None:
-    """Dotted path of the first leaf (in maps and lists) for which ``bad(leaf)`` holds."""
-    if isinstance(value, dict | list):
-        items: Any = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            found = _first_path(item, bad, f"{path}.{key}" if path else str(key))
-            if found:
-                return found
-        return None
-    return (path or "(value)") if bad(value) else None
-
-
-def _out_of_int64(value: object) -> bool:
-    """An integer msgpack cannot carry (outside int64/uint64)."""
-    return isinstance(value, int) and not isinstance(value, bool) \
-        and not -(2**63) <= value < 2**64
-
-
-def _unencodable(value: object) -> bool:
-    """A string that is not valid Unicode text (a lone surrogate, which JSON's ``\\ud800``
-    escape can produce): msgpack and UTF-8 cannot carry it."""
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 def new_request_id() -> str:
@@ -108,6 +80,9 @@ class GenerateRequest(_Wire):
     model: str | None = Field(default=None, max_length=256)
     created_at: float = Field(default_factory=time.time, ge=0)
     stream: bool = True
+    echo: bool = Field(
+        default=False, description="Send the prompt's text on the first event (its "
+        "``prompt_text``): for a prompt given as token ids, only the worker can decode it.")
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> GenerateRequest:
@@ -126,10 +101,10 @@ class GenerateRequest(_Wire):
         if self.messages is not None and not self.messages:
             raise ValueError("messages: at least one message is required")
         dumped = self.model_dump()
-        too_big = _first_path(dumped, _out_of_int64)
+        too_big = first_path(dumped, out_of_int64)
         if too_big:
             raise ValueError(f"{too_big}: integer out of the 64-bit range")
-        broken = _first_path(dumped, _unencodable)
+        broken = first_path(dumped, unencodable)
         if broken:
             raise ValueError(f"{broken}: not valid Unicode text (a lone surrogate?)")
         if self.stream and self.params.ranks_candidates:
@@ -156,6 +131,15 @@ class TopLogprob(_Wire):
     token_id: int
     logprob: float
     token: str | None = None
+
+
+class PromptLogprob(_Wire):
+    """One prompt token: its logprob given the tokens before it (None for the first)."""
+
+    token_id: int
+    logprob: float | None = None
+    token: str | None = None
+    top: list[TopLogprob] = Field(default_factory=list)
 
 
 class TokenLogprob(_Wire):
@@ -204,6 +188,14 @@ class TokenEvent(_Wire):
     index: int = Field(default=0, ge=0)
     choice_finish_reason: FinishReason | None = None
     choices: list[ChoiceResult] | None = None
+    # On a request's first event: what is known once its prompt is built and prefilled.
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    prompt_logprobs: list[PromptLogprob] | None = None  # params.prompt_logprobs
+    prompt_text: str | None = None  # echo
+    # On an error: OpenAI's error ``code`` (``context_length_exceeded``) and the field at
+    # fault (``messages``), so the gateway answers exactly what OpenAI would.
+    error_code: str | None = Field(default=None, max_length=64)
+    error_param: str | None = Field(default=None, max_length=256)
 
     @property
     def is_final(self) -> bool:
@@ -222,6 +214,8 @@ class JobStatus(_Wire):
     timings: Timings | None = None
     error: str | None = None
     error_kind: ErrorKind | None = None
+    error_code: str | None = None
+    error_param: str | None = None
     worker_id: str | None = None
     model: str | None = None
     created_at: float | None = None

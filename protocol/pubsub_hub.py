@@ -15,23 +15,25 @@ answered with an UNSUBSCRIBE, and every wait on Redis is bounded.
 
 Subscribers learn of a reconnect by a ``None`` in their inbox: messages published while
 the connection was down are lost to pub/sub, so they re-read the replay log.
+
+A ``Link`` is one such connection with its reader task; this hub has one. On a Redis
+Cluster, ``protocol.sharded_hub.ShardedPubSubHub`` keeps the same registry of inboxes but
+one link per master (SSUBSCRIBE), and routes each channel by its slot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
-_RETRY_S = 0.1
-_RETRY_CAP_S = 2.0
-PING_INTERVAL_S = 5.0
-"""A quiet connection is PINGed this often; no reply within the next interval: it is
-considered dead (a half-open TCP connection would otherwise look quiet forever)."""
+from protocol.pubsub_link import CLASSIC, PING_INTERVAL_S, Link, connection_factory
+
+__all__ = ["PING_INTERVAL_S", "Inbox", "PubSubHub"]
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -82,30 +84,60 @@ class Inbox:
 class PubSubHub:
     """``subscribe(channel)`` -> an ``Inbox`` fed by the one shared reader; ``unsubscribe``."""
 
+    dialect = CLASSIC
+
     def __init__(self, redis: aredis.Redis, ping_interval_s: float = PING_INTERVAL_S) -> None:
-        pool = redis.connection_pool
-        # RESP2 on this one connection: messages are plain replies, while RESP3 sends them
-        # as push notifications that redis-py stringifies for a debug log, per message.
-        # (Maintenance notifications need RESP3: not on this connection.)
-        kwargs = {k: v for k, v in pool.connection_kwargs.items()
-                  if not k.startswith("maint_notifications")}
-        kwargs["protocol"] = 2
-        self._new_connection = lambda: pool.connection_class(**kwargs)
-        self._ping_interval_s = ping_interval_s
-        self._conn: Any = None  # an aredis Connection while one is up
+        self.ping_interval_s = ping_interval_s
         self._inboxes: dict[bytes, list[Inbox]] = {}
         self._confirmed: dict[bytes, asyncio.Event] = {}
-        self._lock = asyncio.Lock()  # one writer of commands on the connection at a time
-        self._reader: asyncio.Task[None] | None = None
-        self._last_rx = 0.0
+        self._links: dict[str, Link] = {}
+        self._retired_reconnects = 0
         self._tasks: set[asyncio.Task[Any]] = set()  # strong refs to fire-and-forget work
-        self.reconnects = 0
+        if redis is not None:  # a sharded hub makes a connection per node instead
+            pool = redis.connection_pool
+            self._single = connection_factory(pool.connection_class, pool.connection_kwargs)
 
-    def heard_within(self, seconds: float) -> bool:
-        """Whether the connection is up and delivered something in the last ``seconds``."""
-        if self._conn is None:
-            return False
-        return asyncio.get_running_loop().time() - self._last_rx < seconds
+    # --- routing (one link here; one per master in the sharded hub) ---------------------
+
+    def link_for(self, key: bytes) -> Link:
+        """The link a channel is (to be) subscribed on."""
+        return self._link("redis", self._single)
+
+    def _link(self, name: str, new_connection: Callable[[], Any]) -> Link:
+        link = self._links.get(name)
+        if link is None:
+            link = self._links[name] = Link(self, name, new_connection)
+        return link
+
+    def _routed(self, key: bytes) -> Link | None:
+        try:
+            return self.link_for(key)
+        except Exception:  # a slot without a master, for a moment of a failover
+            return None
+
+    def routes_here(self, key: bytes, link: Link) -> bool:
+        return key in self._inboxes and self._routed(key) is link
+
+    def wanted(self, link: Link) -> list[bytes]:
+        """Channels some inbox wants on ``link`` (subscribed again on a reconnect)."""
+        return [key for key in self._inboxes if self._routed(key) is link]
+
+    def inboxes(self, key: bytes) -> list[Inbox]:
+        return self._inboxes.get(key, [])
+
+    # --- the public side ----------------------------------------------------------------
+
+    @property
+    def reconnects(self) -> int:
+        return self._retired_reconnects + sum(link.reconnects for link in self._links.values())
+
+    def heard_within(self, seconds: float, channel: str | None = None) -> bool:
+        """Whether the connection (of ``channel``, if given) is up and delivered something
+        in the last ``seconds``."""
+        if channel is not None:
+            link = self._routed(channel.encode())
+            return link is not None and link.heard_within(seconds)
+        return any(link.heard_within(seconds) for link in self._links.values())
 
     @property
     def channels(self) -> list[bytes]:
@@ -124,11 +156,12 @@ class PubSubHub:
             self._confirmed[key] = asyncio.Event()
         confirmed = self._confirmed[key]
         first = len(inboxes) == 1
-        self._ensure_reader()
 
         async def confirm() -> None:
+            link = await self.route(key)
+            link.ensure_reader()
             if first:
-                await self._send_if_connected("SUBSCRIBE", key)
+                await link.send(self.dialect.subscribe, key)
             await confirmed.wait()
 
         try:
@@ -138,6 +171,10 @@ class PubSubHub:
             raise
         return inbox
 
+    async def route(self, key: bytes) -> Link:
+        """The link for ``key`` (the sharded hub waits out a slot without a master)."""
+        return self.link_for(key)
+
     async def unsubscribe(self, channel: str, inbox: Inbox, timeout: float = 2.0) -> None:
         key = channel.encode()
         if not self._forget(key, inbox):
@@ -145,9 +182,11 @@ class PubSubHub:
         # Best effort and bounded: if Redis is away, the reconnect will not subscribe the
         # channel again (nobody wants it), and a late confirmation is answered with an
         # UNSUBSCRIBE; either way nothing leaks to a caller.
+        link = self._routed(key)
         with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
-            await asyncio.wait_for(
-                self._send_if_connected("UNSUBSCRIBE", key, unless_wanted=True), timeout)
+            if link is not None:
+                await asyncio.wait_for(
+                    link.send(self.dialect.unsubscribe, key, unless_wanted=True), timeout)
 
     def _forget(self, key: bytes, inbox: Inbox) -> bool:
         """Remove one inbox; True when it was the channel's last."""
@@ -162,82 +201,23 @@ class PubSubHub:
         self._confirmed.pop(key, None)
         return True
 
-    async def _send_if_connected(self, command: str, key: bytes, unless_wanted: bool = False
-                                 ) -> None:
-        async with self._lock:
-            if unless_wanted and key in self._inboxes:
-                return  # wanted again meanwhile
-            if self._conn is not None:
-                await self._conn.send_command(command, key, check_health=False)
-
     async def aclose(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(RedisError, OSError):
-                await conn.disconnect(nowait=True)
+        for link in list(self._links.values()):
+            await link.aclose()
 
-    # --- the reader ----------------------------------------------------------------------
+    # --- what links report --------------------------------------------------------------
 
-    def _ensure_reader(self) -> None:
-        if self._reader is None or self._reader.done():
-            self._reader = asyncio.create_task(self._run(), name="ferry-pubsub-hub")
-
-    async def _run(self) -> None:
-        delay, first = _RETRY_S, True
-        while True:
-            try:
-                await self._connect()
-                if not first:
-                    self.reconnects += 1
-                first, delay = False, _RETRY_S
-                await self._pump()
-            except (RedisError, OSError, asyncio.TimeoutError):
-                pass
-            except Exception:  # never let the one reader die: reconnect instead
-                pass
-            self._drop()
-            self._wake_all()  # each subscription reads its log (and sees the outage)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, _RETRY_CAP_S)
-
-    async def _connect(self) -> None:
-        conn = self._new_connection()
-        await asyncio.wait_for(conn.connect(), 10.0)
-        async with self._lock:
-            self._conn = conn
-            self._last_rx = asyncio.get_running_loop().time()
-            wanted = list(self._inboxes)
-            for i in range(0, len(wanted), 512):
-                await asyncio.wait_for(conn.send_command(
-                    "SUBSCRIBE", *wanted[i:i + 512], check_health=False), 10.0)
-
-    async def _pump(self) -> None:
-        conn, loop = self._conn, asyncio.get_running_loop()
-        watchdog = asyncio.create_task(self._watch(conn))
-        try:
-            while True:
-                reply = await conn.read_response(
-                    timeout=math.inf, disconnect_on_error=False, push_request=True)
-                self._last_rx = loop.time()
-                # isinstance, not type(): over RESP3, hiredis returns a list subclass
-                if isinstance(reply, list) and reply and reply[0] == b"message":
-                    for inbox in self._inboxes.get(reply[1], ()):
-                        inbox.put(reply[2])
-                else:
-                    self._control(reply)
-        finally:
-            watchdog.cancel()
-
-    def _control(self, reply: Any) -> None:
-        if not isinstance(reply, list) or len(reply) < 2 or reply[0] != b"subscribe":
+    def control(self, link: Link, reply: Any) -> None:
+        """A reply that is not a message: confirmations, server-side unsubscribes, PONGs."""
+        if not isinstance(reply, list) or len(reply) < 2:
+            return
+        kind, key = reply[0], reply[1]
+        if kind == self.dialect.dropped and self.routes_here(key, link):
+            self.dropped(link, key)
+        if kind != self.dialect.confirm:
             return  # unsubscribe confirmations, PING replies
-        key = reply[1]
-        if key not in self._inboxes:  # ended while the SUBSCRIBE was on its way
-            self._spawn(self._send_if_connected("UNSUBSCRIBE", key, unless_wanted=True))
+        if not self.routes_here(key, link):  # ended (or moved) while on its way
+            self.spawn(link.send(self.dialect.unsubscribe, key, unless_wanted=True))
             return
         confirmed = self._confirmed.get(key)
         if confirmed is not None and not confirmed.is_set():
@@ -246,29 +226,30 @@ class PubSubHub:
             for inbox in self._inboxes[key]:
                 inbox.put(None)
 
-    async def _watch(self, conn: Any) -> None:
-        """PING a quiet connection; close it if even that gets no reply in time."""
-        loop = asyncio.get_running_loop()
-        with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
-            while True:
-                await asyncio.sleep(self._ping_interval_s)
-                quiet = loop.time() - self._last_rx
-                if quiet > 2 * self._ping_interval_s:
-                    break
-                if quiet > self._ping_interval_s:
-                    await asyncio.wait_for(self._ping(conn), self._ping_interval_s)
-        await conn.disconnect(nowait=True)  # the reader's read fails: it reconnects
+    def dropped(self, link: Link, key: bytes) -> None:
+        """The server unsubscribed a wanted channel (only sharded pub/sub does)."""
 
-    async def _ping(self, conn: Any) -> None:
-        async with self._lock:
-            await conn.send_command("PING", check_health=False)
+    def error_reply(self, link: Link, exc: ResponseError) -> None:
+        """An error reply on a pub/sub connection (a sharded hub's ``MOVED``)."""
 
-    def _drop(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            self._spawn(conn.disconnect(nowait=True))
+    async def link_down(self, link: Link) -> None:
+        """A link lost its connection: its subscribers re-read their replay logs."""
+        for key in self.wanted(link):
+            for inbox in self._inboxes[key]:
+                inbox.put(None)
 
-    def _spawn(self, coro: Any) -> None:
+    def retire(self, link: Link) -> None:
+        """Stop a link nothing routes to any more (a failed-over master's)."""
+        if link.retired:
+            return
+        link.retired = True
+        self._retired_reconnects += link.reconnects
+        if self._links.get(link.name) is link:
+            del self._links[link.name]
+        if asyncio.current_task() is not link.reader:  # else its loop ends by itself
+            self.spawn(link.aclose())
+
+    def spawn(self, coro: Any) -> None:
         async def quietly() -> None:
             with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
                 await asyncio.wait_for(coro, 5.0)
@@ -276,8 +257,3 @@ class PubSubHub:
         task = asyncio.get_running_loop().create_task(quietly())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _wake_all(self) -> None:
-        for inboxes in self._inboxes.values():
-            for inbox in inboxes:
-                inbox.put(None)

@@ -32,6 +32,9 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_tokens: int = Field(default=16, ge=1, description="Tokens to generate at most.")
+    fit_to_context: bool = Field(
+        default=False, description="If prompt + max_tokens exceeds the model's context, "
+        "generate what the context leaves instead of refusing (OpenAI's absent max_tokens).")
     min_tokens: int = Field(default=0, ge=0, description="EOS and stop ids are ignored before.")
     temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="0 means greedy.")
     top_k: int = Field(default=0, ge=-1, description="Keep the k likeliest; 0 or -1: off.")
@@ -49,6 +52,9 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS,
+        description="Logprob of every prompt token (and this many alternatives), as vLLM.")
     logit_bias: dict[int, float] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS,
         description="Token id -> bias in [-100, 100] added to its logit (OpenAI's meaning).",

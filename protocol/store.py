@@ -40,7 +40,10 @@ class Ttls:
     job_s: int = 24 * 3600
     events_s: int = 3600
     cancelled_s: int = 24 * 3600
-    heartbeat_s: int = 15
+    # A worker's heartbeat key lives this long after its last beat; its absence is the
+    # worker's death: others then take over its entries (worker/service/leases.py), so it
+    # must cover a few missed beats (WorkerSettings checks >= 2 beat intervals).
+    heartbeat_s: float = 4.0
 
 
 _TERMINAL_LUA = "state == 'done' or state == 'failed' or state == 'cancelled' or state == 'timeout'"
@@ -63,8 +66,11 @@ return id
 # KEYS: job, cancelled, events. ARGV: reason, now, cancelled ttl, control channel,
 # msgpack Cancel, tokens channel, msgpack terminal event, events ttl, job ttl.
 # A queued job is finished right here (so readers stop waiting even with no worker up);
-# a running one is left to its worker, which hears the control message.
-CANCEL_LUA = f"""
+# a running one is left to its worker, which hears the control message. On a cluster the
+# token channel is a sharded one (SPUBLISH, in the job's slot); the control channel stays
+# classic (PUBLISH reaches every node's subscribers).
+def _cancel_lua(publish_tokens: str) -> str:
+    return f"""
 local state = redis.call('HGET', KEYS[1], 'state')
 if {_TERMINAL_LUA} then return state end
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[3])
@@ -75,11 +81,15 @@ if state == 'queued' and redis.call('LLEN', KEYS[3]) == 0 then
   redis.call('EXPIRE', KEYS[1], ARGV[9])
   redis.call('RPUSH', KEYS[3], ARGV[7])
   redis.call('EXPIRE', KEYS[3], ARGV[8])
-  redis.call('PUBLISH', ARGV[6], ARGV[7])
+  redis.call('{publish_tokens}', ARGV[6], ARGV[7])
   return 'cancelled'
 end
 return state or 'unknown'
 """
+
+
+CANCEL_LUA = _cancel_lua("PUBLISH")
+CANCEL_LUA_CLUSTER = _cancel_lua("SPUBLISH")
 
 # KEYS: job, cancelled. ARGV: request_id, worker_id, now, job ttl, entry id, stream.
 # 'duplicate': the job belongs to another stream entry (or finished before entries were
@@ -95,12 +105,15 @@ if {_TERMINAL_LUA} then
   if owner[1] then return 'skip' end
   return 'duplicate'
 end
-redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'entry_id', ARGV[5], 'stream', ARGV[6])
+redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'entry_id', ARGV[5], 'stream', ARGV[6],
+           'worker_id', ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 if redis.call('EXISTS', KEYS[2]) == 1 then return 'cancel' end
-redis.call('HSET', KEYS[1], 'state', 'running', 'worker_id', ARGV[2], 'started_at', ARGV[3])
+redis.call('HSET', KEYS[1], 'state', 'running', 'started_at', ARGV[3])
 return 'run'
 """
+# (``worker_id`` names whoever took the entry last, also on 'cancel': on a cluster that
+# field is the write fence, ``worker/service/cluster_push.py``.)
 
 class DuplicateRequestError(ValueError):
     """The request id is already in use (its job hash has not expired)."""
@@ -114,7 +127,7 @@ def enqueue_script(
 ) -> tuple[str, list[str], list[Any]]:
     """(script, KEYS, ARGV) for ``EVAL``: job hash state=queued, then XADD the request."""
     rid = request.request_id
-    stream = keys.requests_for(request.priority)
+    stream = keys.stream_for(rid, request.priority)
     script_keys = [keys.job(rid), stream, keys.events(rid), keys.cancelled(rid)]
     argv = [rid, repr(request.created_at), request.model or "", ttls.job_s,
             encode_request(request)]
@@ -135,7 +148,7 @@ def cancel_script(
         encode_cancel(Cancel(request_id=request_id, reason=reason)),
         keys.tokens(request_id), encode_event(terminal), ttls.events_s, ttls.job_s,
     ]
-    return CANCEL_LUA, script_keys, argv
+    return CANCEL_LUA_CLUSTER if keys.cluster else CANCEL_LUA, script_keys, argv
 
 
 def as_str(value: Any) -> str:
@@ -164,7 +177,8 @@ def start_job(
 def push_event(pipe: Any, keys: Keys, event: TokenEvent, ttls: Ttls) -> None:
     """Queue PUBLISH + RPUSH (+EXPIRE) of one event. Event ``seq`` must equal the log length."""
     data = encode_event(event)
-    pipe.publish(keys.tokens(event.request_id), data)
+    publish = pipe.spublish if keys.cluster else pipe.publish  # sharded on a cluster
+    publish(keys.tokens(event.request_id), data)
     pipe.rpush(keys.events(event.request_id), data)
     pipe.expire(keys.events(event.request_id), ttls.events_s)
 
@@ -196,18 +210,19 @@ def dead_letter(
     stream: str | None = None,
 ) -> None:
     """Queue moving an entry no worker can run to the dead-letter stream (one for every
-    lane; ``stream`` names where it came from), then XACK it."""
+    lane of a shard; ``stream`` names where it came from), then XACK it."""
     stream = stream or keys.requests
     raw = fields.get(REQUEST_FIELD.encode(), fields.get(REQUEST_FIELD, b""))
     entry = {"entry_id": as_str(entry_id), "stream": stream, "reason": reason[:2000],
              REQUEST_FIELD: raw}
-    pipe.xadd(keys.dead_letter, entry, maxlen=100_000, approximate=True)
+    pipe.xadd(keys.dead_letter_for(stream), entry, maxlen=100_000, approximate=True)
     ack(pipe, keys, entry_id, stream)
 
 
 def write_heartbeat(pipe: Any, keys: Keys, heartbeat: WorkerHeartbeat, ttls: Ttls) -> None:
     """Queue SET of the heartbeat key with its TTL and registration in the workers set."""
-    pipe.set(keys.worker(heartbeat.worker_id), encode_heartbeat(heartbeat), ex=ttls.heartbeat_s)
+    pipe.set(keys.worker(heartbeat.worker_id), encode_heartbeat(heartbeat),
+             px=max(1, round(ttls.heartbeat_s * 1000)))
     pipe.sadd(keys.workers, heartbeat.worker_id)
 
 

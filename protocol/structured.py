@@ -16,6 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from protocol.json_schema import prepare
+from protocol.values import first_path, unencodable
+
 MAX_SCHEMA_BYTES = 256 * 1024
 MAX_PATTERN_CHARS = 16 * 1024
 MAX_GRAMMAR_CHARS = 64 * 1024
@@ -50,6 +53,9 @@ class StructuredOutput(BaseModel):
             raise ValueError(
                 f"give exactly one of {', '.join(KINDS)} "
                 f"(got {', '.join(given) or 'none'})")
+        broken = first_path({given[0]: getattr(self, given[0])}, unencodable)
+        if broken:  # llguidance (and msgpack) take UTF-8 only: keys are text too
+            raise ValueError(f"{broken}: not valid Unicode text (a lone surrogate?)")
         if self.json_schema is not None:
             try:
                 size = len(json.dumps(self.json_schema, allow_nan=False))
@@ -85,7 +91,7 @@ def grammar_for(spec: StructuredOutput) -> str:
     try:
         if kind == "json_schema":
             return matcher.grammar_from_json_schema(
-                spec.json_schema or {}, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+                prepare(spec.json_schema or {}), defaults=JSON_OPTIONS)  # type: ignore[arg-type]
         if kind == "json_object":
             return matcher.grammar_from_json_schema(
                 {"type": "object"}, defaults=JSON_OPTIONS)  # type: ignore[arg-type]

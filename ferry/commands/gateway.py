@@ -30,13 +30,26 @@ def gateway(
         envvar="FERRY_SERVED_MODEL_NAME", help="The model name to answer to (besides those "
         "live workers advertise); requests naming another model get 404.")] = None,
     log_level: Annotated[str, typer.Option(envvar="FERRY_LOG_LEVEL")] = "info",
+    redis_cluster: Annotated[bool | None, typer.Option(
+        "--redis-cluster/--no-redis-cluster", envvar="FERRY_REDIS_CLUSTER",
+        help="Redis Cluster: --redis-url names any node (database 0).")] = None,
+    stream_shards: Annotated[int | None, typer.Option(
+        envvar="FERRY_STREAM_SHARDS", help="Cluster: request-stream shards (the same on "
+        "every gateway and worker).")] = None,
+    redis_wait_replicas: Annotated[int | None, typer.Option(
+        envvar="FERRY_REDIS_WAIT_REPLICAS", help="Cluster: replicas that must have a "
+        "request before it is accepted (0: none).")] = None,
 ) -> None:
     """Serve the HTTP API; other settings come from FERRY_* variables (docs/operations.md)."""
     from gateway.main import serve
     from observability.logging import configure_logging
 
     configure_logging(level=log_level)
-    opts: dict[str, str] = {"prefix": prefix} if prefix is not None else {}
+    opts: dict[str, object] = {"prefix": prefix} if prefix is not None else {}
     if served_model_name is not None:
         opts["served_model_name"] = served_model_name
+    for name, value in (("redis_cluster", redis_cluster), ("stream_shards", stream_shards),
+                        ("redis_wait_replicas", redis_wait_replicas)):
+        if value is not None:
+            opts[name] = value
     serve(redis_url, host=host, port=port, log_level=log_level, workers=workers, **opts)

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from ferry.fleet import HISTORY_LEN, History, Snapshot, WorkerView, collect
 from ferry.recovery import RestartRecord
-from protocol.keys import Keys
+from protocol.keys import DEFAULT_SHARDS, keys_for
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -87,6 +87,9 @@ def _worker_cells(w: WorkerView, restarts: list[RestartRecord]) -> dict[str, Ren
     restarted = max((r.restarts for r in restarts if r.current == w.worker_id), default=0)
     name = Text(w.worker_id)
     name.append("\n" + w.model.rsplit("/", 1)[-1], style="dim")
+    degraded = str(s.get("degraded") or "")
+    if degraded:  # serving, but slower than it should: say why, in red
+        name.append("\nDEGRADED " + degraded.replace(",", " "), style="bold red")
     return {
         "worker": name, "batch": _occupancy(s), "wait": _count(s, "waiting"), "KV used": _kv(s),
         "tok/s": f"{_num(s, 'tokens_per_s'):.1f}",
@@ -130,6 +133,16 @@ def _queue_line(snapshot: Snapshot) -> Text:
     return line
 
 
+def _shards_line(snapshot: Snapshot) -> Text | None:
+    """``shards  0 @127.0.0.1:7000 depth 3 lag 1  1 @...``; None on one Redis."""
+    if not snapshot.shards:
+        return None
+    line = Text("shards ", style="bold")
+    for s in snapshot.shards:
+        line.append(f" {s.shard} @{s.node} depth {s.depth} lag {s.lag} ")
+    return line
+
+
 def _restarts_line(snapshot: Snapshot) -> Text | None:
     """``restarts  worker-0 2x (exit -9, 40 s ago)  gateway 1x (...)``; None if none."""
     if not snapshot.restarts:
@@ -155,9 +168,9 @@ class _Frame:
     ) -> Iterator[RenderableType]:
         stamp = time.strftime("%H:%M:%S", time.localtime(self.snapshot.taken_at))
         parts: list[RenderableType] = [_queue_line(self.snapshot)]
-        restarts = _restarts_line(self.snapshot)
-        if restarts is not None:
-            parts.append(restarts)
+        for extra in (_shards_line(self.snapshot), _restarts_line(self.snapshot)):
+            if extra is not None:
+                parts.append(extra)
         parts += [_worker_table(self.snapshot, options.max_width), Text(stamp, style="dim")]
         yield Group(*parts)
 
@@ -174,13 +187,23 @@ def top(
     prefix: str = typer.Option("ferry", "--prefix", envvar="FERRY_PREFIX", help="Key prefix."),
     interval: float = typer.Option(2.0, "--interval", min=0.1, help="Seconds between frames."),
     once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
+    redis_cluster: bool = typer.Option(
+        False, "--redis-cluster", envvar="FERRY_REDIS_CLUSTER",
+        help="--redis-url names a node of a Redis Cluster."),
+    stream_shards: int = typer.Option(
+        DEFAULT_SHARDS, "--stream-shards", envvar="FERRY_STREAM_SHARDS",
+        help="Cluster: request-stream shards."),
 ) -> None:
     """Live dashboard of the workers: batch, KV use, tokens/s, queue lag, reclaims."""
     import redis as redis_lib
     from rich.live import Live
 
-    client = redis_lib.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
-    keys, history, console = Keys(prefix), History(), Console()
+    from protocol.cluster import cluster_client
+
+    connect = cluster_client if redis_cluster else redis_lib.Redis.from_url
+    client = connect(redis_url, socket_timeout=5, socket_connect_timeout=5)
+    keys = keys_for(prefix, redis_cluster, stream_shards)
+    history, console = History(), Console()
     try:
         if once:
             console.print(render(collect(client, keys, history)))

@@ -23,16 +23,18 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Annotated, Any
 
 import typer
 
-from ferry.local_stack import free_port, start_redis
+from ferry.local_cluster import ClusterLayout
+from ferry.local_stack import free_port, start_redis, start_redis_cluster
 from ferry.recovery import Recovery
 from ferry.supervisor import ChildSpec, Exit, Fatal, Supervisor
-from protocol.keys import Keys
+from protocol.keys import DEFAULT_SHARDS, keys_for
 
 FERRY = (sys.executable, "-m", "ferry.cli")
 DEMO_PROMPTS = ["def fibonacci(n):", "The quick brown fox", "class Queue:"]
@@ -55,6 +57,7 @@ class WorkerSlot:
     base_cmd: tuple[str, ...]
     metrics_port: int  # 0: off
     recovery: Recovery
+    metrics_host: str = "127.0.0.1"
 
     def worker_id(self, incarnation: int) -> str:
         suffix = f"-r{incarnation}" if incarnation else ""
@@ -62,7 +65,7 @@ class WorkerSlot:
 
     def command(self, incarnation: int) -> list[str]:
         return [*self.base_cmd, "--worker-id", self.worker_id(incarnation),
-                "--metrics-port", str(self.metrics_port)]
+                "--metrics-port", str(self.metrics_port), "--metrics-host", self.metrics_host]
 
     def on_exit(self, exit: Exit) -> str | None:
         notes = [self.recovery.worker_died(self.worker_id(exit.incarnation))]
@@ -127,11 +130,18 @@ def _print_banner(sup: Supervisor, url: str, redis_url: str, slots: list[WorkerS
     typer.echo(f"Ferry is up: {url} ({len(slots)} worker(s), redis {redis_url})")
     if "redis" in sup.children:
         typer.echo(f"  redis     pid {sup.children['redis'].pid}, {redis_url}")
+    nodes = [c for name, c in sup.children.items() if name.startswith("redis-")]
+    if nodes:
+        typer.echo(f"  redis     cluster of {len(nodes)} nodes, pids "
+                   f"{' '.join(str(c.pid) for c in nodes)} (a dead node is restarted)")
     gateway = sup.children["gateway"]
     typer.echo(f"  gateway   pid {gateway.pid}, {gateways} process(es) on {url}")
+    for name in sorted(n for n in sup.children if n.startswith("batcher")):
+        typer.echo(f"  {name:<9} pid {sup.children[name].pid}, Batch API driver")
     for slot in slots:
         child = sup.children[f"worker-{slot.index}"]
-        metrics = (f"metrics http://127.0.0.1:{slot.metrics_port}/metrics"
+        shown = "127.0.0.1" if slot.metrics_host == "0.0.0.0" else slot.metrics_host
+        metrics = (f"metrics http://{shown}:{slot.metrics_port}/metrics"
                    if slot.metrics_port else "metrics off")
         typer.echo(f"  worker-{slot.index}  pid {child.pid}, id {slot.worker_id(0)}, {metrics}")
     typer.echo(f"  curl -N {url}/v1/completions -H 'Content-Type: application/json'"
@@ -147,17 +157,49 @@ def _start_gateway(sup: Supervisor, recovery: Recovery, args: list[str]) -> None
 
 
 def _start_workers(sup: Supervisor, recovery: Recovery, url: str, model: str | None,
-                   metrics_ports: list[int]) -> list[WorkerSlot]:
+                   metrics_ports: list[int], redis_args: list[str], metrics_host: str
+                   ) -> list[WorkerSlot]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     threads = max(1, (os.cpu_count() or 1) // len(metrics_ports))
     env.setdefault("FERRY_TORCH_THREADS", str(threads))
-    base = (*FERRY, "worker", "--redis-url", url, *(("--model", model) if model else ()))
-    slots = [WorkerSlot(recovery.launcher, i, base, port, recovery)
+    base = (*FERRY, "worker", "--redis-url", url, *redis_args,
+            *(("--model", model) if model else ()))
+    slots = [WorkerSlot(recovery.launcher, i, base, port, recovery, metrics_host)
              for i, port in enumerate(metrics_ports)]
     for slot in slots:  # workers drain for up to 60 s on SIGTERM (their own drain is 30 s)
         sup.start(ChildSpec(f"worker-{slot.index}", slot.command, env, stop_grace_s=60.0,
                             on_exit=slot.on_exit))
     return slots
+
+
+def _start_redis(sup: Supervisor, tmp: Path, masters: int, replicas: int) -> str:
+    """One redis-server, or with ``masters`` a local Redis Cluster; returns its URL."""
+    if not masters:
+        return start_redis(sup, tmp / "redis")
+    try:
+        layout = ClusterLayout(masters=masters, replicas=replicas)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--redis-shards") from exc
+    return start_redis_cluster(sup, tmp / "redis-cluster", layout)
+
+
+def _same(cmd: list[str], _incarnation: int) -> list[str]:
+    return cmd
+
+
+def _start_batchers(sup: Supervisor, recovery: Recovery, url: str, count: int,
+                    redis_args: list[str]) -> None:
+    """Batch API drivers; each restart keeps its id, so a replacement takes its dead
+    predecessor's leases at once instead of waiting them out."""
+    for i in range(count):
+        name = f"batcher-{i}" if count > 1 else "batcher"
+
+        def on_exit(exit: Exit, name: str = name) -> str | None:
+            return recovery.record_exit(exit, name) if exit.restart_in_s is not None else None
+
+        cmd = [*FERRY, "batcher", "--redis-url", url, *redis_args, "--batcher-id",
+               f"{recovery.launcher}-{name}"]
+        sup.start(ChildSpec(name, partial(_same, cmd), stop_grace_s=15.0, on_exit=on_exit))
 
 
 def _report_fatal(sup: Supervisor, exc: Fatal) -> float:
@@ -192,9 +234,24 @@ def up(
     metrics_port: Annotated[int | None, typer.Option(
         min=0, help="Worker i serves Prometheus metrics on this port + i (default: free "
         "ports, printed at start; 0: off).")] = None,
+    metrics_host: Annotated[str, typer.Option(
+        help="Workers' metrics bind address (0.0.0.0: every interface).")] = "127.0.0.1",
     served_model_name: Annotated[str | None, typer.Option(
         envvar="FERRY_SERVED_MODEL_NAME", help="The model's name in the API (default: the "
         "model directory's name); requests naming another model get 404.")] = None,
+    redis_shards: Annotated[int, typer.Option(
+        min=0, help="Start a local Redis Cluster of this many masters (at least 3) instead "
+        "of one redis-server; 0: one redis-server.")] = 0,
+    redis_replicas: Annotated[int, typer.Option(
+        min=0, help="Replicas per master of the local cluster.")] = 1,
+    redis_cluster: Annotated[bool, typer.Option(
+        envvar="FERRY_REDIS_CLUSTER", help="--redis-url names a node of a Redis Cluster.")
+    ] = False,
+    stream_shards: Annotated[int | None, typer.Option(
+        min=1, envvar="FERRY_STREAM_SHARDS", help="Cluster: request-stream shards (default: "
+        "--redis-shards, else 3).")] = None,
+    batchers: Annotated[int, typer.Option(
+        min=0, help="Batch API drivers (ferry batcher); 0: none.")] = 1,
     demo: Annotated[bool, typer.Option(help="Stream a few prompts, then stop.")] = False,
     demo_max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     ready_timeout_s: Annotated[float, typer.Option()] = 600.0,
@@ -211,14 +268,20 @@ def up(
         sup.log_dir = tmp / "logs"
         sup.log_dir.mkdir()
     code, grace, recovery = 0, 1.0, None
+    cluster = redis_cluster or redis_shards > 0
+    shards = stream_shards or redis_shards or DEFAULT_SHARDS
+    redis_args = ["--redis-cluster", "--stream-shards", str(shards)] if cluster else []
     try:
-        url = redis_url or start_redis(sup, tmp / "redis")
-        recovery = Recovery(url, Keys(os.environ.get("FERRY_PREFIX", "ferry")),
-                            f"up-{os.getpid()}")
+        url = redis_url or _start_redis(sup, tmp, redis_shards, redis_replicas)
+        recovery = Recovery(url, keys_for(os.environ.get("FERRY_PREFIX", "ferry"), cluster,
+                                          shards), f"up-{os.getpid()}")
         gateway_url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
         _start_gateway(sup, recovery, [
-            "--redis-url", url, "--host", host, "--port", str(port), "--workers", str(gateways)])
-        slots = _start_workers(sup, recovery, url, model, _metrics_ports(metrics_port, workers))
+            "--redis-url", url, "--host", host, "--port", str(port), "--workers", str(gateways),
+            *redis_args])
+        slots = _start_workers(sup, recovery, url, model, _metrics_ports(metrics_port, workers),
+                               redis_args, metrics_host)
+        _start_batchers(sup, recovery, url, batchers, redis_args)
         _wait_ready(sup, gateway_url, workers, ready_timeout_s)
         sup.supervising = True
         _print_banner(sup, gateway_url, url, slots, gateways)

@@ -27,7 +27,13 @@ ModelName = Annotated[str | None, typer.Option(
     "--served-model-name", "--model-name", envvar=["FERRY_SERVED_MODEL_NAME", "FERRY_MODEL_NAME"],
     help="The model's name in heartbeats, /v1/models and responses; requests naming another "
     "model get 404 (default: the model's directory name).")]
-MetricsPort = Annotated[int, _opt("FERRY_METRICS_PORT", "Prometheus port (0: off).")]
+MetricsPort = Annotated[int, _opt("FERRY_METRICS_PORT", "Prometheus port (0: off); when "
+                                  "taken, the next free one (logged, in the heartbeat).")]
+HealthFile = Annotated[str | None, _opt(
+    "FERRY_HEALTH_FILE", "Touched after every heartbeat written, for container health "
+    "checks (its age says whether the worker is live).")]
+MetricsHost = Annotated[str, _opt("FERRY_METRICS_HOST", "Prometheus bind address (0.0.0.0: "
+                                  "every interface, for scrapers on other hosts).")]
 MaxNumSeqs = Annotated[int | None, _opt("FERRY_MAX_NUM_SEQS", "Requests in the batch.")]
 KvBlocks = Annotated[int | None, _opt("FERRY_KV_CACHE_BLOCKS", "KV cache size in blocks.")]
 Device = Annotated[str | None, _opt("FERRY_DEVICE", "auto, cpu, cuda, cuda:N")]
@@ -38,12 +44,22 @@ MaxDeliveries = Annotated[int, _opt("FERRY_MAX_DELIVERIES", "Deliveries before a
 DrainS = Annotated[float, _opt("FERRY_DRAIN_TIMEOUT_S", "SIGTERM: seconds to finish "
                                "in-flight requests before handing them back.")]
 HeartbeatS = Annotated[float, _opt("FERRY_HEARTBEAT_INTERVAL_S")]
+HeartbeatTtlS = Annotated[float, _opt(
+    "FERRY_HEARTBEAT_TTL_S", "Seconds a worker counts as live after its last heartbeat; "
+    "then others take over its requests (>= 2 heartbeat intervals).")]
 Prefetch = Annotated[int, _opt("FERRY_PREFETCH", "Entries held beyond the running batch; "
                                "small, so a burst spreads over idle workers.")]
 TorchThreads = Annotated[int | None, _opt("FERRY_TORCH_THREADS", "torch.set_num_threads.")]
 Backend = Annotated[str | None, _opt(
     "FERRY_ATTENTION_BACKEND", "auto, cpu (C++ decode kernel), torch, triton.")]
 LogLevel = Annotated[str, _opt("FERRY_LOG_LEVEL")]
+RedisCluster = Annotated[bool, _opt("FERRY_REDIS_CLUSTER", "Redis Cluster: --redis-url names "
+                                    "any node (database 0).")]
+StreamShards = Annotated[int, _opt("FERRY_STREAM_SHARDS", "Cluster: request-stream shards (the "
+                                  "same on every gateway and worker; docs/operations.md).")]
+WaitReplicas = Annotated[int, _opt("FERRY_REDIS_WAIT_REPLICAS", "Cluster: replicas that must "
+                                   "have a terminal event before its entry is acknowledged.")]
+WaitTimeoutMs = Annotated[int, _opt("FERRY_REDIS_WAIT_TIMEOUT_MS", "Cluster: WAIT timeout.")]
 
 
 def _name_for(model: str) -> str:
@@ -55,14 +71,20 @@ def _name_for(model: str) -> str:
 def worker(
     model: Model = None, redis_url: RedisUrl = "redis://localhost:6379/0",
     worker_id: WorkerId = None, prefix: Prefix = "ferry", model_name: ModelName = None,
-    metrics_port: MetricsPort = 0, max_num_seqs: MaxNumSeqs = None,
+    metrics_port: MetricsPort = 0, metrics_host: MetricsHost = "127.0.0.1",
+    max_num_seqs: MaxNumSeqs = None,
     kv_cache_blocks: KvBlocks = None, device: Device = None, lease_s: LeaseS = 30.0,
     max_deliveries: MaxDeliveries = 3, drain_timeout_s: DrainS = 30.0,
-    heartbeat_interval_s: HeartbeatS = 1.0, prefetch: Prefetch = 4,
+    heartbeat_interval_s: HeartbeatS = 1.0, heartbeat_ttl_s: HeartbeatTtlS = 4.0,
+    prefetch: Prefetch = 4, health_file: HealthFile = None,
     torch_threads: TorchThreads = None,
     attention_backend: Backend = None, log_level: LogLevel = "info",
+    redis_cluster: RedisCluster = False, stream_shards: StreamShards = 3,
+    redis_wait_replicas: WaitReplicas = 1, redis_wait_timeout_ms: WaitTimeoutMs = 2000,
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
+    from protocol.cluster import Replication
+    from protocol.store import Ttls
     from worker.service.main import engine_config, run_worker
     from worker.service.redis_io import WorkerSettings, default_worker_id
 
@@ -76,7 +98,10 @@ def worker(
             model_name=model_name or _name_for(config.model.model), lease_s=lease_s,
             max_deliveries=max_deliveries, drain_timeout_s=drain_timeout_s,
             heartbeat_interval_s=heartbeat_interval_s, metrics_port=metrics_port,
-            prefetch=prefetch,
+            prefetch=prefetch, ttls=Ttls(heartbeat_s=heartbeat_ttl_s), health_file=health_file,
+            redis_cluster=redis_cluster, stream_shards=stream_shards,
+            replication=Replication(redis_wait_replicas, redis_wait_timeout_ms),
+            metrics_host=metrics_host,
         )
     except ValueError as exc:  # pydantic's ValidationError is a ValueError too
         raise typer.BadParameter(str(exc)) from exc

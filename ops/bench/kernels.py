@@ -92,7 +92,8 @@ def _import_kernels():
     here = Path(__file__).resolve().parent
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     sys.path.insert(0, str(ROOT))
-    import kernels
+    import kernels.decode_attention
+    import kernels.reference
 
     return kernels
 
@@ -100,8 +101,9 @@ def _import_kernels():
 def bench_one(args: argparse.Namespace, batch: int, context: int, cuda: bool) -> dict:
     """Time every variant for one (batch, context); returns one result row."""
     kernels = _import_kernels()
-    choose_num_kv_splits, reference = kernels.choose_num_kv_splits, kernels.reference
-    paged_decode_attention = kernels.paged_decode_attention
+    choose_num_kv_splits = kernels.decode_attention.choose_num_kv_splits
+    paged_decode_attention = kernels.decode_attention.paged_decode_attention
+    reference = kernels.reference
     row: dict = {"batch": batch, "context": context}
     if not _fits(args, batch, context, copies=1, cuda=cuda):
         return row | {"skipped": "K/V cache does not fit in free device memory"}

@@ -57,8 +57,7 @@ def test_deployments_listen_on_every_interface_explicitly() -> None:
     assert {c.source.split(":")[0] for c in gateways} >= {
         "docker-compose.yml", "gateway.yaml", "gateway.Dockerfile"}
     for line in gateways:
-        assert "--host" in line.argv, line
-        assert line.argv[line.argv.index("--host") + 1] == "0.0.0.0", line
+        assert deploy_files.setting(line, "--host") == "0.0.0.0", line
 
 
 def test_is_loopback() -> None:

@@ -115,6 +115,21 @@ def _url(r: redis.Redis) -> str:
     return f"redis://{kw['host']}:{kw['port']}/0"
 
 
+def test_a_degraded_worker_is_marked(live: redis.Redis) -> None:
+    healthy = _text(top_cmd.render(top_cmd.collect(live, KEYS)))
+    assert "DEGRADED" not in healthy
+    now = time.time()
+    beat = WorkerHeartbeat(worker_id="gpu-1", model="/models/Llama-3.1-8B", started_at=now,
+                           updated_at=now, stats=STATS | {
+                               "degraded": "decode_graphs_unavailable", "decode_graphs": 0})
+    pipe = live.pipeline()
+    write_heartbeat(pipe, KEYS, beat, Ttls())
+    pipe.execute()
+    text = _text(top_cmd.render(top_cmd.collect(live, KEYS)))
+    marked = [line for line in text.splitlines() if "DEGRADED" in line]
+    assert len(marked) == 1 and "decode_graphs_unavailable" in marked[0]
+
+
 def test_render_empty_redis(server: RedisServer) -> None:
     r = server.client()
     r.flushall()

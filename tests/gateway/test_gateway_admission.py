@@ -23,7 +23,8 @@ KEYS = Keys()
 def gateway(redis_server: RedisServer) -> Iterator[GatewayServer]:
     settings = GatewaySettings(
         redis_url=redis_server.url, max_queue_lag=2, retry_after_s=7, max_body_bytes=4096,
-        max_prompt_chars=100, max_prompt_tokens=10, max_tokens_limit=50,
+        max_prompt_chars=100, max_prompt_tokens=10, max_tokens_limit=50, max_prompts=3,
+        max_messages=3,
     )
     with GatewayServer(settings) as server:
         yield server
@@ -79,7 +80,10 @@ def test_body_too_large_gives_413(gateway: GatewayServer, redis_client: redis.Re
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 99},
          "n"),
         ("/v1/jobs", {"prompt": "x", "stream": False, "params": {"n": 17}}, "n"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"prompt": ["a", "b", "c", "d"]}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 4},
+         "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "tools": [{"type": "function"}]}, "tools"),
         ("/v1/jobs", {"prompt": "x", "params": {"max_tokens": 51}}, "max_tokens"),

@@ -181,12 +181,13 @@ _SETTINGS = GatewaySettings()
 @given(_BODIES, st.sampled_from([CompletionRequest, ChatCompletionRequest, JobCreate]))
 def test_fuzz_http_schemas_fail_only_with_4xx(body: dict[str, object], schema: type) -> None:
     try:
-        parsed = schema.model_validate(body)
+        parsed = schema.model_validate(body, strict=True)
         if schema is JobCreate:
-            request = parsed.to_generate_request()
+            requests = [parsed.to_generate_request()]
         else:
-            request = parsed.to_generate_request(_SETTINGS)
-        assert decode_request(encode_request(request)) == request
+            requests, _shape = parsed.to_generate_requests(_SETTINGS)
+        for request in requests:
+            assert decode_request(encode_request(request)) == request
     except APIError as exc:
         assert 400 <= exc.status < 500 and exc.message.split(":")[0]
     except ValueError:  # pydantic ValidationError: FastAPI turns it into 422

@@ -27,8 +27,9 @@ def aof_server() -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="module")
 def gateway(aof_server: RedisServer) -> Iterator[GatewayServer]:
+    # stream_hold_s=0: headers right after the enqueue (these streams have no worker)
     settings = GatewaySettings(redis_url=aof_server.url, keepalive_s=0.5, redis_timeout_s=2.0,
-                               max_queue_lag=None)
+                               max_queue_lag=None, stream_hold_s=0)
     with GatewayServer(settings) as server:
         yield server
 
@@ -83,7 +84,8 @@ def test_streams_that_ended_during_an_outage_are_not_resubscribed(
     gateway: GatewayServer, aof_server: RedisServer
 ) -> None:
     probe = aof_server.client()
-    # No worker: a stream subscribes before it enqueues, and its headers come right after.
+    # No worker: a stream subscribes before it enqueues, and (no hold) its headers come
+    # right after.
     streams = [httpx.stream("POST", f"{gateway.url}/v1/completions", timeout=30,
                             json={**BODY, "stream": True, "request_id": f"gone-{i}"})
                for i in range(6)]

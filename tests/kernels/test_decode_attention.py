@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import choose_num_kv_splits, paged_decode_attention, reference
+from kernels import reference
+from kernels.decode_attention import choose_num_kv_splits, paged_decode_attention
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_decode_attention, paged_prefill_attention, reference
+from kernels import reference
+from kernels.decode_attention import paged_decode_attention
+from kernels.prefill_attention import paged_prefill_attention
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

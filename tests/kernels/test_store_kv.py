@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference, store_kv
+from kernels import reference
+from kernels.store_kv import store_kv
 
 
 @pytest.mark.parametrize(

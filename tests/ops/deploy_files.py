@@ -36,6 +36,18 @@ class CommandLine:
         return f"{self.source}: {' '.join(self.argv)}"
 
 
+def setting(line: CommandLine, flag: str) -> str | None:
+    """A flag's value on the command line, else (compose configures by variables) the
+    service's ``FERRY_<FLAG>`` variable."""
+    if flag in line.argv:
+        return line.argv[line.argv.index(flag) + 1]
+    if line.source.startswith("docker-compose.yml:"):
+        env = compose()["services"][line.source.split(":", 1)[1]]["environment"]
+        value = env.get("FERRY_" + flag.lstrip("-").replace("-", "_").upper())
+        return None if value is None else str(value)
+    return None
+
+
 def compose() -> dict[str, Any]:
     return yaml.safe_load(COMPOSE.read_text())  # type: ignore[no-any-return]
 

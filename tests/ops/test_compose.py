@@ -49,11 +49,12 @@ def test_compose_config_validates() -> None:
 
 def test_redis_is_durable_and_never_evicts() -> None:
     redis = SERVICES["redis"]
-    assert redis["image"].startswith("redis:7")
+    assert redis["image"] == "${FERRY_REDIS_IMAGE:-redis:7.2-alpine}"
     cmd = redis["command"]
     assert cmd[cmd.index("--appendonly") + 1] == "yes"
     assert cmd[cmd.index("--appendfsync") + 1] == "everysec"
     assert cmd[cmd.index("--maxmemory-policy") + 1] == "noeviction"
+    assert cmd[cmd.index("--dir") + 1] == "/data"  # any Redis image, not only the official
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     assert "redis-data:/data" in redis["volumes"]
     assert "redis-data" in files.compose()["volumes"]
@@ -63,22 +64,72 @@ def test_gateway_service() -> None:
     gateway = SERVICES["gateway"]
     assert gateway["command"][:2] == ["ferry", "gateway"]
     assert "/healthz" in " ".join(gateway["healthcheck"]["test"])
+    assert "FERRY_PORT" in " ".join(gateway["healthcheck"]["test"])  # follows the port
     assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
     assert gateway["build"]["dockerfile"] == "ops/docker/gateway.Dockerfile"
+
+
+# service -> build args that must be compose parameters, with today's public defaults
+BUILD_PARAMETERS = {
+    "gateway": {"PYTHON_IMAGE": "${FERRY_PYTHON_IMAGE:-python:3.11-slim}"},
+    "worker": {"CUDA_IMAGE": "${FERRY_CUDA_IMAGE:-nvidia/cuda:12.6.3-runtime-ubuntu24.04}",
+               "TORCH_SPEC": "${FERRY_TORCH_SPEC:-torch>=2.4,<2.16}"},
+    "worker-cpu": {"PYTHON_IMAGE": "${FERRY_PYTHON_IMAGE:-python:3.11-slim}",
+                   "TORCH_SPEC": "${FERRY_TORCH_SPEC:-torch>=2.4,<2.16}",
+                   "TORCH_INDEX_URL":
+                       "${FERRY_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILD_PARAMETERS))
+def test_base_images_and_torch_are_parameters(name: str) -> None:
+    build = SERVICES[name]["build"]
+    assert build["args"] == BUILD_PARAMETERS[name]
+    dockerfile = (files.ROOT / build["dockerfile"]).read_text()
+    for arg in build["args"]:
+        assert f"ARG {arg}" in dockerfile, f"{build['dockerfile']} ignores {arg}"
+
+
+@pytest.mark.parametrize("dockerfile", sorted(files.DOCKER.glob("*.Dockerfile")))
+def test_dockerfiles_build_offline_with_any_builder(dockerfile: Any) -> None:
+    """No frontend image to pull, no BuildKit-only syntax, pip configurable per build."""
+    text = dockerfile.read_text()
+    assert not text.startswith("# syntax=")  # a parser directive: pulls a frontend image
+    instructions = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in instructions if "--mount=" in line]
+    for arg in ("PIP_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX", "PIP_TRUSTED_HOST"):
+        assert f"ARG {arg}" in text
 
 
 @pytest.mark.parametrize("name", ["worker", "worker-cpu"])
 def test_workers_scale_freely(name: str) -> None:
     """`--scale worker=N` needs no fixed name and no host port; drain needs a grace period."""
     worker = SERVICES[name]
+    env = worker["environment"]
     assert "container_name" not in worker and "ports" not in worker
-    assert worker["shm_size"] == "2gb"
     assert any(v.startswith("hf-cache:") for v in worker["volumes"])
     assert any(v.endswith(":/models:ro") for v in worker["volumes"])
     assert worker["stop_grace_period"] == "10m"
-    drain = int(worker["command"][worker["command"].index("--drain-timeout-s") + 1])
-    assert drain < 600  # SIGKILL comes at 10 min
-    assert worker["environment"]["HF_HOME"] == "/cache/huggingface"
+    assert int(env["FERRY_DRAIN_TIMEOUT_S"]) < 600  # SIGKILL comes at 10 min
+    assert env["HF_HOME"] == "/cache/huggingface"
+    assert "FERRY_HEALTH_FILE" in " ".join(worker["healthcheck"]["test"])  # no port in it
+
+
+@pytest.mark.parametrize("name", ["worker", "worker-cpu"])
+def test_workers_serve_the_embedded_model_unless_one_is_named(name: str) -> None:
+    worker = SERVICES[name]
+    assert "--model" not in worker["command"]
+    assert worker["environment"]["FERRY_MODEL"] == "${FERRY_MODEL:-}"  # empty: embedded
+
+
+def test_one_served_model_name_everywhere() -> None:
+    """The gateway is never told a name derived from FERRY_MODEL (a path there once gave
+    it '/models/x' while the worker advertised 'x'): both read the one variable, and
+    without it the gateway answers to what the workers advertise."""
+    for name in ("gateway", "worker", "worker-cpu"):
+        env = SERVICES[name]["environment"]
+        assert env["FERRY_SERVED_MODEL_NAME"] == "${FERRY_SERVED_MODEL_NAME:-}"
+        assert "FERRY_MODEL" not in str(SERVICES[name]["command"])
 
 
 def test_gpu_worker_reserves_one_gpu_and_cpu_worker_none() -> None:
@@ -86,10 +137,11 @@ def test_gpu_worker_reserves_one_gpu_and_cpu_worker_none() -> None:
     assert deploy["replicas"] == "${FERRY_WORKERS:-1}"
     devices = deploy["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-    assert "profiles" not in SERVICES["worker"]
+    assert "profiles" not in SERVICES["worker"] and SERVICES["worker"]["shm_size"] == "2gb"
     cpu = SERVICES["worker-cpu"]
     assert cpu["profiles"] == ["cpu"] and "resources" not in cpu.get("deploy", {})
     assert cpu["environment"]["FERRY_DEVICE"] == "cpu"
+    assert cpu["build"]["dockerfile"] == "ops/docker/worker-cpu.Dockerfile"
 
 
 def test_monitoring_profile() -> None:

@@ -29,10 +29,10 @@ def _ferry_commands() -> dict[str, Any]:
 
 def test_every_deployment_file_runs_ferry() -> None:
     sources = {c.source.split(":")[0] for c in COMMANDS}
-    assert {"docker-compose.yml", "gateway.yaml", "worker.yaml",
+    assert {"docker-compose.yml", "gateway.yaml", "worker.yaml", "batcher.yaml",
             "worker.Dockerfile", "gateway.Dockerfile"} <= sources
     subcommands = {c.argv[1] for c in COMMANDS}
-    assert subcommands == {"worker", "gateway"}
+    assert subcommands == {"worker", "gateway", "batcher"}
 
 
 @pytest.mark.parametrize("line", COMMANDS, ids=str)
@@ -111,7 +111,8 @@ def _flag(argv: tuple[str, ...], name: str) -> str | None:
 
 
 def test_ports_agree_everywhere() -> None:
-    """Gateway 8000 and worker metrics 9100 in compose, k8s, Prometheus and the images."""
+    """Gateway 8000 and worker metrics 9100 in compose, k8s, Prometheus and the images; the
+    batcher listens on nothing."""
     import inspect
 
     from gateway.main import serve
@@ -119,9 +120,9 @@ def test_ports_agree_everywhere() -> None:
     gateway_port = str(inspect.signature(serve).parameters["port"].default)
     for line in COMMANDS:
         if line.argv[1] == "gateway":
-            assert _flag(line.argv, "--port") == gateway_port, line
-        else:
-            assert _flag(line.argv, "--metrics-port") == "9100", line
+            assert files.setting(line, "--port") == gateway_port, line
+        elif line.argv[1] == "worker":
+            assert files.setting(line, "--metrics-port") == "9100", line
     services = files.compose()["services"]
     assert services["gateway"]["ports"] == [f"${{FERRY_GATEWAY_PORT:-8000}}:{gateway_port}"]
     assert services["worker"]["expose"] == ["9100"]
@@ -129,8 +130,9 @@ def test_ports_agree_everywhere() -> None:
     assert f"gateway:{gateway_port}" in prom and "port: 9100" in prom
     for source, container in files.k8s_containers():
         ports = {p["containerPort"] for p in container.get("ports", [])}
-        expected = {"ferry-gateway": 8000, "ferry-worker": 9100, "ferry-redis": 6379}
-        assert ports == {expected[source.split(":")[1]]}, source
+        expected = {"ferry-gateway": {8000}, "ferry-worker": {9100}, "ferry-redis": {6379},
+                    "ferry-batcher": set()}
+        assert ports == expected[source.split(":")[1]], source
 
 
 def test_prefix_is_the_default_everywhere() -> None:
@@ -145,3 +147,29 @@ def test_prefix_is_the_default_everywhere() -> None:
             assert env["FERRY_PREFIX"] == prefix, source
     acl = (files.ROOT / "ops" / "redis" / "users.acl").read_text()
     assert f"~{Keys(prefix).requests} " in acl and f"&{Keys(prefix).control}" in acl
+
+
+def test_worker_metrics_are_opened_on_purpose() -> None:
+    """Workers' metrics listen on 127.0.0.1 unless told otherwise; every deployment whose
+    Prometheus scrapes from another container or pod says 0.0.0.0 itself."""
+    import inspect
+
+    from ferry.commands.worker import worker
+    from worker.service.redis_io import WorkerSettings
+
+    assert inspect.signature(worker).parameters["metrics_host"].default == "127.0.0.1"
+    assert WorkerSettings().metrics_host == "127.0.0.1"
+    workers = [line for line in COMMANDS if line.argv[1] == "worker"]
+    assert workers
+    for line in workers:
+        assert files.setting(line, "--metrics-host") == "0.0.0.0", line
+
+
+def test_ferry_up_passes_its_metrics_host_to_workers() -> None:
+    from ferry.commands.up import WorkerSlot
+
+    slot = WorkerSlot("up-1", 0, ("ferry", "worker"), 9100, None, "10.0.0.5")  # type: ignore[arg-type]
+    argv = slot.command(0)
+    assert _flag(argv, "--metrics-host") == "10.0.0.5"
+    default = WorkerSlot("up-1", 0, ("ferry", "worker"), 9100, None)  # type: ignore[arg-type]
+    assert _flag(default.command(1), "--metrics-host") == "127.0.0.1"

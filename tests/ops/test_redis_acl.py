@@ -234,3 +234,54 @@ def test_real_gateway_http_api_as_gateway_user(server: AclRedis) -> None:
         assert httpx.get(f"{gw.url}/v1/models", timeout=10).status_code == 200
         metrics = httpx.get(f"{gw.url}/metrics", timeout=10).text
         assert "ferry_gateway_requests_total" in metrics
+
+
+def test_batch_api_as_gateway_batcher_and_worker_users(server: AclRedis) -> None:
+    """Files and batches over HTTP as ferry-gateway, a batcher as ferry-batcher, a worker as
+    ferry-worker: upload, a batch run to its end (with a bad line), the output and error
+    files, a cancel, deletes; then what the batcher and the gateway may not do."""
+    import io
+    import json
+
+    import openai
+
+    from gateway.settings import GatewaySettings
+    from tests.gateway.batcher_thread import BatcherThread
+    from tests.gateway.server import GatewayServer
+
+    common = {"poll_interval_s": 0.2, "batch_poll_interval_s": 0.05}
+    gateway = GatewaySettings(redis_url=server.url("ferry-gateway"), **common)
+    batcher = GatewaySettings(redis_url=server.url("ferry-batcher"), **common)
+    body = {"prompt": "p", "max_tokens": 4}
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                         "body": body}) for i in range(3)] + ["{bad"]
+    with FakeWorker(server.url("ferry-worker"), Script(tokens=["x", "y"])), \
+            GatewayServer(gateway) as gw, BatcherThread(batcher, "acl-batcher"):
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0)
+        source = client.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())),
+                                     purpose="batch")
+        batch = client.batches.create(input_file_id=source.id, endpoint="/v1/completions",
+                                      completion_window="24h")
+        deadline = time.monotonic() + 30
+        while (done := client.batches.retrieve(batch.id)).status != "completed":
+            assert time.monotonic() < deadline, done
+            time.sleep(0.05)
+        assert done.request_counts.completed == 3 and done.request_counts.failed == 1
+        assert len(client.files.content(done.output_file_id).text.splitlines()) == 3
+        assert [f.id for f in client.batches.list().data] == [batch.id]
+        assert len(client.files.list().data) == 3  # the input, output and error files
+        other = client.batches.create(input_file_id=source.id, endpoint="/v1/completions",
+                                      completion_window="24h")
+        assert client.batches.cancel(other.id).status == "cancelling"
+        client.files.delete(done.output_file_id)
+        client.files.delete(source.id)
+    r, g = server.client("ferry-batcher"), server.client("ferry-gateway")
+    ensure_group(server.client("ferry-admin"), KEYS)
+    _denied(r.xreadgroup, KEYS.group, "b", {KEYS.requests: ">"})
+    _denied(r.delete, KEYS.requests)
+    _denied(r.set, KEYS.worker("fake"), b"x")
+    _denied(r.flushall)
+    _denied(r.keys, "*")
+    _denied(g.sadd, KEYS.batch_inflight(batch.id), 1)  # progress is the batcher's
+    _denied(g.hincrby, KEYS.batch(batch.id), "completed", 1)
+    _denied(g.set, KEYS.batch_lease(batch.id), "me")

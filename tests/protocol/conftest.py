@@ -9,4 +9,5 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from tests.redis_cluster import cluster_client, redis_cluster  # noqa: E402, F401
 from tests.redis_server import redis_client, redis_server  # noqa: E402, F401

@@ -23,6 +23,8 @@ from protocol.models import (
     JobStatus,
     Timings,
     TokenEvent,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     WorkerHeartbeat,
     state_for_finish,
@@ -41,6 +43,18 @@ class Script:
     error_kind: ErrorKind | None = None
     delay_s: float = 0.0
     hang_after: int | None = None  # emit this many tokens, then wait for a cancel
+    error_code: str | None = None
+    error_param: str | None = None
+
+
+def _logprobs(request: GenerateRequest, token_id: int, text: str) -> list[TokenLogprob] | None:
+    """A made-up logprob per token when the request asks (alternatives: two more ids)."""
+    n = request.params.logprobs
+    if n is None:
+        return None
+    top = [TopLogprob(token_id=token_id + k, logprob=-0.5 - k, token=f"{text}{k}")
+           for k in range(n)]
+    return [TokenLogprob(token_id=token_id, logprob=-0.5, token=text, top=top)]
 
 
 class FakeWorker(threading.Thread):
@@ -132,7 +146,9 @@ class FakeWorker(threading.Thread):
             if self._cancelled(request):
                 self._finish(request, entry_id, sent, "cancelled")
                 return
-            event = TokenEvent(request_id=request.request_id, seq=i, token_ids=[i + 1], text=text)
+            event = TokenEvent(request_id=request.request_id, seq=i, token_ids=[i + 1], text=text,
+                               logprobs=_logprobs(request, i + 1, text),
+                               prompt_tokens=3 if i == 0 else None)
             pipe = self.redis.pipeline()
             push_event(pipe, self.keys, event, self.ttls)
             pipe.execute()
@@ -151,8 +167,11 @@ class FakeWorker(threading.Thread):
         event = TokenEvent(
             request_id=request.request_id, seq=seq, token_ids=[seq + 1] if last else [],
             text="".join(last), finish_reason=reason, usage=usage, worker_id=self.worker_id,
+            logprobs=_logprobs(request, seq + 1, last[0]) if last else None,
             error=script.error if reason == "error" else None,
             error_kind=script.error_kind if reason == "error" else None,
+            error_code=script.error_code if reason == "error" else None,
+            error_param=script.error_param if reason == "error" else None,
             timings=Timings(queued_s=0.0, ttft_s=0.01, total_s=0.02),
         )
         status = JobStatus(

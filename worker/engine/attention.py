@@ -12,27 +12,28 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import structlog
 import torch
 
 from kernels import cpu_decode_attention
 from worker.engine import attention_torch
 from worker.engine.attention_metadata import AttentionBackend, ForwardContext
-from worker.engine.attention_triton import TritonAttentionBackend
+from worker.engine.health import EngineHealth
 
-_log = structlog.get_logger("ferry.worker.attention")
 ATTENTION_NAME = "ferry_paged"
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_backend(
+    name: str, device: torch.device, health: EngineHealth | None = None
+) -> AttentionBackend:
     """``auto`` is Triton on CUDA; on CPU the C++ decode kernel (``cpu``) when it builds
-    here, else pure ``torch`` (with a warning: decode is several times slower)."""
+    here, else pure ``torch`` (a degraded worker: decode is several times slower)."""
     if name == "auto" and device.type == "cuda":
         name = "triton"
     elif name == "auto":
         reason = cpu_decode_attention.unavailable_reason()
         if reason is not None:
-            _log.warning("cpu_attention_kernel_unavailable", reason=reason, fallback="torch")
+            (health or EngineHealth()).degrade("cpu_attention_fallback", reason,
+                                               fallback="torch")
         name = "cpu" if reason is None else "torch"
     if name == "cpu":
         if device.type != "cpu":
@@ -49,6 +50,12 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
                 f"attention_backend 'triton' runs on a CUDA device, not on {device}; on the "
                 "CPU use 'cpu' or 'torch' (or set TRITON_INTERPRET=1 to run the Triton "
                 "kernels in Triton's slow interpreter, as the tests do)")
+        try:
+            from worker.engine.attention_triton import TritonAttentionBackend
+        except ImportError as exc:  # the CPU image leaves triton out
+            raise ValueError(
+                f"attention_backend 'triton' needs the triton package ({exc}); torch's CUDA "
+                "wheels bring it, or install ferry[gpu]") from exc
         return TritonAttentionBackend()
     raise ValueError(f"attention_backend must be auto, cpu, torch or triton, not {name!r}")
 

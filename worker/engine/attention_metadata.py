@@ -36,6 +36,10 @@ class AttentionMetadata:
     # sequences on the host (reading the tensors would sync a GPU).
     query_start_host: list[int]
     seq_lens_host: list[int]
+    # Built for a CUDA graph bucket (decode_graphs.py): its capture and the warm-up before
+    # it launch the same kernel variants (the split-KV count that fills the GPU, fresh
+    # split buffers); False is an eager step (splits only where they pay for a launch).
+    cuda_graph: bool = False
 
 
 class AttentionBackend(Protocol):

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from kernels.decode_attention import paged_decode_attention
+from kernels.prefill_attention import paged_prefill_attention
+from kernels.store_kv import store_kv
+
 
 class TritonAttentionBackend:
     """Store K/V, then one decode launch for the single-token rows and one prefill launch
@@ -11,24 +15,19 @@ class TritonAttentionBackend:
 
     name = "triton"
 
-    def __init__(self) -> None:
-        import kernels
-
-        self._k = kernels
-
     def forward(self, q, k, v, cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
         k_cache, v_cache = cache
-        self._k.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes  # decodes are one token each, so they are rows [0, nd)
         if nd:
-            self._k.paged_decode_attention(
+            paged_decode_attention(
                 q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
                 out=out[:nd], sliding_window=sliding_window, logits_soft_cap=soft_cap,
-                max_seq_len=meta.max_decode_seq_len,
+                max_seq_len=meta.max_decode_seq_len, cuda_graph=meta.cuda_graph,
             )
         if nd < meta.seq_lens.shape[0]:
-            self._k.paged_prefill_attention(
+            paged_prefill_attention(
                 q[nd:], k_cache, v_cache, meta.block_tables[nd:],
                 meta.query_start_loc[nd:] - nd, meta.seq_lens[nd:], scale, out=out[nd:],
                 sliding_window=sliding_window, logits_soft_cap=soft_cap,

@@ -34,9 +34,12 @@ def candidate_id(request_id: str, index: int, count: int) -> str:
 
 
 def candidate_params(params: SamplingParams, index: int) -> SamplingParams:
-    """One candidate's parameters: a single sequence, its own seed, and the chosen token's
-    logprob computed when candidates are ranked (reported only if the request asked)."""
+    """One candidate's parameters: a single sequence, its own seed, the chosen token's
+    logprob computed when candidates are ranked (reported only if the request asked), and
+    prompt logprobs (if asked) computed by candidate 0 alone."""
     update: dict[str, object] = {"n": 1, "best_of": None, "seed": derive_seed(params.seed, index)}
+    if index > 0:  # the prompt is the same for every candidate: the first reports it
+        update["prompt_logprobs"] = None
     if params.ranks_candidates and params.logprobs is None:
         update["logprobs"] = 0
     return params.model_copy(update=update)

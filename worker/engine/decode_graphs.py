@@ -11,20 +11,27 @@ on tensor values inside. So:
   rows in and pads the batch to its bucket (1, 2, 4, 8, then multiples of 8).
 * **Padded rows** are harmless: they decode one token at position 0, write its K/V into a
   scratch block that no request owns (the pool has one extra block), and attend only to
-  it; their logits are dropped.
-* **Metadata** is per bucket and fixed: every row is a decode, and the split-KV choice is
-  made for the longest context the model allows (the kernel skips empty splits), so
-  nothing on the host depends on this step's lengths.
+  it; their hidden states are dropped.
+* **Metadata** is per bucket and fixed, and says so (``cuda_graph=True``): every row is a
+  decode and the split-KV choice is made for the longest context the model allows (the
+  kernel skips empty splits), so nothing on the host depends on this step's lengths. The
+  warm-up before each capture runs the very same forward on the capture's stream, so every
+  kernel variant the capture launches is compiled and loaded before capture begins.
+* **Hidden states, not logits.** Every bucket's graph writes its last hidden states into
+  one shared ``[max_batch, hidden]`` buffer; logits are computed after the replay, outside
+  the graph, for the real rows only (``LogitsHead``). A graph holding ``[bucket, vocab]``
+  logits per bucket would pin gigabytes of its pool for a large vocabulary.
 
 Mixed steps (any prefill chunk) and batches larger than the largest bucket run eagerly.
-On a CPU (tests) the same static-buffer path runs uncaptured, which checks the padding,
-the scratch block and the metadata against the eager path token for token.
+On a CPU (tests) the same static-buffer path runs uncaptured, or through a stand-in
+``GraphCapturer`` that records what the capture would launch.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import torch
@@ -41,10 +48,69 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sorted({*sizes, max_batch})
 
 
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+class GraphCapturer(Protocol):
+    """How graphs are made: ``warm_up`` runs a forward as the capture will (same stream),
+    ``capture`` records it. ``CudaGraphCapturer`` on a GPU; tests pass stand-ins."""
+
+    def warm_up(self, fn: Callable[[], None]) -> None: ...
+
+    def capture(self, fn: Callable[[], None]) -> Replayable: ...
+
+
+class CudaGraphCapturer:
+    """Captures on one side stream into one shared memory pool (largest bucket first, so
+    the smaller ones reuse its memory).
+
+    Unlike ``torch.cuda.graph``, which leaves its side stream current when
+    ``capture_end`` raises (every later kernel, eager fallback included, would then run on
+    it), the caller's stream is current again however the capture ends.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+
+    def warm_up(self, fn: Callable[[], None]) -> None:
+        self._on_side_stream(fn)
+
+    def capture(self, fn: Callable[[], None]) -> Replayable:
+        graph = torch.cuda.CUDAGraph()
+
+        def record() -> None:
+            graph.capture_begin(pool=self.pool)
+            try:
+                fn()
+            except BaseException:
+                with contextlib.suppress(Exception):  # end the capture; report fn's error
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+
+        self._on_side_stream(record)
+        return graph
+
+    def _on_side_stream(self, fn: Callable[[], None]) -> None:
+        caller = torch.cuda.current_stream(self.device)
+        torch.cuda.synchronize(self.device)
+        self.stream.wait_stream(caller)
+        torch.cuda.set_stream(self.stream)
+        try:
+            fn()
+        finally:
+            torch.cuda.set_stream(caller)
+        caller.wait_stream(self.stream)
+        torch.cuda.synchronize(self.device)
+
+
 class DecodeGraphs:
     """``run(...)`` one pure-decode step through the bucket that fits it."""
 
-    def __init__(self, runner: Any, max_batch: int, capture: bool) -> None:
+    def __init__(self, runner: Any, max_batch: int, capturer: GraphCapturer | None) -> None:
         self.runner = runner
         self.max_batch = max_batch
         self.buckets = bucket_sizes(max_batch)
@@ -58,11 +124,12 @@ class DecodeGraphs:
         self.tables = torch.full((max_batch, width), self.scratch_block, dtype=torch.int32,
                                  device=dev)
         self.starts = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.memory_bytes = 0
-        if capture:
-            self._capture_all()
+        # [max_batch, hidden]: the one output every bucket's graph writes (rows [0, bucket))
+        self.hidden = torch.zeros(max_batch, runner.shape.hidden_size,
+                                  dtype=runner.loaded.dtype, device=dev)
+        self.graphs: dict[int, Replayable] = {}
+        if capturer is not None:
+            self._capture_all(capturer)
 
     def fits(self, num_seqs: int, num_tokens: int) -> bool:
         return num_seqs == num_tokens and 0 < num_seqs <= self.max_batch
@@ -70,7 +137,7 @@ class DecodeGraphs:
     def _bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 
-    def _meta(self, size: int) -> AttentionMetadata:
+    def _meta(self, size: int, cuda_graph: bool = True) -> AttentionMetadata:
         longest = self.tables.shape[1] * self.runner.block_size
         return AttentionMetadata(
             slot_mapping=self.slots[:size], query_start_loc=self.starts[:size + 1],
@@ -78,53 +145,51 @@ class DecodeGraphs:
             num_decodes=size, max_decode_seq_len=longest,
             decode_buckets=[(0, size, longest)], max_query_len=1, max_seq_len=longest,
             query_start_host=list(range(size + 1)), seq_lens_host=[longest] * size,
+            cuda_graph=cuda_graph,
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
-        """The model over the first ``size`` static rows; logits [size, vocab]."""
-        runner = self.runner
-        ctx = ForwardContext(meta=self._meta(size), kv_caches=runner.kv_caches,
-                             backend=runner.backend)
-        out = runner.model(input_ids=self.ids[None, :size],
-                           position_ids=self.positions[None, :size], use_cache=False,
-                           ferry_ctx=ctx)
-        return out.logits[0]  # type: ignore[no-any-return]
+    def _context(self, size: int, cuda_graph: bool = True) -> ForwardContext:
+        return ForwardContext(meta=self._meta(size, cuda_graph), kv_caches=self.runner.kv_caches,
+                              backend=self.runner.backend)
+
+    def _forward(self, size: int) -> None:
+        """The model body over the first ``size`` static rows, into ``hidden[:size]``: what
+        a bucket's graph records, and what its warm-up runs first."""
+        out = self.runner.model.base_model(
+            input_ids=self.ids[None, :size], position_ids=self.positions[None, :size],
+            use_cache=False, ferry_ctx=self._context(size))
+        self.hidden[:size].copy_(out.last_hidden_state[0])
 
     @torch.inference_mode()
-    def verify(self) -> bool:
-        """Replay each bucket on its padding inputs and compare with an eager forward: a
-        graph that recorded something host-dependent would differ (then run eagerly)."""
+    def _capture_all(self, capturer: GraphCapturer) -> None:
+        for size in reversed(self.buckets):  # largest first: later ones reuse its pool
+            capturer.warm_up(lambda size=size: self._forward(size))  # type: ignore[misc]
+            self.graphs[size] = capturer.capture(
+                lambda size=size: self._forward(size))  # type: ignore[misc]
+
+    @torch.inference_mode()
+    def verify(self) -> int | None:
+        """Replay each bucket on its padding inputs and compare its logits with the model's
+        own eager forward (its own head included): a graph that recorded something
+        host-dependent would differ. Returns the bucket that disagrees, else None."""
         for size, graph in self.graphs.items():
             graph.replay()
-            eager = self._forward(size)
-            if not torch.allclose(self.logits[size].float(), eager.float(), atol=1e-2,
-                                  rtol=1e-2):
-                log.warning("decode_graph_mismatch", bucket=size)
-                return False
-        return True
-
-    @torch.inference_mode()
-    def _capture_all(self) -> None:
-        before = torch.cuda.memory_allocated(self.runner.device)
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.buckets):  # largest first: later ones reuse its pool
-            self._forward(size)  # warm-up: Triton compiles, lazy inits happen outside
-            torch.cuda.synchronize(self.runner.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize(self.runner.device)
-        self.memory_bytes = torch.cuda.memory_allocated(self.runner.device) - before
-        log.info("decode_graphs_captured", buckets=len(self.buckets),
-                 max_batch=self.max_batch, memory_mib=round(self.memory_bytes / 2**20, 1))
+            replayed = self.runner.logits_head(self.hidden[:size]).float()
+            eager = self.runner.model(
+                input_ids=self.ids[None, :size], position_ids=self.positions[None, :size],
+                use_cache=False, ferry_ctx=self._context(size, cuda_graph=False),
+            ).logits[0].float()
+            if not torch.allclose(replayed, eager, atol=1e-2, rtol=1e-2):
+                return size
+        return None
 
     @torch.inference_mode()
     def run(self, ids: list[int], positions: list[int], slots: list[int],
             seq_lens: list[int], tables: torch.Tensor,
             patch_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """Fill the static rows, pad to the bucket, replay; logits [len(ids), vocab].
-        ``patch_ids`` fills, on the device, input tokens still being read back."""
+        """Fill the static rows, pad to the bucket, replay; logits [len(ids), vocab],
+        computed outside the graph for the real rows. ``patch_ids`` fills, on the device,
+        input tokens still being read back."""
         n, size = len(ids), self._bucket(len(ids))
         host = torch.tensor([ids, positions, slots, seq_lens], dtype=torch.long)  # [4, n]
         if self.runner.device.type == "cuda":
@@ -144,6 +209,7 @@ class DecodeGraphs:
             self.tables[n:size, 0].fill_(self.scratch_block)
         graph = self.graphs.get(size)
         if graph is None:  # not captured (a CPU, or enforce_eager off the GPU path)
-            return self._forward(size)[:n]
-        graph.replay()
-        return self.logits[size][:n]
+            self._forward(size)
+        else:
+            graph.replay()
+        return self.runner.logits_head(self.hidden[:n])  # type: ignore[no-any-return]

@@ -16,9 +16,11 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.choices import candidate_id, candidate_params
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.health import DeviceFault, is_device_fault
 from worker.engine.inflight import InflightStep, needs_known_tokens, without_finished
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, StepOutput
+from worker.engine.prompt_logprobs import PromptScoring, take
 from worker.engine.prompts import PromptBuilder, PromptLimits
 from worker.engine.request import FinishReason, Request
 from worker.engine.sampler import Sampler, SamplingRow
@@ -51,6 +53,7 @@ class Engine:
             self.tokenizer, self.runner.shape.vocab_size, self.runner.loaded.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[str]] = {}  # request id -> its unfinished candidates
+        self.scoring = PromptScoring()  # requests still missing prompt logprobs
         overlap = config.scheduler.async_scheduling
         self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._inflight: InflightStep | None = None  # launched, not read back
@@ -91,6 +94,7 @@ class Engine:
         a resumed request gives each candidate's tokens so far (``prior_by_choice``) and the
         candidates that had already finished (``skip_choices``). Returns the first queued.
         """
+        params = self.prompts.fit(params, len(prompt_token_ids))
         count = params.num_candidates
         priors = prior_by_choice if prior_by_choice is not None else \
             {0: list(prior_output_ids or [])}
@@ -122,6 +126,7 @@ class Engine:
             output_token_ids=prior,
         )
         self.structured.attach(request)  # [structured output] compile starts off the loop
+        self.scoring.add(request)
         self.scheduler.add(request)
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, stop=params.stop,
@@ -166,7 +171,8 @@ class Engine:
         self._steps += 1
         try:
             launched = self._launch(sched)
-        except Exception as exc:  # a failed forward fails its batch, not the worker
+        except Exception as exc:  # a failed forward fails its batch, not the worker...
+            _raise_if_device_fault(exc)  # ...unless the device itself is gone
             if self._inflight is not None:
                 outputs += self._read_back()
             return outputs + self._fail_batch(sched, exc)
@@ -182,8 +188,12 @@ class Engine:
         sampling = [s.request for s in sched.scheduled if s.sample]
         rows = [SamplingRow.of(r) for r in sampling]
         mask = self.structured.start_bitmask(sampling)  # [structured output] overlaps forward
+        extra = self.scoring.plan(sched)  # prompt logprobs: None unless a request asks
         with self.timer.phase("forward"):
-            logits = self.runner.execute(sched, self.block_manager, self._inflight)
+            logits = self.runner.execute(sched, self.block_manager, self._inflight,
+                                         extra.rows if extra is not None else None)
+        if extra is not None:
+            logits = self.scoring.collect(extra, logits, len(sampling))
         with self.timer.phase("sample"):
             sample = self.sampler.launch(logits, rows, mask.get())
         self.scheduler.advance(sched)
@@ -197,6 +207,7 @@ class Engine:
             try:
                 result = step.sample.result()
             except Exception as exc:  # an asynchronous device error surfaces here
+                _raise_if_device_fault(exc)
                 return self._fail_batch(step.sched, exc)
             return self._update(step.sched, result.token_ids, result.logprobs)
 
@@ -242,6 +253,7 @@ class Engine:
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_output_tokens=request.num_output_tokens,
                     logprobs=[lp] if lp is not None else None, index=request.index,
+                    prompt_logprobs=None if request.prompt_logprobs is None else take(request),
                 ))
         return outputs
 
@@ -254,6 +266,7 @@ class Engine:
             text += detok.flush()
         if request.parent_id is not None:
             self._forget_candidate(request)
+        self.scoring.forget(request.request_id)
         ranked = request.parent_id is not None and request.params.logprobs is not None
         return StepOutput(
             request.public_id, tokens, text, finished=True,
@@ -263,6 +276,7 @@ class Engine:
             logprobs=[lp] if lp is not None else None, error_kind=error_kind,
             index=request.index,
             cumulative_logprob=request.cumulative_logprob if ranked else None,
+            prompt_logprobs=take(request),
         )
 
     def _forget_candidate(self, request: Request) -> None:
@@ -292,7 +306,14 @@ class Engine:
             prefix_cache_queries=self.block_manager.stats.queries,
             prefix_cache_hits=self.block_manager.stats.hits,
             kv_blocks_cached=self.block_manager.num_cached_blocks,
+            degraded=self.runner.health.degraded,
+            decode_graphs_active=self.runner.health.decode_graphs_active,
         )
+
+
+def _raise_if_device_fault(exc: Exception) -> None:
+    if is_device_fault(exc):
+        raise DeviceFault(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _as_params(params: SamplingParams | dict[str, Any] | None) -> SamplingParams:

@@ -28,6 +28,7 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     max_model_len: int
+    hidden_size: int = 0  # the width of the last hidden state (the LM head's input)
 
 
 @dataclass
@@ -41,12 +42,26 @@ class LoadedModel:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device to load on; a CUDA device comes back with its index, made current.
+
+    Made current once, here, because much follows the *current* device rather than a
+    tensor's: Triton launches on it (with another device's pointers, on ``cuda:1`` that
+    is a fault), and streams and events default to it. Every later CUDA call then names
+    this index (``torch.cuda.current_stream(device)``).
+    """
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} requested but there are only "
+                         f"{torch.cuda.device_count()} CUDA devices")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: Any) -> torch.dtype:
@@ -123,7 +138,43 @@ def model_shape(hf_config: Any, max_model_len: int | None) -> ModelShape:
         head_dim=head_dim,
         vocab_size=text_cfg.vocab_size,
         max_model_len=limit,
+        hidden_size=text_cfg.hidden_size,
     )
+
+
+class LogitsHead:
+    """The causal-LM head applied outside the model's forward: ``lm_head`` and the scaling
+    some architectures put after it (Cohere's ``logit_scale``, Granite's
+    ``logits_scaling``, Gemma's final soft cap).
+
+    Why: a CUDA graph that returned logits would pin a ``[bucket, vocab]`` tensor per batch
+    bucket in its pool (4.3 GB at 512 rows of a 128k vocabulary); the graphs keep only
+    hidden states and the logits are computed here for the rows that sample. Each captured
+    bucket is compared with the model's own forward after capture, so an architecture with
+    another head transformation is caught there (and runs eagerly).
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.lm_head = model.get_output_embeddings()
+        if self.lm_head is None:
+            raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head)")
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+            else model.config
+        scale = getattr(model, "logit_scale", None)
+        divisor = getattr(cfg, "logits_scaling", None)
+        self.multiplier = (float(scale) if isinstance(scale, int | float) else 1.0) / \
+            (float(divisor) if isinstance(divisor, int | float) and divisor else 1.0)
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        self.soft_cap = float(cap) if isinstance(cap, int | float) and cap > 0 else None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, vocab]."""
+        logits = self.lm_head(hidden)
+        if self.multiplier != 1.0:
+            logits = logits * self.multiplier
+        if self.soft_cap is not None:
+            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+        return logits  # type: ignore[no-any-return]
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -19,12 +19,14 @@ from worker.engine.attention_metadata import AttentionMetadata, ForwardContext, 
 from worker.engine.block_manager import BlockManager
 from worker.engine.block_table_buffer import BlockTableBuffer
 from worker.engine.config import CacheConfig, ModelConfig
-from worker.engine.decode_graphs import DecodeGraphs
+from worker.engine.decode_graphs import CudaGraphCapturer, DecodeGraphs, GraphCapturer
+from worker.engine.health import EngineHealth
 from worker.engine.inflight import InflightStep
-from worker.engine.model_loader import _DTYPES, LoadedModel, ModelShape, load_model
+from worker.engine.model_loader import _DTYPES, LoadedModel, LogitsHead, ModelShape, load_model
 from worker.engine.request import PLACEHOLDER
 from worker.engine.scheduler import SchedulerOutput
 from worker.engine.transfer import to_device
+from worker.engine.warmup import warm_up_kernels
 
 _log = structlog.get_logger("ferry.worker.runner")
 _DEFAULT_CPU_KV_BYTES = 2 << 30
@@ -50,39 +52,67 @@ class ModelRunner:
         self.device = self.loaded.device
         self.shape: ModelShape = self.loaded.shape
         self.block_size = cache_cfg.block_size
-        self.backend = make_backend(model_cfg.attention_backend, self.device)
+        self.health = EngineHealth()
+        self.backend = make_backend(model_cfg.attention_backend, self.device, self.health)
         self.kv_dtype = self._kv_dtype(cache_cfg.kv_cache_dtype)
+        self.logits_head = LogitsHead(self.model)
         self.num_blocks = self._num_blocks(cache_cfg)
         self.kv_caches = self._allocate_cache()
         self.tables = BlockTableBuffer(
             max_num_seqs, -(-self.shape.max_model_len // self.block_size), self.device)
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not model_cfg.enforce_eager:
-            self.graphs = self._capture(min(max_num_seqs, _MAX_GRAPH_BATCH))
+        if self.device.type == "cuda":
+            warm_up_kernels(self)
+            if not model_cfg.enforce_eager:
+                self.graphs = self.capture_graphs(CudaGraphCapturer(self.device),
+                                                  min(max_num_seqs, _MAX_GRAPH_BATCH))
 
-    def _capture(self, max_batch: int) -> DecodeGraphs | None:
-        """CUDA graphs for pure-decode steps, checked against eager forwards; a capture
-        that fails or disagrees is reported and the worker runs eagerly (slower, correct)."""
+    def capture_graphs(self, capturer: GraphCapturer, max_batch: int) -> DecodeGraphs | None:
+        """CUDA graphs for pure-decode steps, checked against eager forwards. A capture that
+        fails or disagrees makes the worker degraded, loudly, and it runs eagerly (slower,
+        correct) on its own stream."""
+        before = _allocated(self.device)
         try:
-            graphs = DecodeGraphs(self, max_batch, capture=True)
-            if graphs.verify():
-                return graphs
+            graphs = DecodeGraphs(self, max_batch, capturer)
+            mismatch = graphs.verify()
         except Exception as exc:  # e.g. an architecture whose forward syncs the host
-            _log.warning("decode_graphs_unavailable", error=f"{type(exc).__name__}: {exc}")
-        torch.cuda.empty_cache()
-        return None
+            self.health.degrade("decode_graphs_unavailable", f"{type(exc).__name__}: {exc}",
+                                fallback="eager")
+            self._release_graph_memory()
+            return None
+        if mismatch is not None:
+            self.health.degrade("decode_graph_mismatch",
+                                f"bucket {mismatch}: replayed logits differ from eager ones",
+                                bucket=mismatch, fallback="eager")
+            self._release_graph_memory()
+            return None
+        self.health.decode_graphs_active = True
+        _log.info("decode_graphs_captured", buckets=len(graphs.buckets), max_batch=max_batch,
+                  memory_mib=round((_allocated(self.device) - before) / 2**20, 1))
+        return graphs
 
-    def use_static_decode(self, capture: bool = False) -> None:
-        """Run pure-decode steps through the static-buffer (graph) path; on a CPU, without
-        capture: tests compare it with the eager path token for token."""
-        self.graphs = DecodeGraphs(self, self.tables.rows, capture=capture)
+    def _release_graph_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def use_static_decode(self) -> None:
+        """Run pure-decode steps through the static-buffer (graph) path uncaptured: on a
+        CPU, tests compare it with the eager path token for token."""
+        self.graphs = DecodeGraphs(self, self.tables.rows, None)
 
     def _kv_dtype(self, name: str) -> torch.dtype:
         if name == "auto":
             return self.loaded.dtype
         if name not in _DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
-        return _DTYPES[name]
+        dtype = _DTYPES[name]
+        if dtype != self.loaded.dtype and self.backend.name == "triton":
+            raise ValueError(
+                f"kv_cache_dtype {name} differs from the model's dtype "
+                f"{str(self.loaded.dtype).removeprefix('torch.')}: the Triton attention "
+                "kernels read the cache in the model's dtype; use kv_cache_dtype=auto or "
+                "load the model in that dtype (dtype=...)")
+        return dtype
 
     @property
     def bytes_per_block(self) -> int:
@@ -167,16 +197,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None = None
+        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None = None,
+        extra_rows: list[int] | None = None,
     ) -> torch.Tensor:
         """Run one step; returns logits [num_sampled, vocab] for the rows that sample.
-        ``prev``: the step launched before, whose sampled tokens fill the placeholders."""
-        if self.graphs is not None and self.graphs.fits(
+        ``prev``: the step launched before, whose sampled tokens fill the placeholders.
+        ``extra_rows``: more flat token rows whose logits follow (prompt logprobs)."""
+        if not extra_rows and self.graphs is not None and self.graphs.fits(
                 len(sched.scheduled), sched.num_batched_tokens) \
                 and all(item.sample for item in sched.scheduled):
             return self._decode_static(sched, blocks, prev)
         input_ids, positions, meta, sample_rows = self.prepare(sched, blocks, prev)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+        if extra_rows:
+            sample_rows = torch.cat([sample_rows, to_device(extra_rows, torch.long, self.device)])
         if sample_rows.numel() == 0:
             self.model.base_model(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
@@ -208,6 +242,10 @@ class ModelRunner:
         self.tables.release_missing(blocks.tables)
         return self.graphs.run(ids, positions, slots, lens, self.tables.gather(tables),
                                lambda static_ids: patch_pending(static_ids, ids, sched, prev))
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
 def patch_pending(

@@ -24,6 +24,9 @@ class StepOutput:
     # On an error: "invalid_request" when the request itself is at fault (e.g. a grammar
     # that does not compile), else None (the worker's fault).
     error_kind: str | None = None
+    # On a request's first output, if it asked: every prompt token's (id, logprob or None
+    # for the first, top-k), worker/engine/prompt_logprobs.py.
+    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -67,6 +70,10 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens looked up when requests were admitted
     prefix_cache_hits: int = 0  # of which found in the prefix cache (not computed)
     kv_blocks_cached: int = 0  # blocks holding a reusable prefix (held or evictable)
+    # Degraded states (worker/engine/health.py: DEGRADED_REASONS), empty when healthy, and
+    # whether pure-decode steps replay CUDA graphs.
+    degraded: tuple[str, ...] = ()
+    decode_graphs_active: bool = False
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -24,17 +24,43 @@ from protocol.sampling import SamplingParams
 _BOUND_MARGIN = 4  # refuse by the cheap bound only when it exceeds the context this much
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code
+
+
 class PromptError(ValueError):
     """A prompt the engine cannot run; the message names the field.
 
     ``num_prompt_tokens`` is the prompt's length in tokens where it is known (reported in
-    the usage of the refusal), or a lower bound when ``exact`` is False.
+    the usage of the refusal), or a lower bound when ``exact`` is False. ``param`` is the
+    request field at fault and ``code`` OpenAI's error code, where one applies.
     """
 
-    def __init__(self, message: str, num_prompt_tokens: int = 0, exact: bool = True) -> None:
+    def __init__(self, message: str, num_prompt_tokens: int = 0, exact: bool = True,
+                 param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.num_prompt_tokens = num_prompt_tokens
         self.exact = exact
+        self.param = param or message.split(":", 1)[0].split(".")[0] or None
+        self.code = code
+
+
+def context_error(field: str, context: int, prompt: int, max_tokens: int | None,
+                  exact: bool = True) -> PromptError:
+    """OpenAI's context-overflow refusal, word for word where clients match on it (LiteLLM
+    maps "This model's maximum context length is" to ContextWindowExceededError).
+    ``max_tokens`` None: the prompt alone leaves no room to generate."""
+    noun = "messages" if field == "messages" else "prompt"
+    count = str(prompt) if exact else f"at least {prompt}"
+    if max_tokens is None:
+        message = (f"This model's maximum context length is {context} tokens. However, your "
+                   f"{noun} resulted in {count} tokens. Please reduce the length of the "
+                   f"{noun}.")
+    else:
+        message = (f"This model's maximum context length is {context} tokens. However, you "
+                   f"requested {prompt + max_tokens} tokens ({count} in the {noun}, "
+                   f"{max_tokens} in the completion). Please reduce the length of the "
+                   f"{noun} or completion.")
+    return PromptError(message, prompt, exact, param=field, code=CONTEXT_LENGTH_EXCEEDED)
 
 
 @dataclass(frozen=True)
@@ -74,13 +100,19 @@ class PromptBuilder:
         if sum(given) != 1:
             raise PromptError("prompt: give exactly one of prompt, prompt_token_ids, messages")
         params = params or SamplingParams()
+        field = "messages" if messages is not None else \
+            "prompt" if prompt is not None else "prompt_token_ids"
         if prompt_token_ids is not None:
             ids = list(prompt_token_ids)
         else:
             self._refuse_by_bound(prompt, messages, params)
             ids = self.tokenize(prompt, messages)
-        self.validate(ids, list(prior_output_ids or []), params)
+        self.validate(ids, list(prior_output_ids or []), params, field)
         return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids`` as the model's tokenizer writes it (``echo``)."""
+        return str(self._tokenizer().decode(ids))
 
     def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
         tok = self._tokenizer()
@@ -101,15 +133,29 @@ class PromptBuilder:
         chars = len(prompt) if prompt is not None else sum(
             len(str(m.get("content") or "")) for m in messages or [])
         at_least = -(-chars // self.max_token_chars)
-        room = self.limits.max_model_len - params.max_tokens
+        room = self.limits.max_model_len - (1 if params.fit_to_context else params.max_tokens)
         if at_least > _BOUND_MARGIN * max(room, 1):
             field = "prompt" if prompt is not None else "messages"
-            raise PromptError(
-                f"{field}: at least {at_least} tokens ({chars} characters), far over the "
-                f"model's context of {self.limits.max_model_len} tokens "
-                f"(max_tokens {params.max_tokens})", at_least, exact=False)
+            raise context_error(field, self.limits.max_model_len, at_least,
+                                None if params.fit_to_context else params.max_tokens,
+                                exact=False)
 
-    def validate(self, ids: list[int], prior: list[int], params: SamplingParams) -> None:
+    @property
+    def capacity(self) -> int:
+        """Tokens one request may hold: the context, or the whole KV pool if smaller."""
+        return min(self.limits.max_model_len, self.limits.num_blocks * self.limits.block_size)
+
+    def fit(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """``params`` with ``max_tokens`` cut to what the context leaves, for a request
+        that asked for it (``fit_to_context``) and needs it; ``validate`` came first."""
+        room = self.capacity - num_prompt_tokens
+        if not params.fit_to_context or params.max_tokens <= room:
+            return params
+        return params.model_copy(update={"max_tokens": room,
+                                         "min_tokens": min(params.min_tokens, room)})
+
+    def validate(self, ids: list[int], prior: list[int], params: SamplingParams,
+                 field: str = "prompt") -> None:
         limits = self.limits
         if not ids:
             raise PromptError("prompt: must not be empty")
@@ -121,12 +167,12 @@ class PromptBuilder:
         if bias is not None:
             raise PromptError(
                 f"logit_bias: token id {bias} outside [0, {limits.vocab_size})", len(ids))
+        if params.fit_to_context and len(ids) < self.capacity:
+            params = self.fit(params, len(ids))
         total = len(ids) + params.max_tokens
         if total > limits.max_model_len:
-            raise PromptError(
-                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"= {total} exceeds the model's context of {limits.max_model_len} tokens",
-                len(ids))
+            raise context_error(field, limits.max_model_len, len(ids),
+                                None if params.fit_to_context else params.max_tokens)
         if len(prior) >= params.max_tokens:
             raise PromptError("prior_output_ids: already has max_tokens tokens", len(ids))
         need = -(-total // limits.block_size)

@@ -74,6 +74,13 @@ class Request:
     grammar: Any = None
     # Tokens at the end of the lists sampled by steps not read back yet (PLACEHOLDER).
     num_pending: int = 0
+    # What the sampler keeps for this request across steps (sampler.SamplingRow.cache):
+    # device tensors built once, e.g. its prompt's token mask for the repetition penalty.
+    sampler_cache: dict[str, Any] = field(default_factory=dict)
+    # params.prompt_logprobs: one entry per prompt token scored so far
+    # (worker/engine/prompt_logprobs.py), handed out once with the first output.
+    prompt_logprobs: list[Any] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
@@ -153,6 +160,13 @@ class Request:
                 self.num_known_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Asks for prompt logprobs and misses some: its prompt positions must be computed
+        (not taken from the prefix cache) and their logits kept."""
+        return self.prompt_logprobs is not None \
+            and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def waiting_for_grammar(self) -> bool:  # [structured output]

@@ -126,7 +126,8 @@ class Scheduler:
         computed prefix ends at a block boundary; None (nothing changed) if they do not
         fit. A request admitted from scratch counts as a prefix-cache lookup."""
         bm = self.block_manager
-        hits = bm.cached_prefix(request)
+        # A request reporting prompt logprobs computes the positions it reports.
+        hits = [] if request.needs_prompt_logits else bm.cached_prefix(request)
         hit_tokens = len(hits) * bm.block_size
         start = request.num_computed_tokens + hit_tokens
         num_new = min(request.num_tokens - start, budget,

@@ -7,7 +7,8 @@ request's matcher is a function of its output tokens: ``sync`` consumes what it 
 seen (the tokens a crashed worker already streamed, ``prior_output_ids``, come first) and
 rolls back or rebuilds when the output shrank, so preemption and resumption cannot put it
 out of step. Masks are computed for the constrained rows of a step only, in one parallel
-call into llguidance (the GIL is released), and applied by ``sampler.apply_token_bitmask``.
+call into llguidance (the GIL is released), and applied by
+``logits_processors.apply_token_bitmask``.
 """
 
 from __future__ import annotations

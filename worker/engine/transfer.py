@@ -37,9 +37,9 @@ class ReadBack:
             self._host = tensor
             return
         self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        self._host.copy_(tensor, non_blocking=True)
+        self._host.copy_(tensor, non_blocking=True)  # queued on the tensor's device's stream
         self._event = torch.cuda.Event()
-        self._event.record()
+        self._event.record(torch.cuda.current_stream(tensor.device))
 
     def wait(self) -> torch.Tensor:
         if self._event is not None:

@@ -27,7 +27,13 @@ from protocol.models import (
     state_for_finish,
 )
 from worker.engine.outputs import StepOutput
-from worker.service.jobs import Admission, Outgoing, TokenText, convert_logprobs
+from worker.service.jobs import (
+    Admission,
+    Outgoing,
+    TokenText,
+    convert_logprobs,
+    convert_prompt_logprobs,
+)
 
 
 @dataclass
@@ -97,6 +103,12 @@ class ActiveJob:
         self.deadline = admission.request.created_at + timeout if timeout else None
         # stream=False (or best_of): events are coalesced; only the terminal one is sent.
         self._hold = not self.request.stream or self.ranked
+        # What the first event this worker sends carries about the prompt (prompt_tokens,
+        # prompt_logprobs, prompt_text); a resumed job's first event was already sent.
+        self.prompt_fields: dict[str, Any] | None = {} if admission.next_seq == 0 else None
+        # On a refusal: OpenAI's error code and the field at fault, for the terminal event.
+        self.error_code: str | None = None
+        self.error_param: str | None = None
 
     @property
     def multi(self) -> bool:
@@ -112,6 +124,9 @@ class ActiveJob:
         if out.new_token_ids and self.first_token_at is None:
             self.first_token_at = time.time()
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
+        if out.prompt_logprobs is not None and self.prompt_fields is not None:
+            self.prompt_fields["prompt_logprobs"] = convert_prompt_logprobs(
+                out.prompt_logprobs, token_text)
         lp = convert_logprobs(out.logprobs, out.new_token_ids, token_text)
         self.choices[out.index].add(out, lp, self._hold)
         return lp
@@ -147,8 +162,16 @@ class ActiveJob:
                lp: list[dict[str, Any]] | None) -> Outgoing:
         seq = self.next_seq
         self.next_seq += 1
+        prompt = None if self.prompt_fields is None else self._take_prompt()
         return Outgoing(self.entry, self.request_id, seq, ids, text, lp,
-                        emitted_at=time.time(), index=index)
+                        emitted_at=time.time(), index=index, prompt=prompt)
+
+    def _take_prompt(self) -> dict[str, Any] | None:
+        """The prompt fields, on the first event only."""
+        fields, self.prompt_fields = self.prompt_fields, None
+        if fields is not None and self.num_prompt_tokens:
+            fields["prompt_tokens"] = self.num_prompt_tokens
+        return fields or None
 
     # -- the end -----------------------------------------------------------------------
     def final_event(
@@ -197,12 +220,15 @@ class ActiveJob:
             logprobs=logprobs or None,  # type: ignore[arg-type]  # validated into models
             finish_reason=reason, error=error, error_kind=error_kind,
             usage=usage, timings=timings, worker_id=self.worker_id, choices=choices,
+            error_code=self.error_code, error_param=self.error_param,
+            **(self._take_prompt() or {}),
         )
         first = chosen[0][1]
         status = JobStatus(
             request_id=self.request_id, state=state_for_finish(reason),
             text="".join(first.text_parts), token_ids=first.token_ids, finish_reason=reason,
             usage=usage, timings=timings, error=error, error_kind=error_kind,
+            error_code=self.error_code, error_param=self.error_param,
             worker_id=self.worker_id, model=self.request.model, created_at=created,
             started_at=self.started_at, finished_at=now,
             choices=[c.result(i, True) for i, c in chosen] if self.multi else None,

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -28,8 +29,8 @@ from worker.service.redis_io import (
     TRANSIENT_ERRORS,
     Backoff,
     WorkerSettings,
-    connect,
     execute_scripts,
+    recover,
     text,
 )
 
@@ -49,7 +50,7 @@ class Control(threading.Thread):
         self.held = held
         self.mailbox = mailbox
         self.stats = stats
-        self.redis = connect(settings.redis_url)
+        self.redis = settings.connect()
         self.started_at = time.time()
         self.stopped = threading.Event()
         self.queue_lag = 0
@@ -92,6 +93,7 @@ class Control(threading.Thread):
                 if backoff.failures == 0:
                     log.warning("control_redis_unavailable", error=str(exc))
                 pubsub = _close(pubsub)
+                recover(self.redis)
                 backoff.wait(self.stopped)
             except Exception:  # never let a bug stop heartbeats and renewals silently
                 log.exception("control_failed")
@@ -148,6 +150,8 @@ class Control(threading.Thread):
         write_heartbeat(pipe, self.keys, beat, self.settings.ttls)
         pipe.execute()
         self.beats += 1
+        if self.settings.health_file:
+            Path(self.settings.health_file).touch()
 
 
 def _queue(r: Any, keys: Keys) -> tuple[int, int]:

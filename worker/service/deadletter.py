@@ -18,11 +18,20 @@ import redis
 import structlog
 
 from protocol.codec import REQUEST_FIELD, request_fields
-from protocol.models import ID_PATTERN, ErrorKind, GenerateRequest, JobStatus, TokenEvent, Usage
+from protocol.models import (
+    ID_PATTERN,
+    TERMINAL_STATES,
+    ErrorKind,
+    GenerateRequest,
+    JobStatus,
+    TokenEvent,
+    Usage,
+)
 from protocol.store import dead_letter
+from worker.service.cluster_push import dead_letter_on_cluster
 from worker.service.jobs import Outgoing
 from worker.service.leases import SCRIPTS, Entry
-from worker.service.outbox import queue_push
+from worker.service.outbox import encode_outgoing, queue_push
 from worker.service.redis_io import WorkerSettings, execute_scripts
 
 log = structlog.get_logger("ferry.worker.deadletter")
@@ -89,8 +98,15 @@ class DeadLetters:
                     reason=reason)
         keys = self.settings.keys
         out = None
-        if rid is not None:
+        if rid is not None and not self._ended(r, rid):
             out = self._terminal(rid, entry, int(r.llen(keys.events(rid))), error, kind)
+        if keys.cluster:  # the event and the record live in different slots
+            outcome = dead_letter_on_cluster(r, self.settings, encode_outgoing, out, entry,
+                                             fields, reason)
+            if outcome not in (None, "ok", "dup"):
+                log.info("dead_letter_event_skipped", entry_id=entry_id, request_id=rid,
+                         why=f"the job refused the event ({outcome})")
+            return
 
         def build(pipe: Any) -> None:
             if out is not None:  # event + failed job hash + XACK, fenced like any other
@@ -107,12 +123,20 @@ class DeadLetters:
             if isinstance(reply, Exception) or (isinstance(reply, list) and reply != [b"ok"]):
                 log.error("dead_letter_event_failed", entry_id=entry_id, reply=str(reply))
 
+    def _ended(self, r: redis.Redis, rid: str) -> bool:
+        """The job already has its terminal event: nothing more may be written for it."""
+        state = r.hget(self.settings.keys.job(rid), "state")
+        return state is not None and state.decode() in TERMINAL_STATES  # type: ignore[union-attr]
+
     def _terminal(
         self, rid: str, entry: Entry, seq: int, error: str, kind: ErrorKind
     ) -> Outgoing:
+        """The one terminal event of a request whose entry is dead: fenced like any other
+        write, and claiming the id for this entry (``claim``), so that a second entry with
+        the same id finds the job owned by another entry and writes nothing."""
         now, worker = time.time(), self.settings.worker_id
         event = TokenEvent(request_id=rid, seq=seq, finish_reason="error", error=error,
                            error_kind=kind, usage=Usage(), worker_id=worker)
         status = JobStatus(request_id=rid, state="failed", finish_reason="error", error=error,
                            error_kind=kind, usage=Usage(), worker_id=worker, finished_at=now)
-        return Outgoing(entry, rid, seq, [], "", None, event, status, now)
+        return Outgoing(entry, rid, seq, [], "", None, event, status, now, claim=True)

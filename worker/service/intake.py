@@ -3,11 +3,14 @@
 It reads the priority lanes highest first (``protocol.keys.PRIORITY_BANDS``), and takes only
 as many entries as the worker can start soon (``Slots``), so a burst spreads over every
 idle worker instead of queueing behind the first one's prefills; it BLOCKs long only while
-the batch is empty. Each pass first runs the reaper: XAUTOCLAIM of entries idle past the
-lease (their worker died or stalled), which are resumed from their replay log. Entries that
-cannot be decoded, were delivered too often, or reuse another job's request id go to the
-dead-letter stream; the worker keeps going. Started jobs get their prompt tokenized on the
-``PromptPool`` before they reach the engine loop.
+the batch is empty. On a Redis Cluster each lane has a stream per shard: a pass reads the
+high lane of every shard before any normal lane, starting each lane at a shard that moves
+on every pass (so no shard is always read last), and BLOCKs briefly on one shard at a time
+(a blocking read cannot span slots). Each pass first runs the reaper: XAUTOCLAIM of entries
+idle past the lease (their worker died or stalled), which are resumed from their replay
+log. Entries that cannot be decoded, were delivered too often, or reuse another job's
+request id go to the dead-letter stream; the worker keeps going. Started jobs get their
+prompt tokenized on the ``PromptPool`` before they reach the engine loop.
 """
 
 from __future__ import annotations
@@ -22,16 +25,17 @@ import structlog
 from redis.exceptions import ResponseError
 
 from protocol.codec import ProtocolError, decode_entry, request_fields
+from protocol.keys import PRIORITY_BANDS
 from protocol.models import GenerateRequest, TokenEvent
 from protocol.store import START_JOB_LUA, ensure_group
 from protocol.streaming import decode_log
 from worker.service.active_job import ActiveJob
 from worker.service.deadletter import DeadLetters
 from worker.service.jobs import Admission
-from worker.service.leases import Entry, HeldEntries
+from worker.service.leases import Entry, HeldEntries, dead_consumers, hand_back_consumer
 from worker.service.outbox import Outbox
 from worker.service.prompt_pool import PromptPool
-from worker.service.redis_io import TRANSIENT_ERRORS, Backoff, WorkerSettings, connect, text
+from worker.service.redis_io import TRANSIENT_ERRORS, Backoff, WorkerSettings, recover, text
 from worker.service.slots import Slots
 
 log = structlog.get_logger("ferry.worker.intake")
@@ -53,13 +57,16 @@ class Intake(threading.Thread):
         self.busy = busy
         self.dead = dead
         self.prompts = prompts
-        self.streams = self.keys.request_streams  # highest priority first
+        self.streams = self.keys.request_streams  # highest priority first (lane-major)
+        self._urgent = set(self.keys.lane_streams("high"))
         # BLOCK must end well before the socket timeout, or a quiet stream looks dead.
-        self.redis = connect(settings.redis_url, socket_timeout=settings.idle_block_ms / 1000 + 5)
+        self.redis = settings.connect(socket_timeout=settings.idle_block_ms / 1000 + 5)
         self.stopped = threading.Event()
         self.reclaimed = 0
         self._cursors = {stream: "0-0" for stream in self.streams}
         self._next_reap = 0.0
+        self._next_rescue = 0.0
+        self._turn = 0  # the shard each lane is read from first, this pass
 
     def stop(self) -> None:
         self.stopped.set()
@@ -73,6 +80,7 @@ class Intake(threading.Thread):
             except TRANSIENT_ERRORS as exc:
                 if backoff.failures == 0:
                     log.warning("intake_redis_unavailable", error=str(exc))
+                recover(self.redis)
                 backoff.wait(self.stopped)
             except ResponseError as exc:
                 if "NOGROUP" in str(exc):
@@ -86,17 +94,32 @@ class Intake(threading.Thread):
                 backoff.wait(self.stopped)
         self.redis.close()
 
-    def _rooms(self) -> dict[str, int]:
-        """Entries each lane may deliver now (the urgent lane ignores batch room)."""
+    def _in_turn(self) -> tuple[list[str], int]:
+        """Every stream in this pass's reading order, and the shard read first: lanes
+        highest first, each lane's shards from a starting shard that moves every pass."""
+        shards = self.keys.shards
+        start = self._turn % shards
+        self._turn += 1
+        order: list[str] = []
+        for band in PRIORITY_BANDS:
+            lane = self.keys.lane_streams(band)
+            order += lane[start:] + lane[:start]
+        return order, start
+
+    def _rooms(self, order: list[str]) -> dict[str, int]:
+        """Entries each stream may deliver now (the urgent lane ignores batch room)."""
         free = self.slots.wait_free(timeout=0.2)
         urgent = self.slots.free_urgent()
-        return {stream: urgent if i == 0 else free for i, stream in enumerate(self.streams)}
+        return {stream: urgent if stream in self._urgent else free for stream in order}
 
     def _tick(self) -> None:
-        rooms = self._rooms()
+        order, first_shard = self._in_turn()
+        rooms = self._rooms(order)
         if max(rooms.values()) <= 0 or self.stopped.is_set():
             return
         taken = 0
+        if time.monotonic() >= self._next_rescue:
+            self._rescue_dead_workers()
         if time.monotonic() >= self._next_reap:
             taken += self._reap(max(rooms.values()))
         for stream, room in rooms.items():  # highest lane first, without blocking
@@ -109,12 +132,28 @@ class Intake(threading.Thread):
                 self._process(stream, entries, {})
         if taken:
             return
-        open_lanes: dict[Any, Any] = {s: ">" for s, room in rooms.items() if room > 0}
+        # one shard's lanes (a read spans one slot): on a cluster, briefly, then the next
+        open_lanes: dict[Any, Any] = {s: ">" for s in self.keys.shard_streams(first_shard)
+                                      if rooms[s] > 0}
         block = self.settings.busy_block_ms if self.busy() else self.settings.idle_block_ms
+        if self.keys.shards > 1:
+            block = min(block, self.settings.busy_block_ms)
         reply = self.redis.xreadgroup(self.keys.group, self.settings.worker_id, open_lanes,
                                       count=1, block=block)
         for name, entries in sorted(reply or [], key=lambda r: self.streams.index(text(r[0]))):
             self._process(text(name), entries, {})
+
+    def _rescue_dead_workers(self) -> None:
+        """Hand back the entries of workers that died without draining (kill -9, OOM, a
+        lost node), so the reaper takes them now instead of after the lease: a dead
+        container's requests move within about one heartbeat TTL. Checked once per beat
+        interval, only while this worker has room to take them."""
+        self._next_rescue = time.monotonic() + self.settings.heartbeat_interval_s
+        for consumer in dead_consumers(self.redis, self.keys, self.settings.worker_id,
+                                       self.settings.liveness_ms):
+            handed = hand_back_consumer(self.redis, self.keys, consumer)
+            log.warning("dead_worker_entries_handed_back", consumer=consumer, entries=handed)
+            self._next_reap = 0.0
 
     def _reap(self, limit: int) -> int:
         """Claim up to ``limit`` entries idle past the lease, highest lane first."""
@@ -189,9 +228,10 @@ class Intake(threading.Thread):
             pipe = self.redis.pipeline(transaction=False)
             for (stream, entry_id), request in good:
                 rid = request.request_id
-                pipe.eval(START_JOB_LUA, 2, keys.job(rid), keys.cancelled(rid), rid,
-                          self.settings.worker_id, now, self.settings.ttls.job_s, entry_id,
-                          stream)
+                # EVAL by name: a cluster pipeline has no eval() (it routes by the keys)
+                pipe.execute_command("EVAL", START_JOB_LUA, 2, keys.job(rid), keys.cancelled(rid),
+                                     rid, self.settings.worker_id, now,
+                                     self.settings.ttls.job_s, entry_id, stream)
                 pipe.lrange(keys.events(rid), 0, -1)
                 pipe.get(keys.cancelled(rid))
             replies = pipe.execute()

@@ -119,9 +119,14 @@ class JobTable:
             return
         request = admission.request
         job.num_prompt_tokens = len(admission.prompt_token_ids)
+        params = request.params
+        if job.prompt_fields is None:  # resumed: the prompt's fields were sent already
+            params = params.model_copy(update={"prompt_logprobs": None})
+        elif admission.prompt_text is not None:
+            job.prompt_fields["prompt_text"] = admission.prompt_text
         try:
             self.engine.add_tokens(
-                rid, admission.prompt_token_ids, request.params, priority=request.priority,
+                rid, admission.prompt_token_ids, params, priority=request.priority,
                 prior_by_choice=admission.prior,
                 skip_choices=frozenset(admission.finished_choices),
             )
@@ -137,6 +142,7 @@ class JobTable:
         """A prompt the pool could not build: invalid input is the client's fault."""
         if isinstance(error, PromptError):
             job.num_prompt_tokens = error.num_prompt_tokens
+            job.error_code, job.error_param = error.code, error.param
             self._finish_now(job, "error", str(error), "invalid_request")
         else:
             message = f"{type(error).__name__}: {error}" if error else "prompt not built"

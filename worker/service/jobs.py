@@ -30,9 +30,11 @@ class Admission:
     prior_text: dict[int, str] = field(default_factory=dict)
     finished_choices: dict[int, str] = field(default_factory=dict)
     next_seq: int = 0
-    # Filled off the engine loop (``prompt_pool``): the prompt's token ids, or why not.
+    # Filled off the engine loop (``prompt_pool``): the prompt's token ids, or why not;
+    # with ``echo`` and a prompt given as ids, its text.
     prompt_token_ids: list[int] | None = None
     error: Exception | None = None
+    prompt_text: str | None = None
 
     @property
     def prior_token_ids(self) -> list[int]:
@@ -67,10 +69,26 @@ class Outgoing:
     emitted_at: float = 0.0  # wall clock when the engine loop produced it
     index: int = 0  # the choice these tokens belong to (n > 1)
     choice_finish_reason: str | None = None  # set on the event that ends a choice (n > 1)
+    # The first event's prompt fields (prompt_tokens, prompt_logprobs, prompt_text).
+    prompt: dict[str, Any] | None = None
+    # Terminal only: also record ``entry`` as the job's entry in the hash (a dead-lettered
+    # entry claiming an id no job hash names yet, so a second entry with it is foreign).
+    claim: bool = False
 
     @property
     def final(self) -> bool:
         return self.event is not None
+
+
+def convert_prompt_logprobs(
+    raw: list[tuple[int, float | None, list[tuple[int, float]]]], token_text: TokenText,
+) -> list[dict[str, Any]]:
+    """Engine prompt logprobs -> the wire's ``[{token_id, logprob, token, top: [...]}]``."""
+    return [
+        {"token_id": tid, "logprob": lp, "token": token_text(tid),
+         "top": [{"token_id": t, "logprob": p, "token": token_text(t)} for t, p in top]}
+        for tid, lp, top in raw
+    ]
 
 
 def convert_logprobs(

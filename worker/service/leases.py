@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 
 from protocol.keys import Keys
-from worker.service.redis_io import TRANSIENT_ERRORS, LuaScript, WorkerSettings, connect, text
+from worker.service.redis_io import TRANSIENT_ERRORS, LuaScript, WorkerSettings, text
 
 log = structlog.get_logger("ferry.worker.leases")
 
@@ -166,7 +166,7 @@ def hand_back(settings: WorkerSettings, entries: list[Entry]) -> int:
     if not entries:
         return 0
     keys = settings.keys
-    r = connect(settings.redis_url)
+    r = settings.connect()
     try:
         handed = 0
         for stream, ids in by_stream(entries).items():
@@ -202,6 +202,36 @@ def hand_back_consumer(r: Any, keys: Keys, consumer: str, page: int = 1000) -> i
                 break
             start = "(" + ids[-1]
     return total
+
+
+def dead_consumers(r: Any, keys: Keys, me: str, min_idle_ms: int) -> list[str]:
+    """Consumers that hold entries but whose worker is gone, in every lane.
+
+    Dead means both: its heartbeat key (``keys.worker``) has expired — the control thread
+    writes it every beat, whatever the engine loop is doing, so a live worker in a long
+    step keeps it — and the consumer has not touched the stream for ``min_idle_ms`` (the
+    same TTL). The second condition keeps a Redis restart from making every worker look
+    dead at once: the restored keys may have expired during the outage, but the group's
+    idle clocks restart, and live workers beat again long before they run out. A consumer
+    wrongly judged dead loses only work: its fenced writes come back ``lost``."""
+    pipe = r.pipeline(transaction=False)
+    for stream in keys.request_streams:
+        pipe.xinfo_consumers(stream, keys.group)
+    suspects: set[str] = set()
+    for reply in pipe.execute(raise_on_error=False):
+        if isinstance(reply, Exception):  # NOGROUP: the intake recreates the group
+            continue
+        for row in reply:
+            name = text(row["name"])
+            if name != me and int(row["pending"]) > 0 and int(row["idle"]) >= min_idle_ms:
+                suspects.add(name)
+    if not suspects:
+        return []
+    names = sorted(suspects)
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(keys.worker(name))
+    return [name for name, alive in zip(names, pipe.execute(), strict=True) if not alive]
 
 
 def lost_ids(reply: Any) -> list[str]:

@@ -12,6 +12,7 @@ either event by event (``observe_step``, ``preempted``) or from an ``EngineStats
 
 from __future__ import annotations
 
+import errno
 import threading
 
 from prometheus_client import (
@@ -23,9 +24,12 @@ from prometheus_client import (
     start_http_server,
 )
 
+from worker.engine.health import DEGRADED_REASONS  # torch-free
 from worker.engine.outputs import EngineStats  # a plain dataclass: no torch
 
 PREFIX = "ferry_worker_"
+METRICS_PORT_TRIES = 64
+"""Ports tried from the configured one when it is taken (see ``WorkerMetrics.serve``)."""
 OUTCOMES = ("stop", "length", "cancelled", "timeout", "error", "abort")
 """Finish reasons of the protocol; used as the ``outcome`` label values."""
 
@@ -99,6 +103,20 @@ class WorkerMetrics:
             "KV blocks holding a reusable prefix (held by requests or evictable).",
             registry=reg,
         )
+        self.decode_graphs_active = Gauge(
+            p + "decode_graphs_active",
+            "1 when pure-decode steps replay CUDA graphs (0 on a CPU, with "
+            "FERRY_ENFORCE_EAGER, or when capture failed: see ferry_worker_degraded).",
+            registry=reg,
+        )
+        self.degraded = Gauge(
+            p + "degraded",
+            "1 per reason the worker serves slower than it should (graphs unavailable or "
+            "mismatched, a kernel that failed, the torch attention fallback on a CPU).",
+            ["reason"], registry=reg,
+        )
+        for reason in DEGRADED_REASONS:
+            self.degraded.labels(reason)  # every reason exported, 0 when healthy
 
     def _build_counters(self) -> None:
         reg, p = self.registry, PREFIX
@@ -173,10 +191,24 @@ class WorkerMetrics:
             registry=reg,
         )
 
-    def serve(self, port: int) -> None:
-        """Expose ``/metrics`` on ``port`` in a daemon thread; ``0`` disables it."""
-        if port:
-            start_http_server(port, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1", tries: int = METRICS_PORT_TRIES
+              ) -> int:
+        """Expose ``/metrics`` on ``host`` in a daemon thread, on the first free port from
+        ``port``; returns the port (``0``: off). Loopback by default (prometheus_client's
+        own default is every interface): deployments that scrape from elsewhere pass
+        ``--metrics-host 0.0.0.0``. Workers scaled on one host network (compose with
+        ``network_mode: host``) all ask for the same port: each takes the next free one
+        instead of dying at start, and says which in its log and heartbeat."""
+        if not port:
+            return 0
+        for candidate in range(port, min(port + tries, 65536)):
+            try:
+                start_http_server(candidate, addr=host, registry=self.registry)
+                return candidate
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+        raise OSError(errno.EADDRINUSE, f"metrics: ports {port}-{port + tries - 1} are taken")
 
     def render(self) -> bytes:
         """The text exposition (what ``/metrics`` returns); used by tests and ``ferry up``."""
@@ -220,6 +252,10 @@ class WorkerMetrics:
         self.kv_cached.set(getattr(stats, "kv_blocks_cached", 0))
         self._prefix_queries.sync(getattr(stats, "prefix_cache_queries", 0))
         self._prefix_hits.sync(getattr(stats, "prefix_cache_hits", 0))
+        self.decode_graphs_active.set(int(getattr(stats, "decode_graphs_active", False)))
+        degraded = set(getattr(stats, "degraded", ()))
+        for reason in DEGRADED_REASONS:
+            self.degraded.labels(reason).set(int(reason in degraded))
 
     def set_queue(self, depth: int, lag: int) -> None:
         """Stream length and the group's undelivered count, as last read from Redis."""

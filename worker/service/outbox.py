@@ -7,7 +7,8 @@ fenced-push script (``worker/leases.py: FENCED_PUSH``), which for each event ato
 checks the lease, PUBLISHes the event, appends it to the replay log and, for a terminal
 event, writes the result to the job hash and XACKs the entry. On a connection error the
 same batch is sent again after a backoff, in order; the fence turns already-applied
-pushes into ``dup``, so nothing reaches a client twice.
+pushes into ``dup``, so nothing reaches a client twice. On a Redis Cluster the batch goes
+out as one pipeline per master instead (``worker/service/cluster_push.py``).
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ import structlog
 
 from protocol.codec import encode_event, status_to_hash
 from protocol.models import PROTOCOL_VERSION
+from worker.service.cluster_push import ClusterPusher
 from worker.service.jobs import Command, Outgoing
 from worker.service.leases import FENCED_PUSH, SCRIPTS, HeldEntries
 from worker.service.redis_io import (
     TRANSIENT_ERRORS,
     Backoff,
     WorkerSettings,
-    connect,
     execute_scripts,
+    recover,
     text,
 )
 
@@ -56,6 +58,8 @@ def encode_outgoing(out: Outgoing) -> bytes:
         payload["index"] = out.index
     if out.choice_finish_reason is not None:
         payload["choice_finish_reason"] = out.choice_finish_reason
+    if out.prompt is not None:
+        payload.update(out.prompt)
     return msgpack.packb(payload, use_bin_type=True)  # type: ignore[no-any-return]
 
 
@@ -69,6 +73,8 @@ def queue_push(pipe: Any, settings: WorkerSettings, batch: list[Outgoing]) -> No
         stream, entry_id = out.entry
         script_keys += [stream, keys.events(rid), keys.job(rid)]
         fields = status_to_hash(out.status) if out.status is not None else {}
+        if out.claim:
+            fields.update(entry_id=entry_id, stream=stream)
         args += [entry_id, out.seq, encode_outgoing(out), keys.tokens(rid), len(fields)]
         for name, value in fields.items():
             args += [name, value]
@@ -87,7 +93,9 @@ class Outbox(threading.Thread):
         self.held = held
         self.mailbox = mailbox
         self.observer = observer
-        self.redis = connect(settings.redis_url)
+        self.redis = settings.connect()
+        self.pusher = ClusterPusher(settings, self.redis, encode_outgoing,
+                                    held.holds_request) if settings.redis_cluster else None
         self._cond = threading.Condition()
         self._pending: deque[Outgoing] = deque()
         self._inflight = 0
@@ -97,7 +105,12 @@ class Outbox(threading.Thread):
 
     @property
     def depth(self) -> int:
-        return len(self._pending) + self._inflight
+        return len(self._pending) + self._inflight + self._parked
+
+    @property
+    def _parked(self) -> int:
+        """Events a cluster pusher holds for a master that is away (failing over)."""
+        return len(self.pusher.parked) if self.pusher is not None else 0
 
     def put(self, items: list[Outgoing], give_up: Callable[[], bool] | None = None) -> None:
         """Queue events in order; waits while the buffer is full (Redis away too long).
@@ -119,10 +132,12 @@ class Outbox(threading.Thread):
     def run(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._closing:
+                while not self._pending and not self._closing and not self._parked:
                     self._cond.wait()
-                if not self._pending:
+                if self._abandon.is_set() or not (self._pending or self._parked):
                     return
+                if not self._pending:  # only parked events: retry them at a gentle pace
+                    self._cond.wait(0.02)
                 n = min(len(self._pending), MAX_BATCH)
                 batch = [self._pending.popleft() for _ in range(n)]
                 self._inflight = n
@@ -135,6 +150,13 @@ class Outbox(threading.Thread):
                     self._cond.notify_all()
 
     def _send(self, batch: list[Outgoing]) -> None:
+        if self.pusher is not None:  # parks what a failing-over master cannot take yet
+            settled = self.pusher.push(batch, self._abandon, park=True)
+            self._sent([out for out, _ in settled])
+            refused: set[str] = set()
+            for out, outcome in settled:
+                self._settle(out, outcome, refused)
+            return
         backoff = Backoff()
         while True:
             try:
@@ -145,14 +167,13 @@ class Outbox(threading.Thread):
             except TRANSIENT_ERRORS as exc:
                 if backoff.failures == 0:
                     log.warning("outbox_redis_unavailable", error=str(exc), pending=self.depth)
+                recover(self.redis)
                 backoff.wait(self._abandon)
                 if self._abandon.is_set():
                     return
         if backoff.failures:
             log.info("outbox_reconnected", retries=backoff.failures)
-        self.sent += len(batch)
-        if self.observer is not None:
-            self.observer(batch, time.time())
+        self._sent(batch)
         outcomes = replies[0]
         if isinstance(outcomes, Exception):  # e.g. the group was deleted: nothing is owned
             log.error("publish_failed", error=str(outcomes), events=len(batch))
@@ -160,6 +181,11 @@ class Outbox(threading.Thread):
         reported: set[str] = set()
         for out, outcome in zip(batch, outcomes, strict=True):
             self._settle(out, outcome, reported)
+
+    def _sent(self, batch: list[Outgoing]) -> None:
+        self.sent += len(batch)
+        if self.observer is not None:
+            self.observer(batch, time.time())
 
     def _settle(self, out: Outgoing, reply: Any, reported: set[str]) -> None:
         outcome = "error" if isinstance(reply, Exception) else text(reply)
@@ -183,7 +209,7 @@ class Outbox(threading.Thread):
         """Wait until everything queued so far is sent; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._pending or self._inflight:
+            while self._pending or self._inflight or self._parked:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -196,7 +222,7 @@ class Outbox(threading.Thread):
             self._closing = True
             self._cond.notify_all()
         self.join(timeout)
-        clean = not self.is_alive() and not self._pending
+        clean = not self.is_alive() and not self._pending and not self._parked
         if self.is_alive():
             self._abandon.set()
             self.join(5)

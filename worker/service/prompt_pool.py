@@ -25,11 +25,15 @@ log = structlog.get_logger("ferry.worker.prompts")
 
 BuildPrompt = Callable[[GenerateRequest, list[int]], list[int]]
 """(request, prior output ids) -> validated prompt token ids; raises ``PromptError``."""
+Decode = Callable[[list[int]], str]
+"""Token ids -> text (``echo`` of a prompt given as ids)."""
 
 
 class PromptPool:
-    def __init__(self, build: BuildPrompt, mailbox: queue.Queue[Any], workers: int = 2) -> None:
+    def __init__(self, build: BuildPrompt, mailbox: queue.Queue[Any], workers: int = 2,
+                 decode: Decode | None = None) -> None:
         self._build = build
+        self._decode = decode
         self._mailbox = mailbox
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="ferry-prompts")
         self._lock = threading.Lock()
@@ -48,8 +52,10 @@ class PromptPool:
 
     def _prepare(self, admission: Admission) -> None:
         try:
-            admission.prompt_token_ids = self._build(admission.request,
-                                                     admission.prior_token_ids)
+            request = admission.request
+            admission.prompt_token_ids = self._build(request, admission.prior_token_ids)
+            if request.echo and request.prompt_token_ids is not None and self._decode:
+                admission.prompt_text = self._decode(admission.prompt_token_ids)
         except PromptError as exc:
             admission.error = exc
         except ValueError as exc:  # e.g. a chat template refusing the messages

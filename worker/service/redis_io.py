@@ -15,24 +15,30 @@ import random
 import re
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import NoScriptError, RedisClusterException
 from redis.retry import Retry
 
-from protocol.keys import Keys
+from protocol.cluster import (
+    TRANSIENT_CLUSTER_ERRORS,
+    Replication,
+    check_cluster_url,
+    cluster_client,
+    refresh_topology,
+)
+from protocol.keys import DEFAULT_SHARDS, Keys, keys_for
 from protocol.models import ID_PATTERN
 from protocol.store import Ttls
 
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    RedisConnectionError, RedisTimeoutError, OSError,
-)
-"""Errors that mean "Redis is unreachable right now": retry, never crash the worker."""
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = TRANSIENT_CLUSTER_ERRORS
+"""Errors that mean "Redis is unreachable right now" (refused connections, timeouts; on a
+cluster also a failover's CLUSTERDOWN, MOVED, TRYAGAIN, READONLY): retry, never crash."""
 
 
 def default_worker_id() -> str:
@@ -53,7 +59,11 @@ class WorkerSettings:
     max_deliveries: int = 3  # a delivery past this goes to the dead-letter stream
     drain_timeout_s: float = 30.0  # SIGTERM: finish in-flight work for this long
     heartbeat_interval_s: float = 1.0
-    metrics_port: int = 0  # 0: no Prometheus endpoint
+    metrics_port: int = 0  # 0: no Prometheus endpoint; taken: the next free one
+    # Touched after every heartbeat written: a container's health check reads its age
+    # (no port to find when several workers share a host network). None: off.
+    health_file: str | None = None
+    metrics_host: str = "127.0.0.1"  # like the gateway and Redis: open it on purpose
     # Entries held beyond the running batch (read but not started): small, so that a
     # burst spreads over the idle workers instead of queueing behind one worker's prefills
     prefetch: int = 4
@@ -61,11 +71,18 @@ class WorkerSettings:
     idle_block_ms: int = 1000  # ... and while it is empty
     max_outbox_events: int = 100_000  # buffered while Redis is away; then the loop waits
     ttls: Ttls = field(default_factory=Ttls)
+    # Redis Cluster: the URL names any node; the request streams are split into shards,
+    # and a terminal event is on a replica (WAIT) before its entry is acknowledged.
+    redis_cluster: bool = False
+    stream_shards: int = DEFAULT_SHARDS
+    replication: Replication = field(default_factory=Replication)
 
     def __post_init__(self) -> None:
         if not re.match(ID_PATTERN, self.worker_id):
             raise ValueError(f"worker_id: {self.worker_id!r} must match {ID_PATTERN}")
-        Keys(self.prefix)  # raises ValueError naming the prefix
+        keys_for(self.prefix, self.redis_cluster, self.stream_shards)  # names the bad field
+        if self.redis_cluster:
+            check_cluster_url(self.redis_url)
         if self.lease_s <= 0:
             raise ValueError("lease_s: must be > 0")
         if self.max_deliveries < 1:
@@ -74,10 +91,23 @@ class WorkerSettings:
             raise ValueError("prefetch: must be >= 1")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s: must be >= 0")
+        if self.ttls.heartbeat_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_ttl_s: {self.ttls.heartbeat_s} must be at least twice "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}), or a live worker "
+                "looks dead between two beats and loses its requests")
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.prefix)
+        return keys_for(self.prefix, self.redis_cluster, self.stream_shards)
+
+    def connect(self, socket_timeout: float = 5.0) -> Any:
+        """A client for one thread: ``connect`` below, or a cluster client."""
+        if self.redis_cluster:
+            return LazyClusterClient(lambda: cluster_client(
+                self.redis_url, socket_timeout=socket_timeout, socket_connect_timeout=2.0,
+                socket_keepalive=True))
+        return connect(self.redis_url, socket_timeout)
 
     @property
     def lease_ms(self) -> int:
@@ -92,6 +122,12 @@ class WorkerSettings:
     def reap_interval_s(self) -> float:
         return min(self.lease_s / 2, 5.0)
 
+    @property
+    def liveness_ms(self) -> int:
+        """A consumer whose heartbeat key has expired and that has not touched the stream
+        for this long is dead: its entries are taken over without waiting for the lease."""
+        return int(self.ttls.heartbeat_s * 1000)
+
 
 def connect(url: str, socket_timeout: float = 5.0) -> redis.Redis:
     """A client for one thread's use. One silent retry re-dials a connection that a Redis
@@ -104,6 +140,46 @@ def connect(url: str, socket_timeout: float = 5.0) -> redis.Redis:
         retry=Retry(NoBackoff(), 1),
         health_check_interval=30,
     )
+
+
+class LazyClusterClient:
+    """A ``RedisCluster`` made on first use. Making one asks a node for the topology at
+    once, while a worker must start (and wait, with backoff) when the cluster is away, as
+    it does for one Redis; so the first command makes it, and a cluster not reachable yet
+    is a ``ConnectionError`` like any other outage."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> Any:
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    try:
+                        self._client = self._make()
+                    except RedisClusterException as exc:  # no node answered
+                        raise RedisConnectionError(str(exc)) from exc
+        return self._client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._get(), name)
+
+    def refresh(self) -> None:
+        if self._client is not None:
+            refresh_topology(self._client)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+def recover(r: Any) -> None:
+    """After a transient error: a cluster client re-reads the topology (a failover moved
+    slots to a promoted replica); a plain client simply reconnects on its next command."""
+    if isinstance(r, LazyClusterClient):
+        r.refresh()
 
 
 class Backoff:
@@ -143,7 +219,8 @@ class LuaScript:
         r.script_load(self.text)
 
     def queue(self, pipe: Any, keys: list[str], args: list[Any]) -> None:
-        pipe.evalsha(self.sha, len(keys), *keys, *args)
+        # by name: a cluster pipeline blocks evalsha() but routes EVALSHA by its keys
+        pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
     def run(self, r: redis.Redis, keys: list[str], args: list[Any]) -> Any:
         try:

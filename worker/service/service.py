@@ -18,6 +18,7 @@ import structlog
 
 from protocol.store import ensure_group
 from worker.engine.engine import Engine
+from worker.engine.health import DeviceFault
 from worker.service.control import Control
 from worker.service.deadletter import DeadLetters
 from worker.service.intake import Intake
@@ -27,11 +28,13 @@ from worker.service.leases import HeldEntries, hand_back
 from worker.service.metrics import WorkerMetrics
 from worker.service.outbox import Observer, Outbox
 from worker.service.prompt_pool import PromptPool, build_with
-from worker.service.redis_io import TRANSIENT_ERRORS, Backoff, WorkerSettings, connect
+from worker.service.redis_io import TRANSIENT_ERRORS, Backoff, WorkerSettings, recover
 from worker.service.slots import Slots
 from worker.service.stats import ServiceCounters, StatsBook
 
 log = structlog.get_logger("ferry.worker")
+
+EXIT_DEVICE_FAULT = 70  # EX_SOFTWARE: the device broke; the supervisor restarts the worker
 
 
 class WorkerService:
@@ -50,13 +53,15 @@ class WorkerService:
         self.slots = Slots(engine.config.scheduler.max_num_seqs, settings.prefetch)
         self.dead = DeadLetters(settings)
         self.outbox = Outbox(settings, self.held, self.mailbox, observer)
-        self.prompts = PromptPool(build_with(engine.prompts), self.mailbox)
+        self.prompts = PromptPool(build_with(engine.prompts), self.mailbox,
+                                  decode=engine.prompts.decode)
         self.intake = Intake(settings, self.held, self.slots, self.mailbox, self.outbox,
                              engine.has_unfinished_requests, self.dead, self.prompts)
         self.book = StatsBook(engine.stats, self.metrics)
         self.control = Control(settings, self.held, self.mailbox, self._heartbeat_stats)
         self._stop = threading.Event()
         self._drain_until: float | None = None
+        self.metrics_port = 0
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
         self.table = JobTable(engine, self.outbox, self.slots, self.held, self.book,
                               self.metrics, settings.worker_id, self.token_text, self.log)
@@ -68,7 +73,7 @@ class WorkerService:
             entries_held=len(self.held), queue_depth=self.control.queue_depth,
             queue_lag=self.control.queue_lag, reclaimed=self.intake.reclaimed,
             dead_lettered=self.dead.count, outbox_depth=self.outbox.depth,
-            draining=self.draining,
+            draining=self.draining, metrics_port=self.metrics_port,
         ))
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -86,35 +91,47 @@ class WorkerService:
         self._stop.set()
 
     def run(self) -> int:
-        """Serve until stopped; returns the process exit code."""
+        """Serve until stopped; returns the process exit code (``EXIT_DEVICE_FAULT`` when
+        the device broke: its requests are handed back for another worker to resume)."""
         if not self._connect():
             return 0
-        self.metrics.serve(self.settings.metrics_port)  # fails early if the port is taken
+        self.metrics_port = self.metrics.serve(self.settings.metrics_port,
+                                               self.settings.metrics_host)
         self.outbox.start()
         self.control.start()
         self.intake.start()
         self.log.info("worker_started", model=self.settings.model_name,
-                      max_num_seqs=self.slots.total, lease_s=self.settings.lease_s)
+                      max_num_seqs=self.slots.total, lease_s=self.settings.lease_s,
+                      metrics_port=self.metrics_port or None)
         try:
             self._loop()
+        except DeviceFault as exc:
+            self.log.error("device_fault", error=str(exc), exit_code=EXIT_DEVICE_FAULT,
+                           requests_handed_back=len(self.table.jobs))
+            return EXIT_DEVICE_FAULT
         finally:
             self._shutdown()
         return 0
 
     def _connect(self) -> bool:
         """Create the consumer group, waiting for Redis with backoff; False if stopped."""
-        r, backoff = connect(self.settings.redis_url), Backoff(cap=5.0)
+        backoff = Backoff(cap=5.0)
+        r = None
         try:
             while not self._stop.is_set():
                 try:
+                    r = r or self.settings.connect()  # a cluster client needs a node at once
                     ensure_group(r, self.settings.keys)
                     return True
                 except TRANSIENT_ERRORS as exc:
                     self.log.warning("redis_unavailable_at_startup", error=str(exc))
+                    if r is not None:
+                        recover(r)
                     backoff.wait(self._stop)
             return False
         finally:
-            r.close()
+            if r is not None:
+                r.close()
 
     # -- the loop ----------------------------------------------------------------------
     def _loop(self) -> None:

@@ -38,6 +38,7 @@ class ServiceCounters:
     dead_lettered: int  # cumulative
     outbox_depth: int
     draining: bool
+    metrics_port: int = 0  # the port /metrics is served on (0: off)
 
 
 class StatsBook:
@@ -107,4 +108,8 @@ class StatsBook:
             "dead_lettered": c.dead_lettered,
             "outbox_depth": c.outbox_depth,
             "draining": int(c.draining),
+            "metrics_port": c.metrics_port,
+            "decode_graphs": int(s.decode_graphs_active),
+            # comma-separated health.DEGRADED_REASONS; "" when healthy (ferry top marks it)
+            "degraded": ",".join(s.degraded),
         }

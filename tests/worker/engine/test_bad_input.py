@@ -36,8 +36,10 @@ def run_all(engine: Engine) -> dict[str, list[int]]:
         (dict(prompt=""), "prompt"),
         (dict(prompt=[]), "prompt"),
         (dict(prompt=[1, 10**6]), "prompt_token_ids"),
-        (dict(prompt="hi", params=SamplingParams(max_tokens=200)), "max_tokens.*context of 128"),
-        (dict(prompt=list(range(1, 120)), params=SamplingParams(max_tokens=20)), "max_tokens"),
+        (dict(prompt="hi", params=SamplingParams(max_tokens=200)),
+         "maximum context length is 128 tokens.*requested 20[0-9] tokens"),
+        (dict(prompt=list(range(1, 120)), params=SamplingParams(max_tokens=20)),
+         "maximum context length is 128 tokens.*119 in the prompt, 20 in the completion"),
         (dict(prompt="hi", params={"temperature": -1}), "temperature"),
         (dict(prompt="hi", params={"max_tokens": 0}), "max_tokens"),
         (dict(prompt="hi", params={"top_p": 1.5}), "top_p"),
@@ -98,6 +100,8 @@ def test_chat_with_template(engine):
         (dict(kv_cache_blocks=0), "kv_cache_blocks"),
         (dict(dtype="float8"), "dtype"),
         (dict(attention_backend="magic"), "attention_backend"),
+        (dict(attention_backend="triton", kv_cache_dtype="bfloat16"),
+         "kv_cache_dtype bfloat16 differs from the model's dtype float32"),
         (dict(device="cuda:0"), "CUDA is not available"),
         (dict(model="WEIGHTLESS"), "cannot load model weights"),
     ],
@@ -140,3 +144,37 @@ def test_aborts_and_finishes_return_every_block(engine):
         assert bm.num_free_blocks == bm.num_blocks
         bm.check_invariants()
     assert not engine.scheduler.requests and not engine._detok
+
+
+def test_device_faults_are_told_apart_from_failures_of_one_batch():
+    import torch
+
+    from worker.engine.health import is_device_fault
+
+    assert is_device_fault(torch.AcceleratorError("CUDA error: an illegal memory access"))
+    assert is_device_fault(RuntimeError("CUDA error: device-side assert triggered"))
+    assert is_device_fault(RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling gemm"))
+    assert not is_device_fault(torch.OutOfMemoryError("CUDA out of memory. Tried to ..."))
+    assert not is_device_fault(RuntimeError("CUDA error: out of memory"))
+    assert not is_device_fault(RuntimeError("shape '[2, 3]' is invalid for input of size 5"))
+    assert not is_device_fault(ValueError("CUDA error: not really"))
+
+
+def test_a_device_fault_ends_the_step_loop_instead_of_one_batch(ckpt, monkeypatch):
+    """Any other failure fails its batch and the engine goes on; a broken device raises."""
+    import torch
+
+    from worker.engine.health import DeviceFault
+
+    engine = Engine(EngineConfig.create(ckpt, num_blocks=32, block_size=8, device="cpu"))
+    engine.add_request("a", "hello", GREEDY)
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.runner, "execute", lambda *a: (_ for _ in ()).throw(
+            RuntimeError("a bug in one forward")))
+        (out,) = engine.step()
+    assert out.finish_reason == "error" and "a bug" in (out.error or "")
+    engine.add_request("b", "hello", GREEDY)
+    monkeypatch.setattr(engine.runner, "execute", lambda *a: (_ for _ in ()).throw(
+        torch.AcceleratorError("CUDA error: an illegal memory access was encountered")))
+    with pytest.raises(DeviceFault, match="illegal memory access"):
+        engine.step()

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from protocol.sampling import SamplingParams
-from worker.engine.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p_min_p
+from worker.engine.logits_processors import apply_penalties, apply_top_k_top_p_min_p
+from worker.engine.sampler import Sampler, SamplingRow
 
 VOCAB = 50
 
@@ -87,7 +88,7 @@ def test_logprobs_returned_when_asked():
 
 
 def test_logit_bias_bans_and_forces_tokens_for_greedy_and_sampled_rows():
-    from worker.engine.sampler import apply_logit_bias
+    from worker.engine.logits_processors import apply_logit_bias
 
     logits = torch.zeros(3, 8)
     logits[:, 2] = 5.0  # the argmax before any bias
@@ -103,3 +104,248 @@ def test_logit_bias_bans_and_forces_tokens_for_greedy_and_sampled_rows():
     assert out.token_ids[0] != 2 and out.token_ids[1] == 6
     sampled = SamplingParams(temperature=1.0, seed=11, logit_bias={4: 100})
     assert Sampler(0)(torch.randn(1, 8), [SamplingRow(sampled, 0, [1], [])]).token_ids == [4]
+
+
+# -- the batch on the device: no host synchronization per row --------------------------
+
+# (``numpy()`` is absent: on a device tensor it raises; only ``cpu()`` first would sync)
+_SYNCING_METHODS = ("item", "tolist", "cpu", "nonzero", "bincount", "unique",
+                    "masked_select", "__bool__", "__float__", "__int__", "__index__")
+
+
+class SyncCounter:
+    """Counts calls that make the host wait for a GPU (on a CPU they do not, so they are
+    counted by name): value reads (``item``, ``tolist``, ``float(t)``...), ops whose output
+    size depends on values (``nonzero``, boolean-mask indexing, ``bincount``, ``unique``),
+    and ``torch.tensor(..., device=...)`` from host data (a pageable copy that syncs)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        for name in _SYNCING_METHODS:
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+        for name in ("nonzero", "unique", "bincount", "masked_select"):
+            monkeypatch.setattr(torch, name, self._wrap("torch." + name, getattr(torch, name)))
+        getitem, setitem, tensor = torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.tensor
+
+        def index(name, fn):
+            def wrapped(t, key, *rest):
+                keys = key if isinstance(key, tuple) else (key,)
+                if any(isinstance(k, torch.Tensor) and k.dtype == torch.bool for k in keys):
+                    self.calls.append(f"{name}[bool mask]")
+                return fn(t, key, *rest)
+            return wrapped
+
+        def new_tensor(*args, **kw):
+            if kw.get("device") is not None:
+                self.calls.append("torch.tensor(device=...)")
+            return tensor(*args, **kw)
+
+        monkeypatch.setattr(torch.Tensor, "__getitem__", index("getitem", getitem))
+        monkeypatch.setattr(torch.Tensor, "__setitem__", index("setitem", setitem))
+        monkeypatch.setattr(torch, "tensor", new_tensor)
+
+    def _wrap(self, name, fn):
+        def wrapped(*args, **kw):
+            self.calls.append(name)
+            return fn(*args, **kw)
+        return wrapped
+
+    def take(self) -> list[str]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def _busy_rows(n: int, vocab: int) -> list[SamplingRow]:
+    """Every feature at once: penalties, logprobs, seeds, top-k/p, min-p, bias, greedy."""
+    rows = []
+    for i in range(n):
+        rows.append(row(
+            index=i, out=list(range(i % 7)), prompt=[1, 2, i % vocab], seed=i if i % 2 else None,
+            temperature=0 if i % 5 == 0 else 0.8, top_k=(0, 5, 20)[i % 3],
+            top_p=(1.0, 0.9)[i % 2], min_p=0.05 if i % 4 == 0 else 0.0,
+            repetition_penalty=1.1 if i % 3 == 0 else 1.0, frequency_penalty=0.2 * (i % 2),
+            logprobs=(None, 0, 3)[i % 3], logit_bias={3: 2.0} if i % 6 == 0 else None))
+    return rows
+
+
+def test_a_step_syncs_the_host_a_fixed_number_of_times_whatever_the_batch(monkeypatch):
+    """``launch`` never reads a device value; ``result`` reads the tokens and the logprobs
+    back once each: the count does not grow with the rows."""
+    counts = {}
+    for n in (4, 64):
+        logits = torch.randn(n, VOCAB)
+        rows = _busy_rows(n, VOCAB)
+        grammar = ([1, 2], torch.full((2, (VOCAB + 31) // 32), -1, dtype=torch.int32))
+        with monkeypatch.context() as patch:
+            counter = SyncCounter(patch)
+            pending = Sampler(seed=1).launch(logits, rows, grammar)
+            launched = counter.take()
+            out = pending.result()
+            read = counter.take()
+        assert len(out.token_ids) == n
+        counts[n] = (launched, read)
+    assert counts[4] == counts[64]
+    launched, read = counts[64]
+    assert launched == [] and sorted(read) == ["tolist", "tolist"], counts[64]
+
+
+def test_sampling_rows_copy_outputs_only_for_penalties():
+    from worker.engine.request import Request
+
+    free = Request("a", [1, 2], SamplingParams(temperature=1.0), output_token_ids=[5, 6])
+    free.append_placeholder()
+    penalised = Request("b", [1, 2], SamplingParams(repetition_penalty=1.2),
+                        output_token_ids=[5, 6])
+    penalised.append_placeholder()
+    assert SamplingRow.of(free).output_token_ids == ()
+    assert list(SamplingRow.of(penalised).output_token_ids) == [5, 6]
+    assert SamplingRow.of(penalised).cache is penalised.sampler_cache
+
+
+# -- against reference implementations ---------------------------------------------------
+
+
+def _reference_filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The previous implementation, row by row: min-p, then top-k and top-p over one full
+    sort, top-p renormalised over what top-k kept."""
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        x = out[i]
+        p = r.params
+        if p.min_p > 0:
+            probs = torch.softmax(x, -1)
+            x = x.masked_fill(probs < probs.max() * p.min_p, float("-inf"))
+        k = min(p.top_k, vocab) if p.top_k > 0 else vocab
+        if k < vocab or p.top_p < 1.0:
+            values, order = x.sort(descending=True)
+            drop = torch.arange(vocab) >= k
+            probs = torch.softmax(values.masked_fill(drop, float("-inf")), -1)
+            drop |= (probs.cumsum(-1) - probs) >= p.top_p
+            kept = values.masked_fill(drop, float("-inf"))
+            x = torch.full_like(x, float("-inf")).scatter(0, order, kept)
+        out[i] = x
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_k_top_p_min_p_equal_the_full_sort_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(12, 300, generator=gen) * 3
+    params = [dict(top_k=0), dict(top_k=7), dict(top_p=0.8), dict(top_k=40, top_p=0.5),
+              dict(top_k=1000), dict(min_p=0.1), dict(min_p=0.05, top_k=9, top_p=0.95),
+              dict(top_k=3, top_p=0.999), dict(), dict(top_k=1), dict(top_p=0.01),
+              dict(top_k=300)]
+    rows = [row(**kw) for kw in params]
+    expected = _reference_filter(logits, rows)
+    assert torch.equal(apply_top_k_top_p_min_p(logits, rows), expected)
+    no_top_p = [r for r in rows if r.params.top_p == 1.0]  # the topk path, no full sort
+    sub = logits[[i for i, r in enumerate(rows) if r.params.top_p == 1.0]]
+    assert torch.equal(apply_top_k_top_p_min_p(sub, no_top_p), _reference_filter(sub, no_top_p))
+
+
+def test_top_k_without_top_p_never_sorts_the_vocabulary(monkeypatch):
+    sorted_widths = []
+    original = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda t, *a, **k: (
+        sorted_widths.append(t.shape[-1]) or original(t, *a, **k)))
+    rows = [row(top_k=k, top_p=0.9) for k in (1, 5, 50, 9)]
+    apply_top_k_top_p_min_p(torch.randn(4, 1000), rows)
+    assert sorted_widths == []
+    apply_top_k_top_p_min_p(torch.randn(2, 1000), [row(top_k=5), row(top_p=0.9)])
+    assert sorted_widths == [1000]  # a top-p alone needs it
+
+
+def _reference_penalties(logits, rows):
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        counts = torch.zeros(vocab)
+        for t in r.output_token_ids:
+            if 0 <= t < vocab:
+                counts[t] += 1
+        x = out[i]
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            for t in r.prompt_token_ids:
+                if 0 <= t < vocab:
+                    seen[t] = True
+            pen = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+            x = torch.where(seen, pen, x)
+        out[i] = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    return out
+
+
+def test_penalties_equal_the_row_by_row_reference():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, VOCAB, generator=gen)
+    rows = [row(out=[1, 1, 4, 70, -1], prompt=[2, 3, 99], repetition_penalty=1.3),
+            row(out=[], prompt=[5], repetition_penalty=0.8),
+            row(out=[7, 7, 7, 8], presence_penalty=0.5, frequency_penalty=0.25),
+            row(out=[9], temperature=0),  # no penalty
+            row(out=[1, 2, 3] * 5, prompt=list(range(40)), repetition_penalty=1.1,
+                presence_penalty=-0.3, frequency_penalty=0.1),
+            row(out=[49], frequency_penalty=2.0)]
+    got = apply_penalties(logits, rows)
+    torch.testing.assert_close(got, _reference_penalties(logits, rows), rtol=0, atol=1e-6)
+    assert "prompt_mask" in rows[0].cache and "prompt_mask" not in rows[3].cache
+    again = apply_penalties(logits, rows)  # the cached prompt masks give the same
+    assert torch.equal(again, got)
+
+
+def test_logprobs_of_the_batch_equal_row_by_row():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, VOCAB, generator=gen)
+    rows = [row(temperature=0, logprobs=4), row(temperature=0), row(seed=3, logprobs=0),
+            row(temperature=0, logprobs=20), row(seed=8, logprobs=1)]
+    out = Sampler()(logits, rows)
+    for i, r in enumerate(rows):
+        if r.params.logprobs is None:
+            assert out.logprobs[i] is None
+            continue
+        lp = torch.log_softmax(logits[i], -1)
+        chosen, top = out.logprobs[i]
+        assert chosen == float(lp[out.token_ids[i]])
+        values, ids = lp.topk(r.params.logprobs)
+        assert top == list(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def test_noise_bits_equal_the_integer_reference():
+    """The device draws are SplitMix64 bits, exactly: the same on any device."""
+    from worker.engine import sampling_noise as noise
+
+    keys = [noise.row_key(0, 0), noise.row_key(2**63 - 1, 12345), noise.row_key(7, 3), -1]
+    got = noise.uniform(torch.tensor(keys), 300)
+    for r, key in enumerate(keys):
+        for v in (0, 1, 2, 150, 299):
+            bits = noise.mix64(key + v * 0xD1B54A32D192ED03)
+            assert got[r, v].item() == float(torch.tensor(((bits >> 41) + 0.5) / 2**23,
+                                                          dtype=torch.float32))
+
+
+def test_noise_is_uniform_and_independent_across_tokens_and_keys():
+    from worker.engine import sampling_noise as noise
+
+    u = noise.uniform(torch.tensor([noise.row_key(s, i) for s in range(8) for i in range(8)]),
+                      4096).double()
+    assert abs(u.mean().item() - 0.5) < 0.002 and abs(u.var().item() - 1 / 12) < 0.001
+    hist = torch.histc(u, bins=16, min=0, max=1) / u.numel()
+    assert (hist - 1 / 16).abs().max() < 0.003
+    corr = torch.corrcoef(torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()]))[0, 1]
+    assert abs(corr.item()) < 0.01
+
+
+def test_filtered_sampling_follows_the_reference_distribution():
+    logits = torch.log(torch.tensor([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04] + [1e-6] * 10]))
+    params = dict(top_k=4, top_p=0.75, temperature=1.0)
+    expected = torch.softmax(_reference_filter(logits, [row(**params)])[0], -1)
+    n = 4000
+    counts = torch.zeros(logits.shape[1])
+    tokens = Sampler()(logits.expand(n, -1), [row(index=i, seed=77, **params)
+                                               for i in range(n)]).token_ids
+    for t in tokens:
+        counts[t] += 1
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert ((counts / n - expected).abs() <= 4 * sigma + 1e-9).all(), (counts / n, expected)
+    assert counts[3:].sum() == 0  # top-p 0.75 keeps 0.4 + 0.25 + 0.15 of the top 4

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from protocol.sampling import SamplingParams
-from worker.engine.outputs import StepOutput
-from worker.engine.sampler import (
+from worker.engine.logits_processors import (
     _apply_bitmask_numpy,
     _apply_bitmask_torch,
     apply_token_bitmask,
 )
+from worker.engine.outputs import StepOutput
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -4,7 +4,9 @@
 ...``), logs to a file (shown when a test fails), and is always killed at teardown.
 ``Monitor`` PSUBSCRIBEs to every token channel and records each published event, so a
 test can assert that no ``(request, seq)`` was ever published twice — a stronger check
-than what a deduplicating client sees.
+than what a deduplicating client sees. On a Redis Cluster (``cluster=True``) token
+channels are sharded, which have no pattern subscribe: ``ShardMonitor`` SSUBSCRIBEs the
+channels of the requests a test is about to send.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import redis
 
 from protocol.client import FerryClient
+from protocol.cluster import cluster_client
 from protocol.codec import decode_event, decode_heartbeat
-from protocol.keys import Keys
+from protocol.keys import Keys, keys_for
 from protocol.models import GenerateRequest, TokenEvent, WorkerHeartbeat
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -58,14 +62,16 @@ class WorkerProcess:
 
     def __init__(
         self, model: str, redis_url: str, worker_id: str, log_dir: Path, *args: str,
-        env: dict[str, str] | None = None,
+        env: dict[str, str] | None = None, module: str = "ferry.cli", cluster: bool = False,
     ) -> None:
         self.worker_id = worker_id
         self.redis_url = redis_url
+        self.cluster = cluster
         self.log_path = log_dir / f"{worker_id}.log"
-        self.cmd = [sys.executable, "-m", "ferry.cli", "worker", "--model", model,
+        self.cmd = [sys.executable, "-m", module, "worker", "--model", model,
                     "--redis-url", redis_url, "--worker-id", worker_id,
-                    "--heartbeat-interval-s", "0.3", *args]
+                    "--heartbeat-interval-s", "0.3", *(["--redis-cluster"] if cluster else []),
+                    *args]
         self.env = ferry_env(**(env or {}))
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -87,9 +93,9 @@ class WorkerProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def heartbeat(self) -> WorkerHeartbeat | None:
-        r = redis.Redis.from_url(self.redis_url)
+        r = client_for(self.redis_url, self.cluster)
         try:
-            raw = r.get(Keys().worker(self.worker_id))
+            raw = r.get(keys_for(cluster=self.cluster).worker(self.worker_id))
         finally:
             r.close()
         return decode_heartbeat(raw) if raw else None
@@ -133,6 +139,11 @@ class WorkerProcess:
         self.kill()
 
 
+def client_for(url: str, cluster: bool = False) -> Any:
+    """A plain client, or a cluster client discovering the cluster from ``url``."""
+    return cluster_client(url) if cluster else redis.Redis.from_url(url)
+
+
 def start_all(*workers: WorkerProcess) -> None:
     """Start several workers and wait for all (they load in parallel)."""
     for w in workers:
@@ -169,11 +180,48 @@ class Monitor(threading.Thread):
         return {rid: seqs for rid, seqs in self.seen.items() if len(seqs) != len(set(seqs))}
 
 
+class ShardMonitor(Monitor):
+    """``Monitor`` on a Redis Cluster: SSUBSCRIBEs the token channels of ``request_ids``."""
+
+    def __init__(self, redis_url: str, request_ids: list[str]) -> None:
+        threading.Thread.__init__(self, daemon=True)
+        self.client = cluster_client(redis_url)
+        self.pubsub = self.client.pubsub()
+        keys = keys_for(cluster=True)
+        for rid in request_ids:
+            self.pubsub.ssubscribe(keys.tokens(rid))
+        confirmed = 0
+        deadline = time.monotonic() + 10
+        while confirmed < len(request_ids) and time.monotonic() < deadline:
+            msg = self.pubsub.get_sharded_message(timeout=0.5)
+            confirmed += msg is not None and msg["type"] == "ssubscribe"
+        assert confirmed == len(request_ids), "not every token channel was subscribed"
+        self.seen = defaultdict(list)
+        self._stop_flag = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_flag.is_set():
+            try:
+                msg = self.pubsub.get_sharded_message(timeout=0.1)
+            except redis.RedisError:  # a master failing over: its channels move
+                time.sleep(0.05)
+                continue
+            if msg is not None and msg["type"] == "smessage":
+                event = decode_event(msg["data"])
+                self.seen[event.request_id].append(event.seq)
+
+    def stop(self) -> None:
+        super().stop()
+        self.client.close()
+
+
 class Streams:
     """Clients streaming requests on threads; ``start()`` returns once all are enqueued."""
 
-    def __init__(self, redis_url: str, requests: list[GenerateRequest], timeout: float = 120.0):
+    def __init__(self, redis_url: str, requests: list[GenerateRequest], timeout: float = 120.0,
+                 cluster: bool = False):
         self.redis_url = redis_url
+        self.cluster = cluster
         self.requests = requests
         self.timeout = timeout
         self.results: dict[str, list[TokenEvent]] = {}
@@ -183,7 +231,8 @@ class Streams:
                          for r in requests]
 
     def _one(self, request: GenerateRequest) -> None:
-        client = FerryClient.from_url(self.redis_url, reconnect_timeout_s=30.0)
+        client = FerryClient.from_url(self.redis_url, cluster=self.cluster,
+                                      reconnect_timeout_s=30.0)
         try:
             with client.subscribe(request.request_id) as sub:
                 client.enqueue(request)
@@ -214,9 +263,10 @@ class Streams:
 
 
 def stream_all(
-    redis_url: str, requests: list[GenerateRequest], timeout: float = 120.0
+    redis_url: str, requests: list[GenerateRequest], timeout: float = 120.0,
+    cluster: bool = False,
 ) -> dict[str, list[TokenEvent]]:
-    return Streams(redis_url, requests, timeout).start().join()
+    return Streams(redis_url, requests, timeout, cluster).start().join()
 
 
 def tokens_of(events: list[TokenEvent]) -> list[int]:

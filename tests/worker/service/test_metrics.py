@@ -42,6 +42,8 @@ EXPECTED = {
     "ferry_worker_kv_blocks_cached": "gauge",
     "ferry_worker_prefix_cache_queries": "counter",
     "ferry_worker_prefix_cache_hits": "counter",
+    "ferry_worker_decode_graphs_active": "gauge",
+    "ferry_worker_degraded": "gauge",
 }
 
 
@@ -59,6 +61,8 @@ class Stats:
     prefix_cache_queries: int = 400
     prefix_cache_hits: int = 300
     kv_blocks_cached: int = 12
+    degraded: tuple[str, ...] = ()
+    decode_graphs_active: bool = False
 
 
 def _samples(metrics: WorkerMetrics) -> dict[str, float]:
@@ -156,6 +160,24 @@ def test_serve_exposes_metrics_over_http() -> None:
         body = resp.read().decode()
     for name in EXPECTED:
         assert name in body
+
+
+def test_degraded_states_and_graphs_are_gauges() -> None:
+    """Healthy: every reason exported at 0. Degraded: 1 for its reasons, and back to 0
+    when a reason clears (a fresh engine after a restart)."""
+    metrics = WorkerMetrics(CollectorRegistry())
+    metrics.set_engine(Stats(decode_graphs_active=True))
+    s = _samples(metrics)
+    assert s["ferry_worker_decode_graphs_active"] == 1
+    reasons = {k: v for k, v in s.items() if k.startswith("ferry_worker_degraded{")}
+    assert len(reasons) == 4 and set(reasons.values()) == {0}
+    metrics.set_engine(Stats(degraded=("decode_graphs_unavailable",)))
+    s = _samples(metrics)
+    assert s["ferry_worker_degraded{reason=decode_graphs_unavailable}"] == 1
+    assert s["ferry_worker_degraded{reason=cpu_attention_fallback}"] == 0
+    assert s["ferry_worker_decode_graphs_active"] == 0
+    metrics.set_engine(Stats())
+    assert _samples(metrics)["ferry_worker_degraded{reason=decode_graphs_unavailable}"] == 0
 
 
 def test_metrics_module_imports_without_torch() -> None:

@@ -151,7 +151,8 @@ def test_refusals_report_prompt_tokens_and_huge_prompts_skip_the_tokenizer(
         engine.prompts.tokenize = original
     assert over.finish_reason == "error" and over.error_kind == "invalid_request"
     assert over.usage is not None and over.usage.prompt_tokens == expected > 512
-    assert "max_tokens" in (over.error or "")
+    assert "maximum context length is 512 tokens" in (over.error or "")
+    assert over.error_code == "context_length_exceeded" and over.error_param == "prompt"
     assert absurd.error_kind == "invalid_request" and "at least" in (absurd.error or "")
     assert absurd.usage is not None and absurd.usage.prompt_tokens > 512
     assert calls == [len(long_prompt)]  # the 2 MB prompt never reached the tokenizer

@@ -174,5 +174,6 @@ def test_models_and_context_overflow(stack: Any) -> None:
     models = httpx.get(stack.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["llama"]
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 512") as e:
         client.completions.create(model="llama", prompt="fox " * 300, max_tokens=400)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"

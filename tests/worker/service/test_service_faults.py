@@ -1,4 +1,5 @@
-"""Faults with real processes: kill -9 of a worker, SIGSTOP past the lease, Redis restart.
+"""Faults with real processes: kill -9 of a worker, SIGSTOP past the lease, Redis restart,
+a CUDA fault (simulated: no GPU here) that ends a worker.
 
 The bar (ARCHITECTURE.md, "Nothing lost"): every request finishes or fails with a clear
 error event; clients see contiguous ``seq`` with no duplicate; seeded outputs equal a run
@@ -8,6 +9,7 @@ without the fault. ``Monitor`` checks the stronger property that no event was ev
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -33,6 +35,7 @@ from tests.worker.service.procs import (
 
 KEYS = Keys()
 FAST_LEASE = ("--lease-s", "2")
+FAULTY_WORKER = "tests.worker.service.faulty_worker"  # ferry worker with a simulated CUDA fault
 
 
 def _requests(n: int, max_tokens: int) -> list[GenerateRequest]:
@@ -169,3 +172,36 @@ def test_redis_restart_under_load(server: RedisServer, checkpoint: str, log_dir:
     done = [q.request_id for q in requests if results[q.request_id][-1].finish_reason == "length"]
     _check_logs(r, {rid: expected[rid] for rid in done})
     assert len(done) == len(requests), "a restart with AOF should lose no request"
+
+
+def test_a_cuda_fault_ends_the_worker_and_its_requests_resume_elsewhere(
+        server: RedisServer, checkpoint: str, log_dir: Path, reference: Any) -> None:
+    """After an illegal address the CUDA context is broken: the worker must not go on
+    failing batches. It exits non-zero, hands its requests back, and another worker
+    resumes them from the tokens already streamed: the same seeded tokens, no gap."""
+    requests = _requests(6, 120)
+    expected = _expected(reference, requests)
+    faulty = WorkerProcess(checkpoint, server.url, "cuda-fault", log_dir, *FAST_LEASE,
+                           module=FAULTY_WORKER, env={"FERRY_TEST_FAULT_AFTER_STEPS": "30"})
+    healthy = WorkerProcess(checkpoint, server.url, "healthy", log_dir, *FAST_LEASE)
+    r = server.client()
+    try:
+        faulty.start().wait_live()
+        streams = Streams(server.url, requests).start()
+        assert _busy_worker(r, requests) == "cuda-fault"  # it holds them all
+        healthy.start().wait_live()
+        results = streams.join()
+        code = faulty.wait(60)
+    finally:
+        faulty.kill()
+        healthy.kill()
+    assert code == 70, faulty.log_tail()
+    lines = [json.loads(line) for line in faulty.log_path.read_text().splitlines()
+             if line.startswith("{")]
+    assert [e["level"] for e in lines if e.get("event") == "device_fault"] == ["error"]
+    for req in requests:
+        assert_contiguous(results[req.request_id])
+        assert tokens_of(results[req.request_id]) == expected[req.request_id]
+        assert r.hget(KEYS.job(req.request_id), "worker_id") == b"healthy"
+    _check_logs(r, expected)
+    assert r.xpending(KEYS.requests, KEYS.group)["pending"] == 0

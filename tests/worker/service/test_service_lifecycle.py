@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from protocol.keys import Keys
 from protocol.models import GenerateRequest
 from protocol.sampling import SamplingParams
@@ -105,11 +107,17 @@ def _processes_mentioning(token: str) -> list[str]:
     return found
 
 
-def test_ferry_up_demo(checkpoint: str) -> None:
+@pytest.mark.parametrize("redis_args", [
+    ("--workers", "2"),
+    ("--workers", "1", "--redis-shards", "3", "--redis-replicas", "1"),
+], ids=["one-redis", "local-cluster"])
+def test_ferry_up_demo(checkpoint: str, redis_args: tuple[str, ...]) -> None:
+    """The demo through ``ferry up``, on one Redis or a local 3-master Redis Cluster; then
+    nothing it started is left running."""
     port = free_port()
     env = ferry_env(FERRY_KV_CACHE_BLOCKS="64")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ferry.cli", "up", "--demo", "--workers", "2", "--model",
+        [sys.executable, "-m", "ferry.cli", "up", "--demo", *redis_args, "--model",
          checkpoint, "--port", str(port), "--demo-max-tokens", "8"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
     )
@@ -122,8 +130,14 @@ def test_ferry_up_demo(checkpoint: str) -> None:
     assert stdout.count(">>> ") == 3
     redis_port = re.search(r"redis redis://127\.0\.0\.1:(\d+)/0", stdout)
     assert redis_port is not None
+    nodes = re.search(r"cluster of 6 nodes, pids ([\d ]+)", stdout)
+    if "--redis-shards" in redis_args:
+        assert nodes is not None and int(redis_port[1]) <= 55535  # its bus port: + 10000
     time.sleep(0.5)
     leftovers = _processes_mentioning(f"up-{proc.pid}-") + \
         _processes_mentioning(f"--port {redis_port[1]} ") + \
         _processes_mentioning(f"--port {port}")
     assert leftovers == []
+    for pid in (nodes[1].split() if nodes else []):  # every cluster node is gone too
+        cmdline = Path(f"/proc/{pid}/cmdline")
+        assert not cmdline.exists() or b"redis-server" not in cmdline.read_bytes()

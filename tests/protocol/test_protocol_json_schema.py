@@ -1,0 +1,122 @@
+"""JSON Schema preparation (protocol/json_schema.py) and text checks on keys.
+
+Bounds on unbounded numbers (checked with llguidance itself: a 20-digit integer no longer
+matches, int64's extremes do), ``$ref`` cycles with no base case refused while ordinary
+recursive schemas pass, and lone surrogates found in map keys as well as values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import llguidance
+import pytest
+
+from protocol.json_schema import INT_MAX, INT_MIN, bound_numbers, close_objects, prepare
+from protocol.models import GenerateRequest
+from protocol.structured import StructuredOutput, check_grammar, grammar_for
+
+
+def _matches(schema: dict[str, Any], text: str) -> bool:
+    """Whether llguidance's grammar for ``schema`` (as Ferry builds it) accepts ``text``."""
+    import llguidance.hf
+
+    from tests.checkpoints import build_tokenizer
+
+    tok = build_tokenizer()
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok),
+                                   grammar_for(StructuredOutput(json_schema=schema)))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def test_integers_are_bounded_to_int64_by_default() -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    assert _matches(schema, '{"n":9223372036854775807}')
+    assert _matches(schema, f'{{"n":{INT_MIN}}}')
+    assert not _matches(schema, '{"n":9223372036854775808}')
+    assert not _matches(schema, '{"n":' + "1" * 170 + "}")
+    free = {**schema, "x-ferry": {"bounded_numbers": False}}
+    assert _matches(free, '{"n":' + "1" * 170 + "}")
+
+
+def test_numbers_get_a_sane_length() -> None:
+    schema = {"type": "array", "items": {"type": "number"}}
+    assert _matches(schema, "[1.5,-3,0.123456789,999999999999999]")
+    assert not _matches(schema, "[0.1234567890]")  # a tenth decimal
+    assert not _matches(schema, "[1e5]")  # no exponent
+    assert not _matches(schema, "[10000000000000000]")
+
+
+def test_given_bounds_and_values_are_kept() -> None:
+    schema = {"$defs": {"a": {"type": "integer", "minimum": 5}},
+              "properties": {"b": {"type": ["integer", "null"], "exclusiveMaximum": 9},
+                             "c": {"type": "number", "minimum": 1e30},
+                             "d": {"type": "integer", "enum": [10**30]}}}
+    out = bound_numbers(schema)
+    assert out["$defs"]["a"] == {"type": "integer", "minimum": 5, "maximum": INT_MAX}
+    assert out["properties"]["b"] == {"type": ["integer", "null"], "exclusiveMaximum": 9,
+                                      "minimum": INT_MIN}
+    assert out["properties"]["c"] == {"type": "number", "minimum": 1e30, "multipleOf": 1e-9}
+    assert out["properties"]["d"] == {"type": "integer", "enum": [10**30]}
+    assert schema["$defs"]["a"] == {"type": "integer", "minimum": 5}  # a copy
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#"},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    {"type": "object", "properties": {"x": {"$ref": "#/definitions/l"}},
+     "definitions": {"l": {"type": "array", "minItems": 1, "items": {"$ref": "#/definitions/l"}}}},
+    {"anyOf": [{"$ref": "#"}, {"$ref": "#"}]},
+])
+def test_ref_cycles_without_a_base_case_are_refused(schema: dict[str, Any]) -> None:
+    error = check_grammar(StructuredOutput(json_schema=schema))
+    assert error is not None and "unsatisfiable" in error and "$ref cycle" in error
+    with pytest.raises(ValueError):
+        prepare(schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {"$ref": "#"}}},  # optional: {} ends it
+    {"$defs": {"node": {"type": "object", "required": ["next"], "properties": {
+        "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}}},
+     "$ref": "#/$defs/node"},  # a linked list ending in null
+    {"type": "array", "items": {"$ref": "#"}},  # [] ends it
+    {"$ref": "#/$defs/t", "$defs": {"t": {"type": ["object", "string"], "required": ["t"],
+                                          "properties": {"t": {"$ref": "#/$defs/t"}}}}},
+])
+def test_recursive_schemas_with_a_base_case_pass(schema: dict[str, Any]) -> None:
+    assert check_grammar(StructuredOutput(json_schema=schema)) is None
+
+
+def test_close_objects() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "object"},
+                                               "b": {"type": "object",
+                                                     "additionalProperties": True}}}
+    out = close_objects(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["b"]["additionalProperties"] is True
+
+
+@pytest.mark.parametrize("spec,where", [
+    ({"json_schema": {"properties": {"\ud800": {"type": "string"}}}},
+     "json_schema.properties.\\ud800 (a key)"),
+    ({"json_schema": {"enum": ["ok", "\udfff"]}}, "json_schema.enum.1"),
+    ({"choice": ["a", "\ud800"]}, "choice.1"),
+    ({"regex": "a\ud800"}, "regex"),
+])
+def test_lone_surrogates_anywhere_in_a_constraint(spec: dict[str, Any], where: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        StructuredOutput.model_validate(spec)
+    message = str(caught.value)
+    assert where in message and ("not valid Unicode" in message or "unicode" in message)
+
+
+def test_lone_surrogate_keys_in_a_request() -> None:
+    with pytest.raises(ValueError, match=r"params.logit_bias|not valid Unicode"):
+        GenerateRequest.model_validate({"prompt": "x", "params": {"logit_bias": {"\ud800": 1}}})
+    request = GenerateRequest(prompt="x")
+    assert request.model_dump()  # and ordinary requests are untouched
+    assert llguidance  # the grammar engine the checks above drive

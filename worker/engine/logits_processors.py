@@ -1,0 +1,175 @@
+"""Per-request transforms of a step's logits, vectorized over the batch on the device.
+
+Each function takes logits ``[B, V]`` and the step's ``SamplingRow``s and touches only the
+rows that ask for it. What is built on the host is O(rows) or O(the tokens that matter)
+and goes up in one pinned, non-blocking copy per tensor (``transfer.to_device``); nothing
+reads a device value back, so a step launched while the previous one runs stays
+overlapped. Decisions (does any row ask? which rows?) come from host-side parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from protocol.sampling import SamplingParams
+from worker.engine.transfer import host_to_device, to_device
+
+PROMPT_MASK = "prompt_mask"  # SamplingRow.cache key: [V] bool, the prompt's tokens
+
+
+class SamplingRow(Protocol):
+    """What these transforms read of a row (``sampler.SamplingRow`` is one)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: Sequence[int]
+    cache: dict[str, Any]
+
+
+def wants_penalties(params: Any) -> bool:
+    return bool(params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                or params.frequency_penalty != 0.0)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition (prompt + output, multiplicative) and presence/frequency (output only).
+
+    Output tokens go up as one padded ``[P, L]`` tensor and are counted with one
+    ``scatter_add``; each request's prompt mask is built on the device once and kept in its
+    row cache (a prompt never changes)."""
+    targets = [i for i, r in enumerate(rows) if wants_penalties(r.params)]
+    if not targets:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    picked = [rows[i] for i in targets]
+    longest = max(1, max(len(r.output_token_ids) for r in picked))
+    padded = [[t if 0 <= t < vocab else vocab for t in r.output_token_ids]
+              + [vocab] * (longest - len(r.output_token_ids)) for r in picked]
+    ids = to_device(padded, torch.long, device)  # [P, L]; vocab: a spare column, dropped
+    counts = torch.zeros(len(picked), vocab + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    counts = counts[:, :vocab]  # [P, V]
+    rep = to_device([r.params.repetition_penalty for r in picked], torch.float32, device)
+    freq = to_device([r.params.frequency_penalty for r in picked], torch.float32, device)
+    pres = to_device([r.params.presence_penalty for r in picked], torch.float32, device)
+    index = to_device(targets, torch.long, device)
+    sub = logits.index_select(0, index)  # [P, V]
+    seen = (counts > 0) | torch.stack([_prompt_mask(r, vocab, device) for r in picked])
+    rep = rep.unsqueeze(1)
+    penalised = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalised, sub)
+    sub = sub - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).to(sub.dtype)
+    return logits.index_copy(0, index, sub)
+
+
+def _prompt_mask(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:
+    """[V] bool: the tokens of the row's prompt; built once per request, then cached."""
+    mask = row.cache.get(PROMPT_MASK)
+    if mask is None:
+        ids = [t for t in row.prompt_token_ids if 0 <= t < vocab]
+        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        if ids:
+            mask[to_device(ids, torch.long, device)] = True
+        row.cache[PROMPT_MASK] = mask
+    return mask  # type: ignore[no-any-return]
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` to its logits (greedy rows too: a bias of -100 bans a
+    token, +100 all but forces it, which classification jobs rely on). logits: [B, V]."""
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        for token, bias in (row.params.logit_bias or {}).items():
+            row_idx.append(i)
+            token_idx.append(token)
+            values.append(bias)
+    if not values:
+        return logits
+    device = logits.device
+    logits = logits.clone()
+    logits.index_put_(
+        (to_device(row_idx, torch.long, device), to_device(token_idx, torch.long, device)),
+        to_device(values, logits.dtype, device), accumulate=True,
+    )
+    return logits
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
+) -> torch.Tensor:
+    """Set to -inf the tokens a grammar forbids, in the constrained rows only.
+
+    logits: [B, V] on any device; bitmask: [len(rows), ceil(V / 32)] int32 on the CPU, bit j
+    of word w allows token 32 * w + j (llguidance's and xgrammar's layout). Free rows are
+    untouched. On a GPU: one pinned transfer, the unpack and one masked copy on the device.
+    On the CPU the unpack is numpy's (single-threaded) and torch runs one op: each parallel
+    torch op is a thread barrier, and on a busy CPU a few of them cost more than the work.
+    """
+    if logits.device.type == "cpu":
+        return _apply_bitmask_numpy(logits, rows, bitmask)
+    return _apply_bitmask_torch(logits, rows, bitmask)
+
+
+def _apply_bitmask_numpy(
+    logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
+) -> torch.Tensor:
+    vocab = logits.shape[1]
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")  # [R, 32W]
+    forbid = np.zeros(logits.shape, dtype=np.bool_)  # [B, V]
+    forbid[rows] = bits[:, :vocab] == 0
+    return logits.masked_fill(torch.from_numpy(forbid), float("-inf"))
+
+
+def _apply_bitmask_torch(
+    logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
+) -> torch.Tensor:
+    vocab = logits.shape[1]
+    device = logits.device
+    words = host_to_device(bitmask, device)  # [R, W]
+    shifts = torch.arange(32, device=device, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [R, V]
+    index = to_device(rows, torch.long, device)  # [R]
+    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))  # [R, V]
+    return logits.index_copy(0, index, masked)
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Mask (to -inf) the tokens each row's min-p, top-k and top-p exclude, in that order;
+    top-p is renormalised over what top-k kept (as vLLM). logits: [B, V].
+
+    When every row that filters has a top-k, only ``torch.topk`` of the largest k is taken
+    and top-p is applied inside it; a top-p without a top-k needs the full sort."""
+    vocab = logits.shape[1]
+    device = logits.device
+    k_host = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]
+    p_host = [r.params.top_p for r in rows]
+    min_p_host = [r.params.min_p for r in rows]
+    if any(m > 0 for m in min_p_host):
+        min_p = to_device(min_p_host, torch.float32, device)
+        probs = torch.softmax(logits, dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    filtering = [i for i in range(len(rows)) if k_host[i] < vocab or p_host[i] < 1.0]
+    if not filtering:
+        return logits
+    width = max(k_host[i] for i in filtering)  # == vocab when a row has top-p alone
+    index = to_device(filtering, torch.long, device)
+    sub = logits.index_select(0, index)  # [F, V]
+    if width < vocab:
+        top, order = sub.topk(width, dim=-1)  # [F, K], sorted
+    else:
+        top, order = sub.sort(dim=-1, descending=True)  # [F, V]
+    top_k = to_device([k_host[i] for i in filtering], torch.long, device)
+    top_p = to_device([p_host[i] for i in filtering], torch.float32, device)
+    drop = torch.arange(width, device=device).unsqueeze(0) >= top_k.unsqueeze(1)  # [F, K]
+    probs = torch.softmax(top.masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of better tokens
+    drop |= mass_before >= top_p.unsqueeze(1)  # the top token always survives
+    kept = torch.full_like(sub, float("-inf")).scatter_(1, order, top.masked_fill(drop, -torch.inf))
+    return logits.index_copy(0, index, kept)
