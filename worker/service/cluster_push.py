@@ -37,12 +37,10 @@ from typing import Any
 
 import structlog
 from redis.crc import key_slot
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, TryAgainError
 
 from protocol.cluster import refresh_topology
 from protocol.codec import status_to_hash
-from protocol.store import dead_letter
 from worker.service.cluster_scripts import FENCED_PUSH_NODE, MOVED_UNDER_US
 from worker.service.jobs import Outgoing
 from worker.service.leases import Entry
@@ -55,6 +53,7 @@ from worker.service.redis_io import (
 )
 
 log = structlog.get_logger("ferry.worker.outbox")
+TOPOLOGY_RECHECK_S = 5.0  # how often a slot short of replicas has its topology re-read
 
 @dataclass
 class _Group:
@@ -86,6 +85,7 @@ class ClusterPusher:
         self._retry_at: dict[str, float] = {}  # master -> when to try it again
         self._backoffs: dict[str, Backoff] = {}
         self._pushes = 0
+        self._topology_read = 0.0  # when the replicas it counts were last read
         self.repaired = 0  # events sent again into logs a failover had cut short
 
     def push(self, batch: list[Outgoing], abandon: threading.Event, claim: bool = False,
@@ -180,9 +180,19 @@ class ClusterPusher:
     def _replicas(self, group: _Group) -> int:
         """Replicas to WAIT for: the configured number, or as many as the slot has (a
         master that just took over may have none left; then there is nothing to wait for)."""
+        wanted = self.settings.replication.replicas
+        known = self._known_replicas(group)
+        if known < wanted and time.monotonic() - self._topology_read > TOPOLOGY_RECHECK_S:
+            # Redis lists a replica only once it has synced data, so a worker that started
+            # with a fresh cluster would never WAIT: look again, at most every few seconds.
+            self._topology_read = time.monotonic()
+            refresh_topology(self.redis)
+            known = self._known_replicas(group)
+        return max(0, min(wanted, known))
+
+    def _known_replicas(self, group: _Group) -> int:
         slot = key_slot(self.keys.job(group.request_id).encode())
-        known = len(self.redis.nodes_manager.slots_cache.get(slot, [None])) - 1
-        return max(0, min(self.settings.replication.replicas, known))
+        return len(self.redis.nodes_manager.slots_cache.get(slot, [None])) - 1
 
     def _node_round(self, node: Any, batch: list[Outgoing], payloads: list[bytes],
                     groups: list[_Group], claim: bool) -> list[Any]:
@@ -292,26 +302,3 @@ class ClusterPusher:
             for rid in [r for r in self.sent if not self.holds(r)]:
                 del self.sent[rid]
 
-
-def dead_letter_on_cluster(
-    r: Any, settings: WorkerSettings, encode: Callable[[Outgoing], bytes],
-    terminal: Outgoing | None, entry: Entry, fields: dict[Any, Any], reason: str,
-) -> Any:
-    """A dead letter on a cluster, in order: the client's terminal event (taking the job
-    over, unless it is another entry's), then the dead-letter record and the XACK + XDEL
-    in the shard's slot. Returns the event's outcome (None without one); a master that
-    stays away raises, and the entry, not yet acknowledged, is tried again later."""
-    outcome = None
-    if terminal is not None:
-        pusher = ClusterPusher(settings, r, encode, lambda _rid: False)
-        settled = pusher.push([terminal], threading.Event(), claim=True, ack=False,
-                              give_up_after_s=5.0)
-        if not settled:
-            raise RedisConnectionError(f"dead letter of {entry}: its job's master is away")
-        outcome = settled[0][1]
-    stream, entry_id = entry
-    pipe = r.pipeline(transaction=False)
-    dead_letter(pipe, settings.keys, entry_id, fields, reason, stream)
-    pipe.xdel(stream, entry_id)
-    pipe.execute()
-    return outcome

@@ -10,12 +10,15 @@ terminal error event and the job hash says ``failed``, so nobody waits forever.
 from __future__ import annotations
 
 import re
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import redis
 import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from protocol.codec import REQUEST_FIELD, request_fields
 from protocol.models import (
@@ -28,7 +31,7 @@ from protocol.models import (
     Usage,
 )
 from protocol.store import dead_letter
-from worker.service.cluster_push import dead_letter_on_cluster
+from worker.service.cluster_push import ClusterPusher
 from worker.service.jobs import Outgoing
 from worker.service.leases import SCRIPTS, Entry
 from worker.service.outbox import encode_outgoing, queue_push
@@ -114,7 +117,7 @@ class DeadLetters:
             dead_letter(pipe, keys, entry_id, fields, reason, stream)
             pipe.xdel(stream, entry_id)
 
-        replies = execute_scripts(r, build, SCRIPTS)
+        replies = execute_scripts(r, build, SCRIPTS, preload=out is not None)
         if out is not None and replies and replies[0] == [b"foreign"]:
             log.info("dead_letter_event_skipped", entry_id=entry_id, request_id=rid,
                      why="the request id belongs to another entry's job")
@@ -140,3 +143,27 @@ class DeadLetters:
         status = JobStatus(request_id=rid, state="failed", finish_reason="error", error=error,
                            error_kind=kind, usage=Usage(), worker_id=worker, finished_at=now)
         return Outgoing(entry, rid, seq, [], "", None, event, status, now, claim=True)
+
+
+def dead_letter_on_cluster(
+    r: Any, settings: WorkerSettings, encode: Callable[[Outgoing], bytes],
+    terminal: Outgoing | None, entry: Entry, fields: dict[Any, Any], reason: str,
+) -> Any:
+    """A dead letter on a cluster, in order: the client's terminal event (taking the job
+    over, unless it is another entry's), then the dead-letter record and the XACK + XDEL
+    in the shard's slot. Returns the event's outcome (None without one); a master that
+    stays away raises, and the entry, not yet acknowledged, is tried again later."""
+    outcome = None
+    if terminal is not None:
+        pusher = ClusterPusher(settings, r, encode, lambda _rid: False)
+        settled = pusher.push([terminal], threading.Event(), claim=True, ack=False,
+                              give_up_after_s=5.0)
+        if not settled:
+            raise RedisConnectionError(f"dead letter of {entry}: its job's master is away")
+        outcome = settled[0][1]
+    stream, entry_id = entry
+    pipe = r.pipeline(transaction=False)
+    dead_letter(pipe, settings.keys, entry_id, fields, reason, stream)
+    pipe.xdel(stream, entry_id)
+    pipe.execute()
+    return outcome

@@ -230,10 +230,18 @@ class LuaScript:
             return r.evalsha(self.sha, len(keys), *keys, *args)
 
 
-def execute_scripts(r: redis.Redis, build: Any, scripts: list[LuaScript]) -> list[Any]:
+def execute_scripts(r: redis.Redis, build: Any, scripts: list[LuaScript],
+                    preload: bool = False) -> list[Any]:
     """Run a non-transactional pipeline built by ``build(pipe)``; on NOSCRIPT (Redis
     restarted and lost its script cache) load the scripts and run it again. Replies keep
-    per-command errors in place so one bad item cannot sink the rest of a batch."""
+    per-command errors in place so one bad item cannot sink the rest of a batch.
+
+    Running it again repeats the pipeline's plain commands too: a pipeline that holds
+    writes outside scripts (a dead letter's XADD and XACK) passes ``preload``, so the
+    scripts are loaded first and the first run is the one that counts."""
+    if preload:
+        for script in scripts:
+            script.load(r)
     replies: list[Any] = []
     for attempt in range(2):
         pipe = r.pipeline(transaction=False)

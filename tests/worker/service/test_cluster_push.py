@@ -11,9 +11,10 @@ import time
 from typing import Any
 
 import pytest
+from redis.crc import key_slot
 
 from protocol.client import FerryClient
-from protocol.cluster import Replication
+from protocol.cluster import Replication, refresh_topology
 from protocol.codec import decode_event, encode_event
 from protocol.models import GenerateRequest, JobStatus, TokenEvent, Usage
 from protocol.store import as_str, start_job
@@ -114,6 +115,56 @@ def test_a_lost_log_tail_is_sent_again_from_what_the_worker_kept(fleet: Fleet) -
     assert outcomes[victim] == "gap"  # not this worker's events: resumed from the log
 
 
+def _wait_replica_listed(cluster: LocalCluster, fleet: Fleet, batch: list[Outgoing]) -> None:
+    """Until every node's slot map lists the replica: Redis leaves a replica out of CLUSTER
+    SLOTS until gossip says it has synced data, and the pusher WAITs only for listed ones."""
+    slot = key_slot(fleet.keys.job(batch[0].request_id).encode())
+    deadline = time.monotonic() + 15
+    while not all(_listed_replicas(cluster, port, slot) for port in cluster.live_ports):
+        assert time.monotonic() < deadline, "the replica never showed in CLUSTER SLOTS"
+        time.sleep(0.1)
+    refresh_topology(fleet.r)
+
+
+def _listed_replicas(cluster: LocalCluster, port: int, slot: int) -> int:
+    """Replicas of ``slot`` in node ``port``'s CLUSTER SLOTS reply."""
+    with contextlib.closing(cluster.node(port)) as r:
+        for first, last, _master, *replicas in r.execute_command("CLUSTER", "SLOTS"):
+            if first <= slot <= last:
+                return len(replicas)
+    return 0
+
+
+def _replica_of(cluster: LocalCluster, master: int) -> int:
+    with contextlib.closing(cluster.node(master)) as r:
+        return int(r.info("replication")["slave0"]["port"])
+
+
+def _push_finals(cluster: LocalCluster, master: int, frozen: bool) -> None:
+    """Requests on ``master`` end; with ``frozen`` its replica is stopped meanwhile."""
+    replica = _replica_of(cluster, master)
+    fleet = Fleet(cluster, 3, master)
+    _push(fleet.pusher, fleet.step(0), NEVER)
+    finals = [fleet.final(rid, 1) for rid in fleet.entries]
+    _wait_replica_listed(cluster, fleet, finals)
+    if frozen:
+        cluster.procs[replica].send_signal(signal.SIGSTOP)
+    try:
+        assert set(_push(fleet.pusher, finals, NEVER)) == {"ok"}
+    finally:
+        cluster.procs[replica].send_signal(signal.SIGCONT)
+    for rid, (stream, entry_id) in fleet.entries.items():
+        pending = fleet.r.xpending_range(stream, fleet.keys.group, entry_id, entry_id, 1)
+        assert bool(pending) == frozen, rid
+        assert fleet.log(rid)[-1].finish_reason == "length"
+        assert fleet.r.hget(fleet.keys.job(rid), "state") == b"done"
+
+
+def _wait_calls(cluster: LocalCluster, port: int) -> int:
+    with contextlib.closing(cluster.node(port)) as r:
+        return int(r.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+
+
 def test_an_entry_is_acknowledged_once_a_replica_has_its_end(
     redis_cluster: LocalCluster, cluster_client: Any
 ) -> None:
@@ -121,25 +172,33 @@ def test_an_entry_is_acknowledged_once_a_replica_has_its_end(
     (SIGSTOP: WAIT gets no acknowledgement within its 200 ms): the events are written but
     the entries stay pending, for the reaper to settle."""
     master = redis_cluster.masters()[0]
-    with contextlib.closing(redis_cluster.node(master)) as r:
-        replica = int(r.info("replication")["slave0"]["port"])
     for frozen in (False, True):
         cluster_client.flushall(target_nodes=cluster_client.PRIMARIES)
-        fleet = Fleet(redis_cluster, 3, master)
-        _push(fleet.pusher, fleet.step(0), NEVER)
-        finals = [fleet.final(rid, 1) for rid in fleet.entries]
-        if frozen:
-            redis_cluster.procs[replica].send_signal(signal.SIGSTOP)
-        try:
-            assert set(_push(fleet.pusher, finals, NEVER)) == {"ok"}
-        finally:
-            redis_cluster.procs[replica].send_signal(signal.SIGCONT)
-        for rid, (stream, entry_id) in fleet.entries.items():
-            pending = fleet.r.xpending_range(stream, fleet.keys.group, entry_id, entry_id, 1)
-            assert bool(pending) == frozen, rid
-            assert fleet.log(rid)[-1].finish_reason == "length"
-            assert fleet.r.hget(fleet.keys.job(rid), "state") == b"done"
+        _push_finals(redis_cluster, master, frozen)
     redis_cluster.wait_healthy()
+
+
+def test_a_slot_map_without_replicas_is_read_again_before_acknowledging(
+    redis_cluster: LocalCluster, cluster_client: Any
+) -> None:
+    """A worker that read the slot map while the replicas were still unlisted (a fresh
+    cluster) must not acknowledge ends unreplicated forever: it reads the map again, and
+    its ends then wait for the replica (one WAIT on the master)."""
+    master = redis_cluster.masters()[0]
+    fleet = Fleet(redis_cluster, 3, master)
+    _push(fleet.pusher, fleet.step(0), NEVER)
+    finals = [fleet.final(rid, 1) for rid in fleet.entries]
+    _wait_replica_listed(redis_cluster, fleet, finals)
+    for nodes in fleet.r.nodes_manager.slots_cache.values():
+        del nodes[1:]  # the map as a worker read it before the replicas were listed
+    group = fleet.pusher._groups(finals)[0]
+    assert fleet.pusher._known_replicas(group) == 0
+    waits = _wait_calls(redis_cluster, master)
+    assert set(_push(fleet.pusher, finals, NEVER)) == {"ok"}
+    assert _wait_calls(redis_cluster, master) == waits + 1
+    assert fleet.pusher._known_replicas(group) == 1
+    for stream, entry_id in fleet.entries.values():  # the replica has them: acked
+        assert not fleet.r.xpending_range(stream, fleet.keys.group, entry_id, entry_id, 1)
 
 
 def test_a_dead_letter_takes_the_job_over(fleet: Fleet) -> None:

@@ -134,6 +134,19 @@ def test_cancel_and_deadlines(stack: Any) -> None:
         assert 0 < len(events) < 400
 
 
+def _ids_per_shard(per_shard: int) -> list[str]:
+    """Request ids, ``per_shard`` on every shard (random ids leave a shard empty 2% of
+    the time with 12 requests over 3 shards)."""
+    ids: dict[int, list[str]] = {}
+    for i in range(10_000):
+        rid = f"queued-{i}"
+        picked = ids.setdefault(KEYS.shard_of_stream(KEYS.stream_for(rid, 10)), [])
+        if len(picked) < per_shard:
+            picked.append(rid)
+    assert all(len(picked) == per_shard for picked in ids.values())
+    return [rid for picked in ids.values() for rid in picked]
+
+
 def test_the_high_lane_is_read_first_over_every_shard(stack: Any) -> None:
     """Both workers full with long requests; 12 wait at priority 10 on every shard; one at
     -100 arrives last, on whichever shard its id picks: it starts before all 12."""
@@ -142,8 +155,8 @@ def test_the_high_lane_is_read_first_over_every_shard(stack: Any) -> None:
     short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     running = [GenerateRequest(prompt=f"def g{i}():", params=long)
                for i in range(2 * MAX_NUM_SEQS)]
-    queued = [GenerateRequest(prompt=f"import m{i}", params=short, priority=10)
-              for i in range(12)]
+    queued = [GenerateRequest(request_id=rid, prompt=f"import m{i}", params=short,
+                              priority=10) for i, rid in enumerate(_ids_per_shard(4))]
     urgent = GenerateRequest(prompt="class Urgent:", params=short, priority=-100)
     for request in running:
         client.enqueue(request)

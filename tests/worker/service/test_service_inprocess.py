@@ -124,6 +124,7 @@ def test_dead_letters_and_keeps_serving(
     engine: Any, client: FerryClient, redis_server: Any
 ) -> None:
     r = client.redis
+    r.script_flush()  # as on a fresh Redis: the dead letter's script runs first time here
     r.xadd(KEYS.requests, {"data": b"\xc1 not msgpack"})
     r.xadd(KEYS.requests, {"other": b"x"})
     bad = {"version": 1, "request_id": "poison-1", "prompt": "x", "params": {"max_token": 5}}
