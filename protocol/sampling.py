@@ -106,6 +106,17 @@ class SamplingParams(BaseModel):
                                  "[-100, 100]")
         return self
 
+    @classmethod
+    def coerce(cls, params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+        """``params`` as given to the engine's API: None (the defaults), a dict, or one."""
+        if params is None:
+            return cls()
+        if isinstance(params, SamplingParams):
+            return params
+        if isinstance(params, dict):
+            return cls(**params)  # pydantic's ValidationError is a ValueError
+        raise TypeError(f"params must be SamplingParams or dict, not {type(params).__name__}")
+
     @property
     def num_candidates(self) -> int:
         """Sequences generated for the request: ``best_of`` if given, else ``n``."""

@@ -43,3 +43,25 @@ def candidate_params(params: SamplingParams, index: int) -> SamplingParams:
     if params.ranks_candidates and params.logprobs is None:
         update["logprobs"] = 0
     return params.model_copy(update=update)
+
+
+class CandidateGroups:
+    """Which candidates of each multi-choice request are still unfinished, so an abort of
+    the request reaches every one of them."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, list[str]] = {}  # request id -> its unfinished candidate ids
+
+    def add(self, request_id: str, candidate: str) -> None:
+        self._open.setdefault(request_id, []).append(candidate)
+
+    def take(self, request_id: str) -> list[str]:
+        """The ids to abort for ``request_id``: its open candidates, or the id itself."""
+        return self._open.pop(request_id, None) or [request_id]
+
+    def finished(self, request_id: str, candidate: str) -> None:
+        group = self._open.get(request_id)
+        if group is not None and candidate in group:
+            group.remove(candidate)
+            if not group:
+                del self._open[request_id]

@@ -13,10 +13,10 @@ from typing import Any
 
 from protocol.sampling import SamplingParams
 from worker.engine.block_manager import BlockManager
-from worker.engine.choices import candidate_id, candidate_params
+from worker.engine.choices import CandidateGroups, candidate_id, candidate_params
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.health import DeviceFault, is_device_fault
+from worker.engine.health import raise_if_device_fault
 from worker.engine.inflight import InflightStep, needs_known_tokens, without_finished
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, StepOutput
@@ -52,7 +52,7 @@ class Engine:
         self.structured = StructuredOutputs(  # [structured output]
             self.tokenizer, self.runner.shape.vocab_size, self.runner.loaded.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._groups: dict[str, list[str]] = {}  # request id -> its unfinished candidates
+        self._groups = CandidateGroups()  # n > 1: the candidates an abort must reach
         self.scoring = PromptScoring()  # requests still missing prompt logprobs
         overlap = config.scheduler.async_scheduling
         self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
@@ -72,7 +72,7 @@ class Engine:
         ``prior_output_ids`` resumes a request whose first tokens were already produced
         (and sent) elsewhere: generation continues after them.
         """
-        params = _as_params(params)
+        params = SamplingParams.coerce(params)
         ids = self.prompts.build(
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=prompt if isinstance(prompt, list) else None,
@@ -110,7 +110,7 @@ class Engine:
             if count > 1:
                 request.parent_id, request.index = request_id, index
                 request.report_logprobs = params.logprobs is not None
-                self._groups.setdefault(request_id, []).append(request.request_id)
+                self._groups.add(request_id, request.request_id)
             first = first or request
         if first is None:
             raise ValueError("skip_choices: every candidate has already finished")
@@ -140,7 +140,7 @@ class Engine:
     ) -> list[StepOutput]:
         """Drop a waiting or running request (every candidate of it) now; returns the final
         output of each one still unfinished (none if unknown)."""
-        ids = self._groups.pop(request_id, None) or [request_id]
+        ids = self._groups.take(request_id)
         outputs = []
         for rid in ids:
             request = self.scheduler.requests.get(rid)
@@ -172,7 +172,7 @@ class Engine:
         try:
             launched = self._launch(sched)
         except Exception as exc:  # a failed forward fails its batch, not the worker...
-            _raise_if_device_fault(exc)  # ...unless the device itself is gone
+            raise_if_device_fault(exc)  # ...unless the device itself is gone
             if self._inflight is not None:
                 outputs += self._read_back()
             return outputs + self._fail_batch(sched, exc)
@@ -207,7 +207,7 @@ class Engine:
             try:
                 result = step.sample.result()
             except Exception as exc:  # an asynchronous device error surfaces here
-                _raise_if_device_fault(exc)
+                raise_if_device_fault(exc)
                 return self._fail_batch(step.sched, exc)
             return self._update(step.sched, result.token_ids, result.logprobs)
 
@@ -265,7 +265,7 @@ class Engine:
         if detok is not None and request.finish_reason is not FinishReason.STOP:
             text += detok.flush()
         if request.parent_id is not None:
-            self._forget_candidate(request)
+            self._groups.finished(request.public_id, request.request_id)
         self.scoring.forget(request.request_id)
         ranked = request.parent_id is not None and request.params.logprobs is not None
         return StepOutput(
@@ -278,13 +278,6 @@ class Engine:
             cumulative_logprob=request.cumulative_logprob if ranked else None,
             prompt_logprobs=take(request),
         )
-
-    def _forget_candidate(self, request: Request) -> None:
-        group = self._groups.get(request.public_id)
-        if group is not None and request.request_id in group:
-            group.remove(request.request_id)
-            if not group:
-                del self._groups[request.public_id]
 
     def _fail_batch(self, sched: SchedulerOutput, exc: Exception) -> list[StepOutput]:
         message = f"{type(exc).__name__}: {exc}"
@@ -310,17 +303,3 @@ class Engine:
             decode_graphs_active=self.runner.health.decode_graphs_active,
         )
 
-
-def _raise_if_device_fault(exc: Exception) -> None:
-    if is_device_fault(exc):
-        raise DeviceFault(f"{type(exc).__name__}: {exc}") from exc
-
-
-def _as_params(params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if isinstance(params, SamplingParams):
-        return params
-    if isinstance(params, dict):
-        return SamplingParams(**params)  # pydantic ValidationError is a ValueError
-    raise TypeError(f"params must be SamplingParams or dict, not {type(params).__name__}")

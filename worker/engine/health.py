@@ -71,3 +71,9 @@ def is_device_fault(exc: BaseException) -> bool:
     if isinstance(exc, getattr(torch, "AcceleratorError", ())):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DEVICE_FAULT_MARKERS)
+
+
+def raise_if_device_fault(exc: Exception) -> None:
+    """Re-raise ``exc`` as a ``DeviceFault`` when the CUDA context did not survive it."""
+    if is_device_fault(exc):
+        raise DeviceFault(f"{type(exc).__name__}: {exc}") from exc
