@@ -22,7 +22,22 @@ from pathlib import Path
 
 BUS_PORT_OFFSET = 10_000
 MAX_NODE_PORT = 65_535 - BUS_PORT_OFFSET
-_PORT_RANGE = (20_000, 45_000)  # under the ephemeral range, above the usual services
+_LOWEST_NODE_PORT = 20_000  # above the usual services
+
+
+def _node_port_range() -> tuple[int, int]:
+    """Node ports whose bus ports (+10000) stay under the kernel's ephemeral range: a bus
+    port in it can be taken by any outgoing connection between the check and the bind,
+    and the node then exits at start."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32_768
+    high = min(ephemeral_low, MAX_NODE_PORT + BUS_PORT_OFFSET) - BUS_PORT_OFFSET
+    if high - _LOWEST_NODE_PORT < 1000:  # an unusual range: fall back to a wide one
+        return _LOWEST_NODE_PORT, 45_000
+    return _LOWEST_NODE_PORT, high
 
 
 @dataclass(frozen=True)
@@ -63,7 +78,7 @@ def free_node_ports(count: int, taken: set[int] | None = None) -> list[int]:
     for _ in range(count * 200):
         if len(ports) == count:
             return ports
-        port = random.randrange(*_PORT_RANGE)
+        port = random.randrange(*_node_port_range())
         if port in taken or port + BUS_PORT_OFFSET in taken:
             continue
         if _is_free(port) and _is_free(port + BUS_PORT_OFFSET):

@@ -76,9 +76,20 @@ class LocalCluster:
         _LIVE.add(proc)
 
     def start(self) -> LocalCluster:
-        for port in self.ports:
-            self._spawn(port)
-        wait_answering(self.ports)
+        for attempt in range(3):
+            for port in self.ports:
+                self._spawn(port)
+            try:
+                wait_answering(self.ports)
+                break
+            except TimeoutError:  # a port was taken between the check and the bind
+                exited = [p for p, proc in self.procs.items() if proc.poll() is not None]
+                if attempt == 2 or not exited:
+                    raise
+                for port in list(self.procs):
+                    self.kill(port)
+                self.procs.clear()
+                self.ports = free_node_ports(self.layout.nodes)
         create_cluster(self.ports, self.layout)
         return self
 

@@ -111,7 +111,7 @@ def test_live_worker_in_long_steps_is_never_robbed(server: RedisServer, log_dir:
     an idle second worker must take nothing from the busy one."""
     prompt = "def f(x):\n    return x + 1\n" * 120  # ~1300 tokens: one long prefill step
     requests = [GenerateRequest(prompt=prompt + f"# {i}\n", params=SamplingParams(
-        max_tokens=300, temperature=0.0, ignore_eos=True)) for i in range(4)]
+        max_tokens=600, temperature=0.0, ignore_eos=True)) for i in range(4)]
     fast_beats = ("--heartbeat-interval-s", "0.1", "--heartbeat-ttl-s", "0.3")
     env = {"FERRY_MAX_NUM_BATCHED_TOKENS": "8192", "FERRY_KV_CACHE_BLOCKS": "600"}
     model = default_model_path()  # 2048 tokens of context
@@ -138,5 +138,5 @@ def test_live_worker_in_long_steps_is_never_robbed(server: RedisServer, log_dir:
         assert _job(r, q.request_id)[1] == "busy"
         events = results[q.request_id]
         assert_contiguous(events)
-        assert sum(len(e.token_ids) for e in events) == 300
+        assert sum(len(e.token_ids) for e in events) == 600
     assert r.xlen(KEYS.dead_letter) == 0
