@@ -9,28 +9,31 @@ to the others; a batcher killed outright loses its batches only for ``FERRY_BATC
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
+from ferry.commands.settings_options import (
+    LogLevel,
+    Prefix,
+    RedisCluster,
+    RedisUrl,
+    StreamShards,
+    given,
+)
+
 
 def batcher(
-    redis_url: Annotated[str | None, typer.Option(
-        envvar="FERRY_REDIS_URL", help="Redis URL (default redis://localhost:6379/0).",
-    )] = None,
-    prefix: Annotated[str | None, typer.Option(envvar="FERRY_PREFIX")] = None,
+    redis_url: RedisUrl = None,
+    prefix: Prefix = None,
     batcher_id: Annotated[str | None, typer.Option(
         help="This batcher's lease value (default: host, pid and a random suffix).")] = None,
     health_file: Annotated[Path | None, typer.Option(
         envvar="FERRY_HEALTH_FILE", help="Touched after every scan of the active batches "
         "(a port-free liveness check).")] = None,
-    log_level: Annotated[str, typer.Option(envvar="FERRY_LOG_LEVEL")] = "info",
-    redis_cluster: Annotated[bool | None, typer.Option(
-        "--redis-cluster/--no-redis-cluster", envvar="FERRY_REDIS_CLUSTER",
-        help="Redis Cluster: --redis-url names any node (database 0).")] = None,
-    stream_shards: Annotated[int | None, typer.Option(
-        envvar="FERRY_STREAM_SHARDS", help="Cluster: request-stream shards (the same on "
-        "every gateway, batcher and worker).")] = None,
+    log_level: LogLevel = "info",
+    redis_cluster: RedisCluster = None,
+    stream_shards: StreamShards = None,
 ) -> None:
     """Drive batches until SIGTERM; other settings come from FERRY_* variables (the
     batch_* settings and the gateway's limits, docs/operations.md)."""
@@ -41,11 +44,6 @@ def batcher(
     from observability.logging import configure_logging
 
     configure_logging(level=log_level)
-    overrides: dict[str, Any] = {}
-    if redis_url is not None:
-        overrides["redis_url"] = redis_url
-    for name, value in (("prefix", prefix), ("redis_cluster", redis_cluster),
-                        ("stream_shards", stream_shards)):
-        if value is not None:
-            overrides[name] = value
+    overrides = given(redis_url=redis_url, prefix=prefix, redis_cluster=redis_cluster,
+                      stream_shards=stream_shards)
     asyncio.run(run_batcher(GatewaySettings.from_env(**overrides), batcher_id, health_file))

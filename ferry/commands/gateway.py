@@ -13,11 +13,18 @@ from typing import Annotated
 
 import typer
 
+from ferry.commands.settings_options import (
+    LogLevel,
+    Prefix,
+    RedisCluster,
+    RedisUrl,
+    StreamShards,
+    given,
+)
+
 
 def gateway(
-    redis_url: Annotated[str | None, typer.Option(
-        envvar="FERRY_REDIS_URL", help="Redis URL (default redis://localhost:6379/0).",
-    )] = None,
+    redis_url: RedisUrl = None,
     host: Annotated[str, typer.Option(
         envvar="FERRY_HOST", help="Listen address; 0.0.0.0 for every interface (then set "
         "FERRY_API_KEYS).")] = "127.0.0.1",
@@ -25,17 +32,13 @@ def gateway(
     workers: Annotated[int, typer.Option(
         min=1, envvar="FERRY_GATEWAY_WORKERS",
         help="Gateway processes sharing the port (uvicorn's multi-process mode).")] = 1,
-    prefix: Annotated[str | None, typer.Option(envvar="FERRY_PREFIX")] = None,
+    prefix: Prefix = None,
     served_model_name: Annotated[str | None, typer.Option(
         envvar="FERRY_SERVED_MODEL_NAME", help="The model name to answer to (besides those "
         "live workers advertise); requests naming another model get 404.")] = None,
-    log_level: Annotated[str, typer.Option(envvar="FERRY_LOG_LEVEL")] = "info",
-    redis_cluster: Annotated[bool | None, typer.Option(
-        "--redis-cluster/--no-redis-cluster", envvar="FERRY_REDIS_CLUSTER",
-        help="Redis Cluster: --redis-url names any node (database 0).")] = None,
-    stream_shards: Annotated[int | None, typer.Option(
-        envvar="FERRY_STREAM_SHARDS", help="Cluster: request-stream shards (the same on "
-        "every gateway and worker).")] = None,
+    log_level: LogLevel = "info",
+    redis_cluster: RedisCluster = None,
+    stream_shards: StreamShards = None,
     redis_wait_replicas: Annotated[int | None, typer.Option(
         envvar="FERRY_REDIS_WAIT_REPLICAS", help="Cluster: replicas that must have a "
         "request before it is accepted (0: none).")] = None,
@@ -45,11 +48,7 @@ def gateway(
     from observability.logging import configure_logging
 
     configure_logging(level=log_level)
-    opts: dict[str, object] = {"prefix": prefix} if prefix is not None else {}
-    if served_model_name is not None:
-        opts["served_model_name"] = served_model_name
-    for name, value in (("redis_cluster", redis_cluster), ("stream_shards", stream_shards),
-                        ("redis_wait_replicas", redis_wait_replicas)):
-        if value is not None:
-            opts[name] = value
+    opts = given(prefix=prefix, served_model_name=served_model_name,
+                 redis_cluster=redis_cluster, stream_shards=stream_shards,
+                 redis_wait_replicas=redis_wait_replicas)
     serve(redis_url, host=host, port=port, log_level=log_level, workers=workers, **opts)
