@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,19 @@ class WorkerProcess:
 def client_for(url: str, cluster: bool = False) -> Any:
     """A plain client, or a cluster client discovering the cluster from ``url``."""
     return cluster_client(url) if cluster else redis.Redis.from_url(url)
+
+
+def kill_and_time_resume(r: Any, worker: WorkerProcess, lengths: dict[str, int],
+                         events_key: Callable[[str], str], timeout: float = 60) -> float:
+    """``kill -9`` of ``worker``; seconds until any of its requests' replay logs grows past
+    its length at the kill (``lengths``: request id -> events written): its takeover."""
+    worker.kill()
+    killed_at = time.monotonic()
+    while time.monotonic() < killed_at + timeout:
+        if any(r.llen(events_key(rid)) > n for rid, n in lengths.items()):
+            return time.monotonic() - killed_at
+        time.sleep(0.02)
+    raise AssertionError("the killed worker's requests never resumed")
 
 
 def start_all(*workers: WorkerProcess) -> None:

@@ -30,6 +30,7 @@ from tests.worker.service.procs import (
     WorkerProcess,
     assert_contiguous,
     client_for,
+    kill_and_time_resume,
     start_all,
     tokens_of,
 )
@@ -98,9 +99,7 @@ def test_kill9_of_a_worker_is_resumed_by_the_other(fresh: LocalCluster, checkpoi
         held = {q.request_id: r.llen(KEYS.events(q.request_id)) for q in requests
                 if r.hget(KEYS.job(q.request_id), "worker_id") == victim.encode()
                 and r.hget(KEYS.job(q.request_id), "state") == b"running"}
-        workers[victim].kill()
-        killed_at = time.monotonic()
-        resumed_after = _first_growth(r, held) - killed_at
+        resumed_after = kill_and_time_resume(r, workers[victim], held, KEYS.events)
         results = streams.join()
         monitor.stop()
     finally:
@@ -123,16 +122,6 @@ def test_kill9_of_a_worker_is_resumed_by_the_other(fresh: LocalCluster, checkpoi
     assert pending == 0, [(s, row) for s in KEYS.request_streams
                           for row in r.xpending_range(s, KEYS.group, "-", "+", 10)]
     r.close()
-
-
-def _first_growth(r: Any, lengths: dict[str, int], timeout: float = 60) -> float:
-    """When any of these replay logs first grows past its length at the kill."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(r.llen(KEYS.events(rid)) > n for rid, n in lengths.items()):
-            return time.monotonic()
-        time.sleep(0.02)
-    raise AssertionError("the killed worker's requests never resumed")
 
 
 def _stream(client: openai.OpenAI, model: str, i: int, max_tokens: int, out: dict[int, Any],

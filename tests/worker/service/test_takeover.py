@@ -26,6 +26,7 @@ from tests.worker.service.procs import (
     Streams,
     WorkerProcess,
     assert_contiguous,
+    kill_and_time_resume,
     start_all,
     tokens_of,
 )
@@ -65,9 +66,7 @@ def test_killed_workers_requests_resume_within_its_heartbeat_ttl(
         victim = _job(r, held[0])[1]
         lengths = {rid: r.llen(KEYS.events(rid)) for rid in held
                    if _job(r, rid)[1] == victim}
-        workers[victim].kill()
-        killed_at = time.monotonic()
-        resumed_after = _first_growth(r, lengths) - killed_at
+        resumed_after = kill_and_time_resume(r, workers[victim], lengths, KEYS.events)
         results = streams.join()
         monitor.stop()
     finally:
@@ -93,16 +92,6 @@ def _held_mid_stream(r: redis.Redis, requests: list[GenerateRequest]) -> list[st
             return running
         time.sleep(0.02)
     raise AssertionError("no request got going")
-
-
-def _first_growth(r: redis.Redis, lengths: dict[str, int], timeout: float = 60) -> float:
-    """When any of these replay logs first grows past its length at the kill."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(r.llen(KEYS.events(rid)) > n for rid, n in lengths.items()):
-            return time.monotonic()
-        time.sleep(0.02)
-    raise AssertionError("the killed worker's requests never resumed")
 
 
 def test_live_worker_in_long_steps_is_never_robbed(server: RedisServer, log_dir: Path) -> None:
