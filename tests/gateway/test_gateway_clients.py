@@ -209,9 +209,10 @@ def test_healthz_answers_while_a_huge_body_is_validated(redis_server: RedisServe
         sock.close()
     assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
     assert b'"param":"max_tokens"' in reply
-    # measured: about 240 here; 6-9 when the body was processed on the loop (main before
-    # this change), all of them in the moment between its reply and the client reading it
-    assert answers >= 50, answers
+    # measured: about 240 here, 37 with the other core busy with a second test run; 6-9
+    # when the body was processed on the loop (main before this change), all of them in
+    # the moment between its reply and the client reading it
+    assert answers >= 25, answers
 
 
 # -- 14 and 16: docs behind the key; no Redis address in answers -----------------------------
