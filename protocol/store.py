@@ -222,8 +222,12 @@ def dead_letter(
     lane of a shard; ``stream`` names where it came from), then XACK it."""
     stream = stream or keys.requests
     raw = fields.get(REQUEST_FIELD.encode(), fields.get(REQUEST_FIELD, b""))
-    entry = {"entry_id": as_str(entry_id), "stream": stream, "reason": reason[:2000],
+    origin = as_str(fields.get(b"origin", fields.get("origin", b"")))
+    # an entry the fair pull adopted is named by the id its producer got from XADD
+    entry = {"entry_id": origin or as_str(entry_id), "stream": stream, "reason": reason[:2000],
              REQUEST_FIELD: raw}
+    if origin:
+        entry["pulled_as"] = as_str(entry_id)
     pipe.xadd(keys.dead_letter_for(stream), entry, maxlen=100_000, approximate=True)
     ack(pipe, keys, entry_id, stream)
 

@@ -108,17 +108,19 @@ class DeadLetters:
                          why=f"the job refused the event ({outcome})")
             return
 
-        def build(pipe: Any) -> None:
-            if out is not None:  # event + failed job hash + XACK, fenced like any other
-                queue_push(pipe, self.settings, [out])
-            dead_letter(pipe, keys, entry_id, fields, reason, stream)
-            pipe.xdel(stream, entry_id)
-
-        replies = execute_scripts(r, build, SCRIPTS)
-        if out is not None and replies and replies[0] == [b"foreign"]:
-            log.info("dead_letter_event_skipped", entry_id=entry_id, request_id=rid,
-                     why="the request id belongs to another entry's job")
-            replies = replies[1:]
+        replies: list[Any] = []
+        if out is not None:  # event + failed job hash + XACK, fenced like any other; on its
+            # own, before the XACK below: a NOSCRIPT resend must not find the entry acked
+            replies = execute_scripts(r, lambda pipe: queue_push(pipe, self.settings, [out]),
+                                      SCRIPTS)
+            if replies == [[b"foreign"]]:
+                log.info("dead_letter_event_skipped", entry_id=entry_id, request_id=rid,
+                         why="the request id belongs to another entry's job")
+                replies = []
+        pipe = r.pipeline(transaction=False)
+        dead_letter(pipe, keys, entry_id, fields, reason, stream)
+        pipe.xdel(stream, entry_id)
+        replies += pipe.execute(raise_on_error=False)
         for reply in replies:
             if isinstance(reply, Exception) or (isinstance(reply, list) and reply != [b"ok"]):
                 log.error("dead_letter_event_failed", entry_id=entry_id, reply=str(reply))

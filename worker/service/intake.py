@@ -264,9 +264,11 @@ class Intake(threading.Thread):
         self, entry: Entry, request: GenerateRequest, decision: str, log_items: list[Any],
         reason: Any,
     ) -> None:
+        origin, charged = self._fair.pop(entry, ("", fair.DIRECT_COST))
         if decision == "duplicate":  # another entry owns this request id: leave it alone
             self.held.discard(entry)
-            self.dead.duplicate(self.redis, entry, request_fields(request), request.request_id,
+            fields = {**request_fields(request), **({"origin": origin} if origin else {})}
+            self.dead.duplicate(self.redis, entry, fields, request.request_id,
                                 in_flight=False)
             return
         try:
@@ -276,7 +278,7 @@ class Intake(threading.Thread):
             self.dead.unrunnable(self.redis, entry, request, f"replay log unreadable: {exc}")
             return
         admission = replayed(entry, request, events)
-        admission.charged = self._fair.pop(entry, ("", fair.DIRECT_COST))[1]
+        admission.charged = charged
         if decision == "skip" or (events and events[-1].is_final):
             self.held.discard(entry)
             stream, entry_id = entry
