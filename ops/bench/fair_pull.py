@@ -11,8 +11,9 @@ Against one real redis-server, for the producer and the worker side of the queue
 
 Reported: microseconds per request (client round trips included, as a worker or gateway
 pays them), and Redis' own CPU per request (``INFO commandstats``' ``usec`` of the
-commands the bench sends: EVAL, XREADGROUP, XACK). Both sides run on this machine's loopback, so the wall numbers
-hold the round trip; the Redis CPU column is the cost that scales with the fleet.
+commands the bench sends: EVAL, XREADGROUP, XACK). Both sides run on this machine's
+loopback, so the wall numbers hold the round trip; the Redis CPU column is the cost that
+scales with the fleet.
 
     .venv/bin/python ops/bench/fair_pull.py
     .venv/bin/python ops/bench/fair_pull.py --requests 2000

@@ -1,12 +1,15 @@
 """The intake thread: stream entries -> started jobs, prompts built off the engine loop.
 
-It reads the priority lanes highest first (``protocol.keys.PRIORITY_BANDS``), and takes only
-as many entries as the worker can start soon (``Slots``), so a burst spreads over every
-idle worker instead of queueing behind the first one's prefills; it BLOCKs long only while
-the batch is empty. On a Redis Cluster each lane has a stream per shard: a pass reads the
-high lane of every shard before any normal lane, starting each lane at a shard that moves
-on every pass (so no shard is always read last), and BLOCKs briefly on one shard at a time
-(a blocking read cannot span slots). Each pass first runs the reaper: XAUTOCLAIM of entries
+It takes requests through the tenants' fair backlogs (``protocol/fair.py``, read by
+``fair_reader.py``), the priority lanes highest first (``protocol.keys.PRIORITY_BANDS``), and
+only as many as the worker can start soon (``Slots``), so a burst spreads over every idle
+worker instead of queueing behind the first one's prefills and the fair order is the
+fleet's, not this worker's; it BLOCKs long only while the batch is empty, and settles the
+real cost of finished requests (``fair_ledger.py``) before each pass's pulls. On a Redis
+Cluster each lane has a stream per shard: a pass reads the high lane of every shard before
+any normal lane, starting each lane at a shard that moves on every pass (so no shard is
+always read last), and BLOCKs briefly on one shard at a time (a blocking read cannot span
+slots). Each pass first runs the reaper: XAUTOCLAIM of entries
 idle past the lease (their worker died or stalled), which are resumed from their replay
 log. Entries that cannot be decoded, were delivered too often, or reuse another job's
 request id go to the dead-letter stream; the worker keeps going. Started jobs get their
@@ -33,6 +36,7 @@ from protocol.streaming import decode_log
 from worker.service.active_job import ActiveJob
 from worker.service.deadletter import DeadLetters
 from worker.service.fair_ledger import FairLedger, fair_fields
+from worker.service.fair_reader import FairReader
 from worker.service.jobs import replayed
 from worker.service.leases import Entry, HeldEntries, dead_consumers, hand_back_consumer
 from worker.service.outbox import Outbox
@@ -72,6 +76,8 @@ class Intake(threading.Thread):
         # per entry taken: its id before the fair pull adopted it (or ''), and its charge
         self._fair: dict[Entry, tuple[str, int]] = {}
         self.ledger = ledger
+        self.reader = FairReader(settings, self.redis)
+        self._lanes = {band: set(self.keys.lane_streams(band)) for band in PRIORITY_BANDS}
 
     def stop(self) -> None:
         self.stopped.set()
@@ -128,34 +134,12 @@ class Intake(threading.Thread):
         if time.monotonic() >= self._next_reap:
             taken += self._reap(max(rooms.values()))
         self.ledger.settle(self.redis)  # finished requests' real cost, before picking
-        marks: dict[str, Any] = {}
-        for stream, room in rooms.items():  # highest lane first, without blocking
-            if room - taken <= 0:
-                continue
-            entries, (bell_id, last_id) = fair.pull(
-                self.redis, stream, self.keys.group, self.settings.worker_id, room - taken)
-            marks[fair.bell(stream)], marks[stream] = bell_id, last_id
-            taken += len(entries)
-            if entries:
-                self._process(stream, entries, {})
-        if taken:
-            return
-        self._wait_for_work(first_shard, rooms, marks)
-
-    def _wait_for_work(self, shard: int, rooms: dict[str, int], marks: dict[str, Any]) -> None:
-        """Nothing to pull: BLOCK until a producer rings a lane's bell (a push onto its
-        fair backlog) or XADDs straight into it, from where the pull left them (no push
-        between the pull and the wait is missed). One shard (a read spans one slot): on a
-        cluster briefly, then the next pass tries the next shard."""
-        watched = {name: marks[name] for stream in self.keys.shard_streams(shard)
-                   if rooms[stream] > 0 and stream in marks
-                   for name in (fair.bell(stream), stream)}
-        if not watched:
-            return
-        block = self.settings.busy_block_ms if self.busy() else self.settings.idle_block_ms
-        if self.keys.shards > 1:
-            block = min(block, self.settings.busy_block_ms)
-        self.redis.xread(watched, count=1, block=block)
+        for band in PRIORITY_BANDS:  # highest lane first, without blocking
+            lane = [stream for stream in order if stream in self._lanes[band]]
+            taken += self.reader.pull_lane(lane, rooms, taken,
+                                           lambda stream, got: self._process(stream, got, {}))
+        if not taken:
+            self.reader.wait(first_shard, rooms, self.busy())
 
     def _rescue_dead_workers(self) -> None:
         """Hand back the entries of workers that died without draining (kill -9, OOM, a
