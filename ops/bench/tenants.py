@@ -70,7 +70,7 @@ def _wait_done(r: redis.Redis, requests: list[GenerateRequest]) -> None:
 def late(url: str, tmp: Path) -> dict[str, Any]:
     r, client = redis.Redis.from_url(url), FerryClient.from_url(url)
     r.flushall()
-    flood, small = _requests("a", 40, 24), _requests("b", 4, 24)
+    flood, small = _requests("a", 40, 128), _requests("b", 4, 128)
     proc = _worker(url, tmp, 4)
     try:
         sent = time.monotonic()

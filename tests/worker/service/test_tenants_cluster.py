@@ -20,7 +20,7 @@ from tests.worker.service.procs import WorkerProcess, start_all
 from worker.models import default_model_path
 
 KEYS = ClusterKeys("ferry", 3)
-PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
 
 
 def _requests(tenant: str, n: int) -> list[GenerateRequest]:

@@ -65,7 +65,7 @@ def test_late_small_tenant_finishes_before_the_floods_twentieth(
     of b's finish before a's 20th. First come, first served finished them after all 40."""
     r = server.client()
     client = FerryClient(redis.Redis.from_url(server.url))
-    flood, late = _requests("a", 40, max_tokens=24), _requests("b", 4, max_tokens=24)
+    flood, late = _requests("a", 40, max_tokens=128), _requests("b", 4, max_tokens=128)
     with _worker(server, "w1", log_dir, 4) as worker:
         start_all(worker)
         sent = time.monotonic()
