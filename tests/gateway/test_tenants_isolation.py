@@ -16,6 +16,7 @@ import redis
 
 from gateway.settings import GatewaySettings
 from gateway.tenants import key_tenant_id
+from protocol import fair
 from protocol.keys import Keys
 from protocol.tenancy import scoped_id
 from tests.gateway.server import GatewayServer
@@ -119,3 +120,21 @@ def test_bad_keys_and_ids_are_refused_and_shared_routes_stay_shared(
     assert httpx.get(f"{gateway.url}/healthz").status_code == 200
     for who in (A, B):
         assert httpx.get(f"{gateway.url}/v1/models", headers=who).status_code == 200
+
+
+def test_a_batch_runs_as_its_owners_tenant(redis_server: RedisServer,
+                                           redis_client: redis.Redis) -> None:
+    """Batch lines are requests of the batch owner's tenant: its namespace, its weight (the
+    batcher reads the same tenants); another tenant cannot see the batch."""
+    from tests.gateway.test_batches_api import GOOD, line, stack, submit, wait
+
+    with stack(redis_server, api_keys=("key-a", "key-b")) as (gateway, client), \
+            FakeWorker(redis_server.url, Script(tokens=["o", "k"])) as worker:
+        batch = submit(client, [line("c0", GOOD)])
+        done = wait(client, batch.id)
+        other = httpx.get(f"{gateway.url}/v1/batches/{batch.id}", headers=B)
+    assert done.status == "completed" and other.status_code == 404
+    [request] = [q for q in worker.seen if batch.id in q.request_id]
+    owner = key_tenant_id("key-a")
+    assert request.tenant == owner and request.request_id.startswith(owner + "::")
+    assert redis_client.hget(fair.weights(KEYS.requests_band("low")), owner) == b"1.0"
