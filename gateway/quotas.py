@@ -120,7 +120,10 @@ class Quotas:
                    for m in await redis.zrange(key, 0, -1)]
         if not members:
             return
-        states = [await redis.hget(self.keys.job(rid), "state") for rid in members]
+        pipe = redis.pipeline(transaction=False)
+        for rid in members:
+            pipe.hget(self.keys.job(rid), "state")
+        states = await pipe.execute()
         ended = [rid for rid, state in zip(members, states, strict=True)
                  if state is None or _text(state) in TERMINAL_STATES]
         if ended:
