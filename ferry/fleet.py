@@ -1,5 +1,6 @@
 """What ``ferry top`` shows, read from Redis: live workers' heartbeats, the priority lanes
-as the consumer group sees them, and ``ferry up``'s restart records.
+as the consumer group sees them, the tenants waiting in the fair backlogs, and ``ferry
+up``'s restart records.
 
 Why heartbeats and not each worker's ``/metrics``: workers behind a scaler come and go and
 often have no reachable port, but every live worker writes ``{prefix}:worker:{id}`` every
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ferry.recovery import RestartRecord, read_restarts
+from protocol import fair
 from protocol.codec import ProtocolError, decode_heartbeat
 from protocol.keys import Keys
 from protocol.store import as_str, queue_commands, queue_lags
@@ -61,6 +63,17 @@ class ShardView:
     lag: int
 
 
+@dataclass(frozen=True)
+class TenantView:
+    """One tenant with requests in the fair backlogs (``protocol.fair``), over every lane
+    and shard: how many wait, its weight, and its lowest virtual token counter."""
+
+    tenant: str
+    waiting: int
+    weight: float
+    counter: float
+
+
 @dataclass
 class Snapshot:
     """Everything one frame shows; built by :func:`collect`."""
@@ -71,6 +84,7 @@ class Snapshot:
     workers: list[WorkerView]
     restarts: list[RestartRecord] = field(default_factory=list)
     shards: list[ShardView] = field(default_factory=list)  # on a cluster
+    tenants: list[TenantView] = field(default_factory=list)  # with work waiting
 
 
 class History:
@@ -102,6 +116,33 @@ def _shards(redis: Any, keys: Keys, lanes: dict[str, tuple[int, int]]) -> list[S
     return views
 
 
+def _tenants(redis: Any, keys: Keys) -> list[TenantView]:
+    """The tenants in every lane's ready set, with their backlogs (two round trips)."""
+    pipe = redis.pipeline(transaction=False)
+    for stream in keys.request_streams:
+        pipe.zrange(fair.ready(stream), 0, -1, withscores=True)
+        pipe.hgetall(fair.weights(stream))
+    replies = pipe.execute(raise_on_error=False)
+    ready: list[tuple[str, str, float, float]] = []  # stream, tenant, counter, weight
+    for i, stream in enumerate(keys.request_streams):
+        members, weights = replies[2 * i], replies[2 * i + 1]
+        if isinstance(members, Exception) or isinstance(weights, Exception):
+            continue
+        named = {as_str(k): float(v) for k, v in weights.items()}
+        ready += [(stream, as_str(t), float(c), named.get(as_str(t), 1.0)) for t, c in members]
+    pipe = redis.pipeline(transaction=False)
+    for stream, tenant, _c, _w in ready:
+        pipe.llen(fair.backlog(stream, tenant))
+    views: dict[str, TenantView] = {}
+    for (_s, tenant, counter, weight), n in zip(ready, pipe.execute(raise_on_error=False),
+                                                 strict=True):
+        seen = views.get(tenant)
+        waiting = (0 if isinstance(n, Exception) else int(n)) + (seen.waiting if seen else 0)
+        views[tenant] = TenantView(tenant, waiting, weight,
+                                   min(counter, seen.counter) if seen else counter)
+    return sorted(views.values(), key=lambda v: (-v.waiting, v.tenant))
+
+
 def _queue(redis: Any, keys: Keys) -> tuple[QueueView, dict[str, tuple[int, int]]]:
     """XLEN and XINFO GROUPS of every priority lane (of every shard), summed, and per
     stream; zeros before streams exist."""
@@ -113,7 +154,7 @@ def _queue(redis: Any, keys: Keys) -> tuple[QueueView, dict[str, tuple[int, int]
     view.dead_letters = sum(int(redis.xlen(dead)) for dead in keys.dead_letters)
     view.lag = sum(lag for _, lag in lanes.values())
     for i in range(len(keys.request_streams)):
-        groups = replies[2 * i + 1]
+        groups = replies[3 * i + 1]
         for group in [] if isinstance(groups, Exception) else groups:
             if as_str(group["name"]) != keys.group:
                 continue
@@ -146,7 +187,8 @@ def collect(redis: Any, keys: Keys, history: History | None = None) -> Snapshot:
         history.forget_except({w.worker_id for w in workers})
     queue, lanes = _queue(redis, keys)
     return Snapshot(taken_at=now, prefix=keys.prefix, queue=queue, workers=workers,
-                    restarts=_restarts(redis, keys), shards=_shards(redis, keys, lanes))
+                    restarts=_restarts(redis, keys), shards=_shards(redis, keys, lanes),
+                    tenants=_tenants(redis, keys))
 
 
 def _restarts(redis: Any, keys: Keys) -> list[RestartRecord]:

@@ -6,16 +6,17 @@ queue is full, so the cheap local checks run before the Redis round-trip for the
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import Mapping
 
+import structlog
 from fastapi import Request
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError, error_body
 from gateway.settings import GatewaySettings
+from gateway.tenants import DEFAULT, TenantDirectory
 from protocol.aclient import AsyncFerryClient
 from protocol.models import GenerateRequest
 
@@ -57,20 +58,20 @@ async def check_queue(client: AsyncFerryClient, settings: GatewaySettings) -> No
         )
 
 
-def require_api_key(request: Request) -> None:
-    """401 unless ``Authorization: Bearer <key>`` matches a configured key (if any)."""
-    settings: GatewaySettings = request.app.state.settings
-    if not settings.api_keys:
-        return
+async def require_api_key(request: Request) -> None:
+    """401 unless ``Authorization: Bearer <key>`` is a tenant's key (when keys exist);
+    the tenant it names is kept on the request (``gateway.principal``)."""
+    tenants: TenantDirectory = request.app.state.tenants
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    supplied = token.strip().encode()
-    # Compare against every key, in constant time, so timing reveals neither key nor match.
-    matched = False
-    for key in settings.api_keys:
-        matched |= hmac.compare_digest(supplied, key.encode())
-    if scheme.lower() != "bearer" or not matched:
+    if not tenants.authenticated:
+        request.state.tenant = DEFAULT
+        return
+    tenant = tenants.resolve(token.strip())
+    if scheme.lower() != "bearer" or tenant is None:
         raise APIError(401, "authorization: missing or invalid API key",
                        param="authorization", headers={"WWW-Authenticate": "Bearer"})
+    request.state.tenant = tenant
+    structlog.contextvars.bind_contextvars(tenant=tenant.id)
 
 
 class BodyLimitMiddleware:

@@ -19,6 +19,7 @@ from gateway.metrics import Metrics, MetricsMiddleware
 from gateway.redis_client import ferry_client
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
+from gateway.tenants import tenant_directory
 
 log = structlog.get_logger("ferry.gateway")
 
@@ -31,7 +32,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = ferry_client(settings)
-        app.state.engine = Engine(client, settings, metrics)
+        app.state.engine = Engine(client, settings, metrics, app.state.tenants)
         app.state.served = ServedModels(client, settings.served_model_name)
         try:
             await client.ensure_group()  # so queue lag is measurable before a worker starts
@@ -46,6 +47,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app = FastAPI(title="Ferry gateway", version="1", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.state.settings = settings
+    app.state.tenants = tenant_directory(settings)
     _install_docs(app)
     install_error_handlers(app, settings.retry_after_s)
     _install_fallback_handlers(app, settings.retry_after_s)

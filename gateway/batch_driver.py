@@ -26,6 +26,7 @@ from gateway.batch_run import BatchRun
 from gateway.redis_client import ferry_client
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
+from gateway.tenants import tenant_directory
 from protocol.batch_store import BatchStore
 
 log = structlog.get_logger("ferry.batcher")
@@ -92,7 +93,7 @@ async def run_batcher(settings: GatewaySettings, batcher_id: str | None = None,
     store = BatchStore(client.redis, settings.keys)
     served = ServedModels(client, settings.served_model_name)
     ctx = BatcherContext(client, store, served, settings, batcher_id or new_batcher_id(),
-                         FleetBudget(store, served, settings))
+                         FleetBudget(store, served, settings), tenant_directory(settings))
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

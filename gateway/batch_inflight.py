@@ -12,16 +12,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.batch_lines import LinePlan, check_line, ended_result, finished_result
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
+from gateway.tenants import TenantDirectory
 from protocol.aclient import AsyncFerryClient
 from protocol.batch_progress import BatchProgress, LineResult
 from protocol.batch_store import BatchStore
 from protocol.batches import BatchRecord
-from protocol.models import TERMINAL_STATES, TokenEvent
+from protocol.models import TERMINAL_STATES, GenerateRequest, TokenEvent
 from protocol.store import DuplicateRequestError
 
 
@@ -77,6 +78,11 @@ class BatcherContext:
     settings: GatewaySettings
     batcher_id: str
     budget: FleetBudget
+    tenants: TenantDirectory = field(default_factory=TenantDirectory)
+
+    def weight(self, request: GenerateRequest) -> float:
+        """The fair-share weight of the tenant a line runs as (its batch's owner)."""
+        return self.tenants.tenant(request.tenant).weight
 
 
 class InFlight:
@@ -96,7 +102,7 @@ class InFlight:
     async def enqueue(self, plan: LinePlan) -> None:
         for request in plan.requests:
             with contextlib.suppress(DuplicateRequestError):  # enqueued before a crash
-                await self.ctx.client.enqueue(request)
+                await self.ctx.client.enqueue(request, weight=self.ctx.weight(request))
 
     async def collect(self, rec: BatchRecord, code: str | None) -> None:
         """Record the lines whose requests all ended. Winding down (``code``): cancel the

@@ -30,6 +30,7 @@ from gateway.sse import json_bytes
 from protocol.batch_progress import LineResult
 from protocol.batches import BatchRecord, line_request_id
 from protocol.models import GenerateRequest, TokenEvent
+from protocol.tenancy import DEFAULT_TENANT, scoped_id
 
 SCHEMAS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
     "/v1/completions": CompletionRequest,
@@ -126,12 +127,14 @@ def custom_id_of(raw: bytes) -> str | None:
 
 
 async def plan_line(line: BatchLine, batch_id: str, endpoint: str, settings: GatewaySettings,
-                    served: ServedModels) -> LinePlan | LineResult:
+                    served: ServedModels, owner: str = DEFAULT_TENANT) -> LinePlan | LineResult:
     """The line's requests, or the error result of a body its route would refuse.
 
     The route's own steps, in its order: the body schema, the served model's name, the
     request builder, the admission caps. The request id is the line's own
-    (``line_request_id``), the lane the low one (``batch_priority``), and nothing streams.
+    (``line_request_id``) in the namespace of the batch's owner, whose tenant the requests
+    run as (``protocol.tenancy``); the lane is the low one (``batch_priority``), and
+    nothing streams.
     """
     try:
         if line.body.get("stream"):
@@ -143,9 +146,11 @@ async def plan_line(line: BatchLine, batch_id: str, endpoint: str, settings: Gat
             check_limits(request, settings)
     except APIError as exc:
         return refused_result(batch_id, line, exc)
-    update = {"stream": False, "model": model}
+    update = {"stream": False, "model": model, "tenant": None if owner == DEFAULT_TENANT
+              else owner}
     planned = tuple(r.model_copy(update={**update, "priority": max(settings.batch_priority,
-                                                                   r.priority)})
+                                                                   r.priority),
+                                         "request_id": scoped_id(owner, r.request_id)})
                     for r in requests)
     return LinePlan(line.index, line.custom_id, planned, shape)
 
@@ -166,7 +171,7 @@ async def check_line(raw: bytes, index: int, rec: BatchRecord, settings: Gateway
         return bad_line_result(rec.id, index, line.custom_id, "duplicate_custom_id",
                                f"line {index + 1}: custom_id {line.custom_id!r} is already "
                                f"used by line {first + 1}")
-    return await plan_line(line, rec.id, rec.endpoint, settings, served)
+    return await plan_line(line, rec.id, rec.endpoint, settings, served, rec.owner)
 
 
 def _result(batch_id: str, index: int, custom_id: str | None, response: dict[str, Any] | None,

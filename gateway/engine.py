@@ -19,7 +19,9 @@ from redis.exceptions import RedisError
 from gateway.admission import check_limits, check_queue
 from gateway.errors import APIError, unavailable
 from gateway.metrics import Metrics
+from gateway.quotas import Quotas
 from gateway.settings import GatewaySettings
+from gateway.tenants import DEFAULT, Tenant, TenantDirectory
 from protocol.aclient import AsyncFerryClient, AsyncSubscription
 from protocol.models import GenerateRequest, TokenEvent
 from protocol.store import DuplicateRequestError
@@ -35,14 +37,18 @@ class ClientGone(Exception):
 class Engine:
     """Shared by all handlers of one app; holds the async client, settings and metrics."""
 
-    def __init__(self, client: AsyncFerryClient, settings: GatewaySettings, metrics: Metrics):
+    def __init__(self, client: AsyncFerryClient, settings: GatewaySettings, metrics: Metrics,
+                 tenants: TenantDirectory | None = None):
         self.client = client
         self.settings = settings
         self.metrics = metrics
+        self.tenants = tenants or TenantDirectory()
+        self.quotas = Quotas(client, settings.job_ttl_s, settings.retry_after_s)
 
-    async def admit(self, requests: list[GenerateRequest]) -> None:
+    async def admit(self, requests: list[GenerateRequest], tenant: Tenant = DEFAULT) -> None:
         """Refuse before enqueueing: caps first (cheap, local), then the queue lag (once
-        for all the requests of one exchange)."""
+        for all the requests of one exchange), then the tenant's quotas (which count the
+        requests as admitted, so they run last)."""
         try:
             for request in requests:
                 check_limits(request, self.settings)
@@ -54,18 +60,38 @@ class Engine:
         except APIError:
             self.metrics.rejections.labels("queue_full").inc()
             raise
+        try:
+            await self.quotas.admit(tenant, requests)
+        except APIError as exc:
+            quota = (exc.code or "quota").removeprefix("quota_")
+            self.metrics.rejections.labels("quota").inc()
+            self.metrics.tenant_rejections.labels(tenant.id, quota).inc()
+            log.info("quota_refused", tenant=tenant.id, quota=quota)
+            raise
+        self.metrics.tenant_requests.labels(tenant.id).inc(len(requests))
+
+    async def enqueue(self, request: GenerateRequest) -> None:
+        """Enqueue with the weight of the request's tenant; 409 for an id in use (and the
+        tenant's concurrency given back for anything not enqueued)."""
+        tenant = self.tenants.tenant(request.tenant)
+        try:
+            await self.client.enqueue(request, weight=tenant.weight)
+        except DuplicateRequestError as exc:
+            self.metrics.enqueue_errors.labels("duplicate_id").inc()
+            await self.quotas.release(tenant, [request.request_id])
+            raise APIError(409, str(exc), param="request_id") from None
+        except BaseException as exc:
+            self.metrics.enqueue_errors.labels(type(exc).__name__).inc()
+            with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
+                await self.quotas.release(tenant, [request.request_id])
+            raise
 
     async def start(self, request: GenerateRequest, received_at: float) -> Generation:
         """Subscribe to the request's tokens, *then* enqueue it: no token can be missed."""
         sub = await self.open(request.request_id)
         try:
-            await self.client.enqueue(request)
-        except DuplicateRequestError as exc:
-            self.metrics.enqueue_errors.labels("duplicate_id").inc()
-            await sub.close()
-            raise APIError(409, str(exc), param="request_id") from None
-        except BaseException as exc:
-            self.metrics.enqueue_errors.labels(type(exc).__name__).inc()
+            await self.enqueue(request)
+        except BaseException:
             with anyio.CancelScope(shield=True):
                 await sub.close()
             raise
@@ -127,6 +153,11 @@ class Generation:
                 self._saw_token = True
                 metrics.ttft.observe(time.time() - self.received_at)
             if event.is_final:
+                tenant = self.request.tenant or DEFAULT.id
+                self.engine.metrics.tenant_tokens.labels(tenant, "prompt").inc(
+                    event.usage.prompt_tokens if event.usage else 0)
+                self.engine.metrics.tenant_tokens.labels(tenant, "completion").inc(
+                    event.usage.completion_tokens if event.usage else 0)
                 latency = time.time() - self.received_at
                 metrics.latency.labels(event.finish_reason or "").observe(latency)
 

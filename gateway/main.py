@@ -82,10 +82,10 @@ def serve(
     from observability.logging import configure_logging
 
     configure_logging(level=log_level)  # structlog owns the handlers, uvicorn's too
-    if not is_loopback(host) and not settings.api_keys:
+    if not is_loopback(host) and not (settings.api_keys or settings.tenants_file):
         log.warning("gateway_open_without_api_keys", host=host, port=port,
                     hint="anyone who reaches this address can use the API: set "
-                    "FERRY_API_KEYS, or listen on 127.0.0.1")
+                    "FERRY_API_KEYS or FERRY_TENANTS_FILE, or listen on 127.0.0.1")
     common: dict[str, Any] = dict(host=host, port=port, log_level=log_level, log_config=None,
                                   timeout_graceful_shutdown=10, proxy_headers=True)
     if workers == 1:

@@ -43,6 +43,20 @@ class Metrics:
             ["reason"], registry=reg,
         )
 
+        # per tenant (the tenant's id: a name from the tenants file, or a key's hash prefix)
+        self.tenant_requests = Counter(
+            "ferry_gateway_tenant_requests", "Generation requests admitted, by tenant.",
+            ["tenant"], registry=reg,
+        )
+        self.tenant_tokens = Counter(
+            "ferry_gateway_tenant_tokens", "Tokens of finished requests seen by this gateway, "
+            "by tenant and kind (prompt, completion).", ["tenant", "kind"], registry=reg,
+        )
+        self.tenant_rejections = Counter(
+            "ferry_gateway_tenant_quota_rejections", "Requests refused with 429 by a tenant "
+            "quota, by tenant and quota.", ["tenant", "quota"], registry=reg,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

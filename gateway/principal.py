@@ -1,33 +1,60 @@
-"""Who is calling: the principal that owns the files and batches it creates.
+"""Who is calling: the tenant that owns the jobs, files and batches its requests create.
 
-Until tenants exist this is the API key itself, named by a stable, non-secret id (a hash
-prefix, so Redis and logs never hold the key), or one anonymous principal when the gateway
-runs without keys. ``principal`` is the one place that decides it: tenants will map the
-key to its tenant's id here, and every Batch API route already asks only this function.
-Another principal's object is answered 404, never 403: its existence is not disclosed.
+``require_api_key`` (``gateway.admission``) resolves the caller's key to its tenant once
+(``gateway.tenants``) and keeps it on the request; ``tenant`` and ``principal`` are the one
+place every route asks. Another tenant's object is answered 404, never 403: its existence
+is not disclosed.
 """
 
 from __future__ import annotations
 
-import hashlib
+import re
 
 from fastapi import Request
 
-from gateway.settings import GatewaySettings
+from gateway.errors import APIError
+from gateway.tenants import DEFAULT, Tenant, key_tenant_id
+from protocol.models import ID_PATTERN, GenerateRequest
+from protocol.tenancy import scoped_id
 
-ANONYMOUS = "anonymous"
+_ID_RE = re.compile(ID_PATTERN)
+
+ANONYMOUS = DEFAULT.id
+"""The owner of everything a gateway without keys creates: the default tenant."""
+
+
+def tenant(request: Request) -> Tenant:
+    """The caller's tenant (the route already checked the key)."""
+    return getattr(request.state, "tenant", DEFAULT)
 
 
 def principal(request: Request) -> str:
-    """The owner id of this request's caller (the route already checked the key)."""
-    settings: GatewaySettings = request.app.state.settings
-    if not settings.api_keys:
-        return ANONYMOUS
-    _scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return key_principal(token.strip())
+    """The owner id of this request's caller: its tenant's id."""
+    return tenant(request).id
 
 
 def key_principal(api_key: str) -> str:
-    """``key-`` and 16 hex digits of the key's SHA-256: stable across restarts and
-    gateways, safe in key names, and useless for recovering the key."""
-    return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+    """The tenant id of a key given in ``FERRY_API_KEYS`` (``gateway.tenants``)."""
+    return key_tenant_id(api_key)
+
+
+def scoped(who: Tenant, requests: list[GenerateRequest]) -> list[GenerateRequest]:
+    """The requests as ``who``'s: its tenant named, each id moved into its namespace
+    (``protocol.tenancy``); 400 naming ``request_id`` for an id that cannot be."""
+    try:
+        return [r.model_copy(update={"tenant": who.wire,
+                                     "request_id": scoped_id(who.id, r.request_id)})
+                for r in requests]
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="request_id") from None
+
+
+def job_id(who: Tenant, public: str) -> str | None:
+    """The Redis id of ``who``'s job ``public``, or None if it cannot name one of its jobs
+    (the route answers 404, as for an unknown id)."""
+    if not _ID_RE.match(public):
+        return None
+    try:
+        return scoped_id(who.id, public)
+    except ValueError:
+        return None

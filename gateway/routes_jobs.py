@@ -21,13 +21,14 @@ from gateway.admission import require_api_key
 from gateway.body import parse_json, run_sized, validate
 from gateway.engine import Engine
 from gateway.errors import APIError, unavailable
+from gateway.principal import job_id as job_id_of
+from gateway.principal import scoped, tenant
 from gateway.routes_openai import body_schema, get_engine, get_served
 from gateway.schemas import JobCreate
 from gateway.sse import PING, EventStreamResponse, sse
 from protocol.aclient import AsyncSubscription
 from protocol.codec import ProtocolError
 from protocol.models import ID_PATTERN, GenerateRequest, JobStatus
-from protocol.store import DuplicateRequestError
 
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)])
 _ID_RE = re.compile(ID_PATTERN)
@@ -37,8 +38,17 @@ def _links(job_id: str) -> dict[str, str]:
     return {"status": f"/v1/jobs/{job_id}", "events": f"/v1/jobs/{job_id}/events"}
 
 
-async def _status_or_404(engine: Engine, job_id: str) -> JobStatus:
-    status = await engine.client.result(job_id)
+def _own(http: Request, job_id: str) -> str:
+    """The Redis id of the caller's job ``job_id``: ids live in per-tenant namespaces, so
+    another tenant's job is simply not found (404, never 403)."""
+    rid = job_id_of(tenant(http), job_id)
+    if rid is None:
+        raise APIError(404, f"job: no job {job_id!r}", param="id")
+    return rid
+
+
+async def _status_or_404(engine: Engine, rid: str, job_id: str) -> JobStatus:
+    status = await engine.client.result(rid)
     if status is None:
         raise APIError(404, f"job: no job {job_id!r} (unknown or expired)", param="id")
     return status
@@ -50,39 +60,37 @@ async def create_job(http: Request, engine: Engine = Depends(get_engine)) -> JSO
         body = parse_json(raw, engine.settings.max_messages, engine.settings.max_prompt_chars)
         return validate(JobCreate, body).to_generate_request()
 
-    request = await run_sized(await http.body(), prepare)
-    if request.model is not None:
-        await get_served(http).resolve(request.model)
-    await engine.admit([request])
-    try:
-        await engine.client.enqueue(request)
-    except DuplicateRequestError as exc:
-        engine.metrics.enqueue_errors.labels("duplicate_id").inc()
-        raise APIError(409, str(exc), param="request_id") from None
-    except Exception as exc:
-        engine.metrics.enqueue_errors.labels(type(exc).__name__).inc()
-        raise
-    rid = request.request_id
+    plain = await run_sized(await http.body(), prepare)
+    if plain.model is not None:
+        await get_served(http).resolve(plain.model)
+    who = tenant(http)
+    [request] = scoped(who, [plain])
+    await engine.admit([request], who)
+    await engine.enqueue(request)
+    rid = plain.request_id
     body_out = {"id": rid, "object": "job", "state": "queued", "links": _links(rid)}
     return JSONResponse(body_out, status_code=202, headers={"Location": f"/v1/jobs/{rid}"})
 
 
 @router.get("/{job_id}")
-async def get_job(job_id: str, engine: Engine = Depends(get_engine)) -> dict[str, Any]:
-    status = await _status_or_404(engine, job_id)
+async def get_job(job_id: str, http: Request,
+                  engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+    status = await _status_or_404(engine, _own(http, job_id), job_id)
     return {"id": job_id, "object": "job", **status.model_dump(mode="json"),
-            "links": _links(job_id)}
+            "request_id": job_id, "links": _links(job_id)}
 
 
 @router.delete("/{job_id}", status_code=202)
-async def cancel_job(job_id: str, engine: Engine = Depends(get_engine)) -> JSONResponse:
+async def cancel_job(job_id: str, http: Request,
+                     engine: Engine = Depends(get_engine)) -> JSONResponse:
     """202 when the cancel took effect or was passed to the worker; 409 once the job has
     ended, however it ended (done, failed, timeout or cancelled): nothing is left to
     cancel, and a second DELETE gets the same answer as a DELETE of a finished job."""
-    status = await _status_or_404(engine, job_id)
+    rid = _own(http, job_id)
+    status = await _status_or_404(engine, rid, job_id)
     if status.is_terminal:
         raise APIError(409, f"job: {job_id!r} already ended ({status.state})", param="id")
-    found = await engine.client.cancel(job_id, reason="cancelled via API")
+    found = await engine.client.cancel(rid, reason="cancelled via API")
     if found not in ("cancelled", "running", "queued"):  # ended meanwhile, or expired
         raise APIError(409, f"job: {job_id!r} already ended ({found})", param="id")
     state = "cancelled" if found == "cancelled" else "cancelling"
@@ -103,13 +111,12 @@ async def job_events(
     from the end: a finished job then sends its terminal event and closes at once; a
     running one follows from its latest event. A client that saw the terminal event gets
     204, which also stops EventSource from reconnecting."""
-    if not _ID_RE.match(job_id):
-        raise APIError(404, f"job: no job {job_id!r}", param="id")
+    rid = _own(http, job_id)
     after_seq = _after_seq(last_event_id, after)
-    sub = await engine.open(job_id)  # before reading the log: nothing published is missed
+    sub = await engine.open(rid)  # before reading the log: nothing published is missed
     try:
-        status = await _status_or_404(engine, job_id)
-        last = int(await engine.client.redis.llen(engine.client.keys.events(job_id))) - 1  # type: ignore[misc]
+        status = await _status_or_404(engine, rid, job_id)
+        last = int(await engine.client.redis.llen(engine.client.keys.events(rid))) - 1  # type: ignore[misc]
     except BaseException:
         await sub.close()
         raise
@@ -125,7 +132,7 @@ async def job_events(
         with contextlib.suppress(RedisError, OSError):
             await sub.close()
 
-    return EventStreamResponse(_events(sub, engine, deadline), on_close=close)
+    return EventStreamResponse(_events(sub, engine, deadline, job_id), on_close=close)
 
 
 _MAX_SEQ = 2**63 - 1  # what Redis list indices (and msgpack) can carry
@@ -149,7 +156,8 @@ def _after_seq(last_event_id: str | None, after: int | None) -> int:
     return value
 
 
-async def _events(sub: AsyncSubscription, engine: Engine, deadline: float) -> AsyncIterator[bytes]:
+async def _events(sub: AsyncSubscription, engine: Engine, deadline: float,
+                  job_id: str) -> AsyncIterator[bytes]:
     """Until the terminal event, or the deadline (the client may then resume); one write
     per wake-up with every event that was ready.
 
@@ -161,7 +169,8 @@ async def _events(sub: AsyncSubscription, engine: Engine, deadline: float) -> As
             if left <= 0:
                 return
             events = await sub.next_events(min(left, engine.settings.keepalive_s))
-            yield b"".join(sse(e.model_dump(mode="json", exclude_none=True), event_id=e.seq)
+            yield b"".join(sse({**e.model_dump(mode="json", exclude_none=True),
+                                "request_id": job_id}, event_id=e.seq)
                            for e in events) if events else PING
     except (RedisError, OSError, ProtocolError) as exc:
         yield sse(unavailable(exc, engine.settings.retry_after_s).body(), event="error")

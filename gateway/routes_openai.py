@@ -26,6 +26,7 @@ from gateway.engine import ClientGone, Engine
 from gateway.errors import APIError, failure, unavailable
 from gateway.generations import Batch, Generations
 from gateway.openai_format import Formatter
+from gateway.principal import scoped, tenant
 from gateway.response_shape import ResponseShape
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.served_models import ServedModels
@@ -87,8 +88,9 @@ async def _serve(requests: list[GenerateRequest], shape: ResponseShape, http: Re
                  engine: Engine) -> Response:
     received_at = time.time()
     model = await get_served(http).resolve(requests[0].model)
-    requests = [r.model_copy(update={"model": model}) for r in requests]
-    await engine.admit(requests)
+    who = tenant(http)
+    requests = scoped(who, [r.model_copy(update={"model": model}) for r in requests])
+    await engine.admit(requests, who)
     group = await Generations.start(engine, requests, received_at)
     fmt = Formatter(shape.request_id, model, shape)
     try:

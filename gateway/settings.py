@@ -36,7 +36,12 @@ class GatewaySettings(BaseModel):
         "before it is accepted; 0: accept once on its master.")
     redis_wait_timeout_ms: int = Field(default=2000, ge=1, description="Cluster: WAIT timeout.")
     prefix: str = "ferry"
-    api_keys: tuple[str, ...] = Field(default=(), description="Empty: no authentication.")
+    api_keys: tuple[str, ...] = Field(
+        default=(), description="Empty: no authentication (unless tenants_file); each key "
+        "is its own tenant.")
+    tenants_file: str | None = Field(
+        default=None, description="TOML file of tenants: their keys' SHA-256, weights and "
+        "quotas (docs/tenants.md); replaces api_keys.")
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_prompt_chars: int = Field(default=400_000, ge=1, description="prompt or all messages.")
     max_prompt_tokens: int = Field(default=32_768, ge=1, description="prompt_token_ids length.")

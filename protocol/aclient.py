@@ -231,14 +231,15 @@ class AsyncFerryClient:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    async def enqueue(self, request: GenerateRequest) -> str:
-        """Record the job as queued and XADD it; returns the request id. On a cluster it
-        is accepted once replicated (``NotReplicatedError`` otherwise)."""
+    async def enqueue(self, request: GenerateRequest, weight: float = 1.0) -> str:
+        """Record the job as queued and push it onto its tenant's fair backlog (``weight``:
+        the tenant's share, ``protocol.fair``); returns the request id. On a cluster it is
+        accepted once replicated (``NotReplicatedError`` otherwise)."""
         if self.keys.cluster:
             await aenqueue(self.redis, EnqueuePlan(self.keys, request, self.ttls,
-                                                   self.replication))
+                                                   self.replication, weight))
             return request.request_id
-        script, keys, argv = enqueue_script(self.keys, request, self.ttls)
+        script, keys, argv = enqueue_script(self.keys, request, self.ttls, weight)
         if await self.redis.eval(script, len(keys), *keys, *argv) is None:  # type: ignore[misc]
             raise DuplicateRequestError(f"request_id: {request.request_id!r} is already in use")
         return request.request_id

@@ -210,14 +210,15 @@ class FerryClient:
     def ensure_group(self) -> None:
         ensure_group(self.redis, self.keys)
 
-    def enqueue(self, request: GenerateRequest) -> str:
-        """Record the job as queued and XADD it; returns the request id. On a cluster it
-        is accepted once replicated (``NotReplicatedError`` otherwise)."""
+    def enqueue(self, request: GenerateRequest, weight: float = 1.0) -> str:
+        """Record the job as queued and push it onto its tenant's fair backlog (``weight``:
+        the tenant's share, ``protocol.fair``); returns the request id. On a cluster it is
+        accepted once replicated (``NotReplicatedError`` otherwise)."""
         if self.keys.cluster:
             cluster_enqueue(self.redis, EnqueuePlan(self.keys, request, self.ttls,
-                                                    self.replication))
+                                                    self.replication, weight))
             return request.request_id
-        script, keys, argv = enqueue_script(self.keys, request, self.ttls)
+        script, keys, argv = enqueue_script(self.keys, request, self.ttls, weight)
         if self.redis.eval(script, len(keys), *keys, *argv) is None:
             raise DuplicateRequestError(f"request_id: {request.request_id!r} is already in use")
         return request.request_id

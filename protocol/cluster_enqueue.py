@@ -30,7 +30,8 @@ from typing import Any
 import redis
 
 from protocol.cluster import NotReplicatedError, Replication, arun_on_master, run_on_master
-from protocol.codec import REQUEST_FIELD, encode_request
+from protocol.codec import encode_request
+from protocol.fair import PUSH_LUA, push_args
 from protocol.keys import Keys
 from protocol.models import GenerateRequest
 from protocol.store import DuplicateRequestError, Ttls, as_str, cancel_script
@@ -53,7 +54,7 @@ return 1
 # did first; returns the recorded entry id (nil if the reservation is gone).
 RECORD_ENTRY_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-if not redis.call('HGET', KEYS[1], 'entry_id') then
+if ARGV[1] ~= '' and not redis.call('HGET', KEYS[1], 'entry_id') then
   redis.call('HSET', KEYS[1], 'entry_id', ARGV[1], 'stream', ARGV[2])
 end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
@@ -65,8 +66,8 @@ class EnqueuePlan:
     """The three steps of one request's enqueue, as commands (shared by both clients)."""
 
     def __init__(self, keys: Keys, request: GenerateRequest, ttls: Ttls,
-                 replication: Replication) -> None:
-        self.keys, self.request, self.ttls = keys, request, ttls
+                 replication: Replication, weight: float = 1.0) -> None:
+        self.keys, self.request, self.ttls, self.weight = keys, request, ttls, weight
         self.replication = replication
         self.request_id = request.request_id
         self.stream = keys.stream_for(self.request_id, request.priority)
@@ -80,11 +81,15 @@ class EnqueuePlan:
         return ("EVAL", RESERVE_LUA, len(keys), *keys, *argv)
 
     def xadd(self) -> list[tuple[Any, ...]]:
-        return [("XADD", self.stream, "*", REQUEST_FIELD, encode_request(self.request)),
-                *self._wait()]
+        """The push onto the tenant's fair backlog of the shard's lane (``protocol.fair``):
+        every key of it carries the stream's hash tag."""
+        keys, argv = push_args(self.stream, self.request, self.weight,
+                               encode_request(self.request))
+        return [("EVAL", PUSH_LUA, len(keys), *keys, *argv), *self._wait()]
 
     def record(self, entry_id: Any) -> list[tuple[Any, ...]]:
-        args = [as_str(entry_id), self.stream, self.ttls.job_s]
+        """The job hash's full TTL (the entry is named later, by the worker that pulls it)."""
+        args = ["", self.stream, self.ttls.job_s]
         return [("EVAL", RECORD_ENTRY_LUA, 1, self.job_key, *args), *self._wait()]
 
     def cancel(self) -> tuple[Any, ...]:

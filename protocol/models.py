@@ -15,18 +15,24 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.sampling import SamplingParams
+from protocol.tenancy import TENANT_PATTERN, check_scoped
 from protocol.values import first_path, out_of_int64, unencodable
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on any incompatible change; decoders refuse versions they do not know. Version 2
 added fields (logit_bias, structured_output, n, best_of; per-choice events), version 3 more
-(prompt logprobs, echo, fit_to_context; the first event's prompt fields; error codes):
-older messages are still read, and mean the same."""
+(prompt logprobs, echo, fit_to_context; the first event's prompt fields; error codes),
+version 4 the request's ``tenant`` and tenant-scoped request ids (``protocol.tenancy``):
+older messages are still read, and mean the same (the default tenant)."""
 
-SUPPORTED_VERSIONS = frozenset({1, 2, PROTOCOL_VERSION})
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, PROTOCOL_VERSION})
 
 ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 """Request and worker ids become part of Redis key names: only key-safe characters."""
+
+WIRE_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,200}$"
+"""A request id on the wire: a plain id, or a tenant-scoped one (``{tenant}::{id}``, up to
+40 + 2 + 128 characters)."""
 
 FinishReason = Literal["stop", "length", "abort", "error", "timeout", "cancelled"]
 JobState = Literal["queued", "running", "done", "failed", "cancelled", "timeout"]
@@ -68,7 +74,10 @@ class GenerateRequest(_Wire):
     """A generation job, as enqueued on the requests stream."""
 
     version: int = PROTOCOL_VERSION
-    request_id: str = Field(default_factory=new_request_id, pattern=ID_PATTERN)
+    request_id: str = Field(default_factory=new_request_id, pattern=WIRE_ID_PATTERN)
+    tenant: str | None = Field(default=None, pattern=TENANT_PATTERN, description=(
+        "Who the request belongs to (None: the default tenant); its request_id must then "
+        "be scoped, '{tenant}::{id}' (protocol.tenancy)."))
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
@@ -91,6 +100,7 @@ class GenerateRequest(_Wire):
             for name in ("prompt", "prompt_token_ids", "messages")
             if getattr(self, name) is not None
         ]
+        check_scoped(self.tenant, self.request_id)
         if len(given) != 1:
             raise ValueError(
                 "prompt: exactly one of prompt, prompt_token_ids, messages is required "
@@ -174,7 +184,7 @@ class TokenEvent(_Wire):
     """
 
     version: int = PROTOCOL_VERSION
-    request_id: str = Field(pattern=ID_PATTERN)
+    request_id: str = Field(pattern=WIRE_ID_PATTERN)
     seq: int = Field(ge=0)
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""
@@ -205,7 +215,7 @@ class TokenEvent(_Wire):
 class JobStatus(_Wire):
     """What the job hash holds: the state and, once finished, the whole result."""
 
-    request_id: str = Field(pattern=ID_PATTERN)
+    request_id: str = Field(pattern=WIRE_ID_PATTERN)
     state: JobState
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
@@ -232,7 +242,7 @@ class Cancel(_Wire):
     """Published on the control channel; workers abort the request if they hold it."""
 
     version: int = PROTOCOL_VERSION
-    request_id: str = Field(pattern=ID_PATTERN)
+    request_id: str = Field(pattern=WIRE_ID_PATTERN)
     reason: str = Field(default="cancelled by client", max_length=1024)
 
 

@@ -27,6 +27,8 @@ from protocol.codec import (
     encode_request,
     status_to_hash,
 )
+from protocol.fair import PUSH_BODY, push_args
+from protocol.fair import bell as fair_bell
 from protocol.keys import Keys
 from protocol.models import Cancel, GenerateRequest, JobStatus, TokenEvent, Usage, WorkerHeartbeat
 
@@ -48,19 +50,21 @@ class Ttls:
 
 _TERMINAL_LUA = "state == 'done' or state == 'failed' or state == 'cancelled' or state == 'timeout'"
 
-# KEYS: job, the request's lane stream, events, cancelled. ARGV: request_id, created_at,
-# model or '', job ttl, msgpack request. Refuses (returns nil) a request id whose job hash
-# still exists. The hash records which stream entry is *the* job (``entry_id``, ``stream``):
-# workers never write a job's hash, log or channel for any other entry (a duplicate XADD).
-ENQUEUE_LUA = f"""
+# KEYS: job, the request's lane stream, events, cancelled, then the lane's fair backlog
+# (ready, vtc, weights, bell, the tenant's backlog: ``protocol.fair``). ARGV: request_id,
+# created_at, model or '', job ttl, tenant, weight, cost, msgpack request. Refuses (returns
+# nil) a request id whose job hash still exists. The request waits in its tenant's backlog
+# until a worker's fair pull moves it into the stream; that worker's START_JOB_LUA then
+# names the entry in the job hash (``entry_id``, ``stream``): workers never write a job's
+# hash, log or channel for any other entry (a duplicate XADD).
+ENQUEUE_LUA = PUSH_BODY + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 redis.call('DEL', KEYS[3], KEYS[4])
-local id = redis.call('XADD', KEYS[2], '*', '{REQUEST_FIELD}', ARGV[5])
-redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'state', 'queued', 'created_at', ARGV[2],
-           'entry_id', id, 'stream', KEYS[2])
+redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'state', 'queued', 'created_at', ARGV[2])
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'model', ARGV[3]) end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
-return id
+push(5, 5)
+return 1
 """
 
 # KEYS: job, cancelled, events. ARGV: reason, now, cancelled ttl, control channel,
@@ -91,7 +95,8 @@ return state or 'unknown'
 CANCEL_LUA = _cancel_lua("PUBLISH")
 CANCEL_LUA_CLUSTER = _cancel_lua("SPUBLISH")
 
-# KEYS: job, cancelled. ARGV: request_id, worker_id, now, job ttl, entry id, stream.
+# KEYS: job, cancelled. ARGV: request_id, worker_id, now, job ttl, entry id, stream, and
+# the entry's ``origin`` ('' if none: the id it had before the fair pull adopted it).
 # 'duplicate': the job belongs to another stream entry (or finished before entries were
 #   recorded): this entry must not touch it; dead-letter the entry.
 # 'skip': already finished (e.g. reclaimed after its worker wrote the result): just XACK.
@@ -100,7 +105,9 @@ CANCEL_LUA_CLUSTER = _cancel_lua("SPUBLISH")
 START_JOB_LUA = f"""
 local owner = redis.call('HMGET', KEYS[1], 'entry_id', 'stream')
 local state = redis.call('HGET', KEYS[1], 'state')
-if owner[1] and (owner[1] ~= ARGV[5] or owner[2] ~= ARGV[6]) then return 'duplicate' end
+if owner[1] and owner[1] ~= ARGV[7] and (owner[1] ~= ARGV[5] or owner[2] ~= ARGV[6]) then
+  return 'duplicate'
+end
 if {_TERMINAL_LUA} then
   if owner[1] then return 'skip' end
   return 'duplicate'
@@ -123,14 +130,15 @@ class DuplicateRequestError(ValueError):
 
 
 def enqueue_script(
-    keys: Keys, request: GenerateRequest, ttls: Ttls
+    keys: Keys, request: GenerateRequest, ttls: Ttls, weight: float = 1.0
 ) -> tuple[str, list[str], list[Any]]:
-    """(script, KEYS, ARGV) for ``EVAL``: job hash state=queued, then XADD the request."""
+    """(script, KEYS, ARGV) for ``EVAL``: job hash state=queued, then push the request
+    onto its tenant's fair backlog (``weight``: the tenant's share, ``protocol.fair``)."""
     rid = request.request_id
     stream = keys.stream_for(rid, request.priority)
-    script_keys = [keys.job(rid), stream, keys.events(rid), keys.cancelled(rid)]
-    argv = [rid, repr(request.created_at), request.model or "", ttls.job_s,
-            encode_request(request)]
+    fair_keys, fair_argv = push_args(stream, request, weight, encode_request(request))
+    script_keys = [keys.job(rid), stream, keys.events(rid), keys.cancelled(rid), *fair_keys]
+    argv = [rid, repr(request.created_at), request.model or "", ttls.job_s, *fair_argv]
     return ENQUEUE_LUA, script_keys, argv
 
 
@@ -160,14 +168,15 @@ def as_str(value: Any) -> str:
 
 def start_job(
     r: Any, keys: Keys, request_id: str, worker_id: str, ttls: Ttls, now: float | None = None,
-    *, entry_id: str | bytes, stream: str | None = None,
+    *, entry_id: str | bytes, stream: str | None = None, origin: str = "",
 ) -> StartDecision:
     """Atomically move a job to running unless it is finished, cancelled or owned by
-    another entry (sync client). ``stream`` defaults to the normal lane."""
+    another entry (sync client). ``stream`` defaults to the normal lane; ``origin`` is the
+    entry's ``origin`` field, if the fair pull adopted it (``protocol.fair``)."""
     now = time.time() if now is None else now
     script_keys = [keys.job(request_id), keys.cancelled(request_id)]
     out = r.eval(START_JOB_LUA, 2, *script_keys, request_id, worker_id, repr(now), ttls.job_s,
-                 as_str(entry_id), stream or keys.requests)
+                 as_str(entry_id), stream or keys.requests, origin)
     decision = as_str(out)
     if decision not in ("run", "skip", "cancel", "duplicate"):
         raise RuntimeError(f"start_job: unexpected script reply {decision!r}")
@@ -213,8 +222,12 @@ def dead_letter(
     lane of a shard; ``stream`` names where it came from), then XACK it."""
     stream = stream or keys.requests
     raw = fields.get(REQUEST_FIELD.encode(), fields.get(REQUEST_FIELD, b""))
-    entry = {"entry_id": as_str(entry_id), "stream": stream, "reason": reason[:2000],
+    origin = as_str(fields.get(b"origin", fields.get("origin", b"")))
+    # an entry the fair pull adopted is named by the id its producer got from XADD
+    entry = {"entry_id": origin or as_str(entry_id), "stream": stream, "reason": reason[:2000],
              REQUEST_FIELD: raw}
+    if origin:
+        entry["pulled_as"] = as_str(entry_id)
     pipe.xadd(keys.dead_letter_for(stream), entry, maxlen=100_000, approximate=True)
     ack(pipe, keys, entry_id, stream)
 
@@ -255,18 +268,22 @@ def group_lag(depth: int, groups: list[dict[Any, Any]] | Exception, group: str) 
 
 
 def queue_commands(pipe: Any, keys: Keys) -> None:
-    """Queue XLEN + XINFO GROUPS of every lane (read the replies with ``queue_lags``)."""
+    """Queue XLEN + XINFO GROUPS of every lane, and the depth of its fair backlog (read
+    the replies with ``queue_lags``)."""
     for stream in keys.request_streams:
         pipe.xlen(stream)
         pipe.xinfo_groups(stream)
+        pipe.xlen(fair_bell(stream))
 
 
 def queue_lags(replies: list[Any], keys: Keys) -> dict[str, tuple[int, int]]:
     """Per lane stream: (length, undelivered), from the replies of ``queue_commands``
-    executed with ``raise_on_error=False``."""
+    executed with ``raise_on_error=False``. Undelivered counts the requests waiting in the
+    lane's fair backlog too (``protocol.fair``): they are queued work like any other."""
     out = {}
     for i, stream in enumerate(keys.request_streams):
-        depth, groups = replies[2 * i], replies[2 * i + 1]
+        depth, groups, waiting = replies[3 * i: 3 * i + 3]
         depth = 0 if isinstance(depth, Exception) else int(depth)
-        out[stream] = (depth, group_lag(depth, groups, keys.group))
+        waiting = 0 if isinstance(waiting, Exception) else int(waiting)
+        out[stream] = (depth, group_lag(depth, groups, keys.group) + waiting)
     return out

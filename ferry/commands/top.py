@@ -143,6 +143,18 @@ def _shards_line(snapshot: Snapshot) -> Text | None:
     return line
 
 
+def _tenants_line(snapshot: Snapshot) -> Text | None:
+    """``tenants  a 40 waiting (w 3, vtc 120)  b 4 waiting (...)``; None if none waits."""
+    if not snapshot.tenants:
+        return None
+    line = Text("tenants ", style="bold")
+    for t in snapshot.tenants[:12]:
+        line.append(f" {t.tenant} {t.waiting} waiting (w {t.weight:g}, vtc {t.counter:.0f}) ")
+    if len(snapshot.tenants) > 12:
+        line.append(f" +{len(snapshot.tenants) - 12} more", style="dim")
+    return line
+
+
 def _restarts_line(snapshot: Snapshot) -> Text | None:
     """``restarts  worker-0 2x (exit -9, 40 s ago)  gateway 1x (...)``; None if none."""
     if not snapshot.restarts:
@@ -168,7 +180,8 @@ class _Frame:
     ) -> Iterator[RenderableType]:
         stamp = time.strftime("%H:%M:%S", time.localtime(self.snapshot.taken_at))
         parts: list[RenderableType] = [_queue_line(self.snapshot)]
-        for extra in (_shards_line(self.snapshot), _restarts_line(self.snapshot)):
+        for extra in (_shards_line(self.snapshot), _tenants_line(self.snapshot),
+                      _restarts_line(self.snapshot)):
             if extra is not None:
                 parts.append(extra)
         parts += [_worker_table(self.snapshot, options.max_width), Text(stamp, style="dim")]

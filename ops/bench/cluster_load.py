@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from protocol import fair
 from protocol.aclient import AsyncFerryClient
 from protocol.client import FerryClient
 from protocol.codec import decode_entry
@@ -42,8 +43,8 @@ def claim(client: FerryClient, settings: WorkerSettings, rids: list[str]
         client.enqueue(GenerateRequest(request_id=rid, prompt="x"))
     held: dict[str, tuple[str, str]] = {}
     for stream in keys.request_streams:
-        reply: Any = r.xreadgroup(keys.group, CONSUMER, {stream: ">"}, count=len(rids))
-        for _name, entries in reply or []:
+        entries, _marks = fair.pull(r, stream, keys.group, CONSUMER, len(rids))
+        if entries:
             for entry_id, fields in entries:
                 rid = decode_entry(fields).request_id
                 decision = start_job(r, keys, rid, CONSUMER, settings.ttls,

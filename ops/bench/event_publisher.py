@@ -16,9 +16,11 @@ from typing import Any
 
 import redis
 
+from protocol import fair
 from protocol.codec import decode_entry
 from protocol.models import JobStatus, TokenEvent, Usage
 from protocol.store import as_str, ensure_group, start_job
+from worker.service.fair_ledger import fair_fields
 from worker.service.jobs import Outgoing
 from worker.service.leases import SCRIPTS
 from worker.service.outbox import MAX_BATCH, queue_push
@@ -51,12 +53,15 @@ def claim_all(r: redis.Redis, settings: WorkerSettings, n: int, timeout: float =
     while len(held) < n:
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {len(held)} of {n} requests were enqueued")
-        reply: Any = r.xreadgroup(keys.group, CONSUMER, {keys.requests: ">"}, count=n, block=200)
-        for _stream, entries in reply or []:
+        entries, _marks = fair.pull(r, keys.requests, keys.group, CONSUMER, n)
+        if not entries:
+            time.sleep(0.02)
+        if entries:
             for entry_id, fields in entries:
                 request = decode_entry(fields)
                 decision = start_job(r, keys, request.request_id, CONSUMER, settings.ttls,
-                                     entry_id=entry_id, stream=keys.requests)
+                                     entry_id=entry_id, stream=keys.requests,
+                                     origin=fair_fields(fields)[0])
                 if decision != "run":
                     raise RuntimeError(f"{request.request_id}: start_job said {decision}")
                 held[request.request_id] = (keys.requests, as_str(entry_id))

@@ -39,6 +39,7 @@ from ferry.local_stack import Stack, free_port  # noqa: E402
 from ops.bench.engine import run_ferry  # noqa: E402
 from ops.bench.service_clients import http_streams, redis_streams, requests_for  # noqa: E402
 from ops.bench.workload import Job, build_bench_model, main_workload  # noqa: E402
+from protocol import fair  # noqa: E402
 from protocol.client import FerryClient  # noqa: E402
 from protocol.keys import Keys  # noqa: E402
 from protocol.models import GenerateRequest  # noqa: E402
@@ -165,12 +166,13 @@ def enqueue_rate(n: int, concurrency: int, tmp: Path) -> dict[str, float]:
             r = redis.Redis.from_url(url)
             ensure_group(r, Keys())
             while not stop.is_set():
-                reply: Any = r.xreadgroup("ferry-workers", "acker", {"ferry:requests": ">"},
-                                          512, 100)
-                for stream in reply or []:
-                    ids = [entry[0] for entry in stream[1]]
-                    r.xack("ferry:requests", "ferry-workers", *ids)
-                    acked[0] += len(ids)
+                entries, _marks = fair.pull(r, "ferry:requests", "ferry-workers", "acker", 512)
+                if not entries:
+                    time.sleep(0.1)
+                    continue
+                ids = [entry[0] for entry in entries]
+                r.xack("ferry:requests", "ferry-workers", *ids)
+                acked[0] += len(ids)
 
         consumer = threading.Thread(target=consume, daemon=True)
         consumer.start()

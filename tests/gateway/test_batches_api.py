@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from gateway.settings import GatewaySettings
+from protocol import fair
 from protocol.keys import Keys
 from protocol.models import WorkerHeartbeat
 from protocol.store import Ttls, write_heartbeat
@@ -168,11 +169,11 @@ def test_feeding_is_bounded_on_the_low_lane_and_cancel_ends_it(
         batch = submit(client, [line(f"c{i}", GOOD) for i in range(10)])
         wait(client, batch.id, lambda b: b.status == "in_progress")
         deadline = time.monotonic() + 10
-        while redis_client.xlen(KEYS.requests_band("low")) < 3:
+        while redis_client.xlen(fair.bell(KEYS.requests_band("low"))) < 3:  # its backlog
             assert time.monotonic() < deadline
             time.sleep(0.05)
         time.sleep(0.5)  # ten polls: nothing more is fed while three wait
-        lanes = [redis_client.xlen(s) for s in KEYS.request_streams]
+        lanes = [redis_client.xlen(fair.bell(s)) for s in KEYS.request_streams]
         cancelled = client.batches.cancel(batch.id)
         assert cancelled.status == "cancelling" and cancelled.cancelling_at
         done = wait(client, batch.id)
@@ -203,12 +204,12 @@ def test_all_batches_together_keep_to_the_fleets_share(
         for batch in batches:
             wait(client, batch.id, lambda b: b.status == "in_progress")
         deadline = time.monotonic() + 10
-        while redis_client.xlen(KEYS.requests_band("low")) < 3:
+        while redis_client.xlen(fair.bell(KEYS.requests_band("low"))) < 3:  # its backlog
             assert time.monotonic() < deadline
             time.sleep(0.05)
         time.sleep(0.5)
         fed = [redis_client.scard(KEYS.batch_inflight(b.id)) for b in batches]
-        queued = redis_client.xlen(KEYS.requests_band("low"))
+        queued = redis_client.xlen(fair.bell(KEYS.requests_band("low")))
         for batch in batches:
             client.batches.cancel(batch.id)
     assert queued == sum(fed) == 3 and min(fed) >= 1  # both batches got a share

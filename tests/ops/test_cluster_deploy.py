@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from protocol import fair
 from protocol.keys import ClusterKeys
 
 OVERLAY = Path(__file__).resolve().parents[2] / "ops" / "k8s-cluster"
@@ -28,11 +29,18 @@ def test_keda_triggers_name_every_stream_of_every_shard() -> None:
     spec: dict[str, Any] = yaml.safe_load((OVERLAY / "keda.yaml").read_text())["spec"]
     keys = ClusterKeys("ferry", _shards())
     triggers = spec["triggers"]
-    assert [t["metadata"]["stream"] for t in triggers] == list(keys.request_streams)
-    for trigger in triggers:
+    lanes, waiting = triggers[:len(keys.request_streams)], triggers[len(keys.request_streams):]
+    assert [t["metadata"]["stream"] for t in lanes] == list(keys.request_streams)
+    assert [t["metadata"]["stream"] for t in waiting] == [fair.bell(s)
+                                                          for s in keys.request_streams]
+    for trigger in lanes:
         assert trigger["type"] == "redis-cluster-streams"
         assert trigger["metadata"]["consumerGroup"] == keys.group
         assert int(trigger["metadata"]["lagCount"]) > 0
+    for trigger in waiting:  # the fair backlogs' depth (protocol/fair.py)
+        assert trigger["type"] == "redis-cluster-streams"
+        assert "consumerGroup" not in trigger["metadata"]
+        assert int(trigger["metadata"]["streamLength"]) > 0
     formula = spec["advanced"]["scalingModifiers"]["formula"]
     assert sorted(formula.replace(" ", "").split("+")) == sorted(t["name"] for t in triggers)
 

@@ -13,6 +13,7 @@ import pytest
 import typer
 
 from gateway.settings import GatewaySettings
+from protocol import fair
 from protocol.keys import Keys
 from tests.ops import deploy_files as files
 
@@ -89,12 +90,21 @@ def _scaled_object() -> dict[str, Any]:
 
 
 def test_keda_scales_on_every_lane_and_our_group() -> None:
-    """One redis-streams trigger per priority lane, their lags summed by the formula."""
+    """Two redis-streams triggers per priority lane: its group lag (entries XADDed straight
+    into it) and the length of its fair backlog's bell (requests waiting in the tenants'
+    backlogs, ``protocol/fair.py``), all summed by the formula."""
     spec = _scaled_object()["spec"]
     keys = Keys(GatewaySettings().prefix)
     triggers = spec["triggers"]
-    assert [t["metadata"]["stream"] for t in triggers] == list(keys.request_streams)
-    for trigger in triggers:
+    lanes, waiting = triggers[:3], triggers[3:]
+    assert [t["metadata"]["stream"] for t in lanes] == list(keys.request_streams)
+    assert [t["metadata"]["stream"] for t in waiting] == [fair.bell(s)
+                                                          for s in keys.request_streams]
+    for trigger in waiting:
+        meta = trigger["metadata"]
+        assert trigger["type"] == "redis-streams" and "consumerGroup" not in meta
+        assert int(meta["streamLength"]) > 0 and meta["address"].split(".")[0] == "ferry-redis"
+    for trigger in lanes:
         meta = trigger["metadata"]
         assert trigger["type"] == "redis-streams" and meta["consumerGroup"] == keys.group
         assert int(meta["lagCount"]) > 0 and "pendingEntriesCount" not in meta

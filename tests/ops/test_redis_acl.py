@@ -21,6 +21,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from ferry.fleet import collect
 from ferry.recovery import RestartRecord
+from protocol import fair
 from protocol.aclient import AsyncFerryClient
 from protocol.keys import Keys
 from protocol.models import GenerateRequest, WorkerHeartbeat
@@ -166,8 +167,10 @@ def test_worker_recovery_commands_and_dead_letters(server: AclRedis) -> None:
 
 def test_worker_is_refused_what_it_must_not_do(server: AclRedis) -> None:
     r = server.client("ferry-worker")
-    _denied(r.xadd, KEYS.requests, {"data": b"x"})  # cannot enqueue
+    # (it XADDs to the lanes now: the fair pull, run by the worker, moves entries in)
+    _denied(r.hset, "ferry:tenant:{t}:inflight", "x", "1")  # cannot touch quotas
     _denied(r.delete, KEYS.requests)
+    _denied(r.delete, fair.backlog(KEYS.requests, "t"))
     _denied(r.set, KEYS.cancelled("x"), "reason")
     _denied(r.publish, KEYS.control, b"x")
     _denied(r.flushall)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 
+from protocol import fair
 from protocol.codec import ProtocolError, decode_entry
 from protocol.keys import Keys
 from protocol.models import (
@@ -107,13 +107,16 @@ class FakeWorker(threading.Thread):
     def run(self) -> None:
         while not self._stop_flag.is_set():
             self.heartbeat()
-            lanes: dict[Any, Any] = {stream: ">" for stream in self.keys.request_streams}
-            reply = self.redis.xreadgroup(self.keys.group, self.worker_id, lanes, count=8,
-                                          block=100)
-            for stream, entries in reply or []:
-                self._stream = stream.decode()  # the lane of the entries served next
+            taken = 0
+            for stream in self.keys.request_streams:  # the fair pull, as a worker does
+                entries, _marks = fair.pull(self.redis, stream, self.keys.group,
+                                            self.worker_id, 8)
+                self._stream = stream  # the lane of the entries served next
                 for entry_id, fields in entries:
                     self._serve(entry_id, fields)
+                taken += len(entries)
+            if not taken:
+                time.sleep(0.02)
 
     def _serve(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
@@ -126,7 +129,8 @@ class FakeWorker(threading.Thread):
             return
         self.seen.append(request)
         decision = start_job(self.redis, self.keys, request.request_id, self.worker_id, self.ttls,
-                             entry_id=entry_id, stream=self._stream)
+                             entry_id=entry_id, stream=self._stream,
+                             origin=fields.get(b"origin", b"").decode())
         if decision in ("skip", "duplicate"):
             self.redis.xack(self._stream, self.keys.group, entry_id)
         elif decision == "cancel":

@@ -8,12 +8,14 @@ import time
 import pytest
 import redis
 
+from protocol import fair
 from protocol.client import FerryClient
 from protocol.codec import decode_cancel, encode_event
 from protocol.keys import Keys
 from protocol.models import GenerateRequest, TokenEvent, Usage
-from protocol.store import DuplicateRequestError, Ttls, push_event, start_job
+from protocol.store import DuplicateRequestError, Ttls, ensure_group, push_event, start_job
 from protocol.streaming import StreamTimeout
+from protocol.tenancy import DEFAULT_TENANT
 from tests.protocol.fake_worker import FakeWorker, Script
 from tests.redis_server import RedisServer
 
@@ -128,10 +130,11 @@ def test_enqueue_marks_queued_and_refuses_a_reused_id(
     assert client.enqueue(request) == "dup-1"
     status = client.result("dup-1")
     assert status is not None and status.state == "queued"
-    assert redis_client.xlen(KEYS.requests) == 1
+    waiting = fair.backlog(KEYS.requests, DEFAULT_TENANT)
+    assert redis_client.llen(waiting) == 1 and redis_client.xlen(fair.bell(KEYS.requests)) == 1
     with pytest.raises(DuplicateRequestError, match="request_id"):
         client.enqueue(request)
-    assert redis_client.xlen(KEYS.requests) == 1
+    assert redis_client.llen(waiting) == 1
 
 
 def test_cancel_queued_finishes_it_at_once(client: FerryClient, redis_client: redis.Redis) -> None:
@@ -155,8 +158,9 @@ def test_cancel_queued_finishes_it_at_once(client: FerryClient, redis_client: re
 
 def test_cancel_running_and_finished(client: FerryClient, redis_client: redis.Redis) -> None:
     client.enqueue(GenerateRequest(prompt="x", request_id="c2"))
-    entry = redis_client.hget(KEYS.job("c2"), "entry_id")
-    assert entry is not None and redis_client.xrange(KEYS.requests)[-1][0] == entry
+    assert redis_client.hget(KEYS.job("c2"), "entry_id") is None  # named by its worker
+    ensure_group(redis_client, KEYS)
+    [(entry, _fields)], _marks = fair.pull(redis_client, KEYS.requests, KEYS.group, "w1", 5)
     assert start_job(redis_client, KEYS, "c2", "w1", TTLS, entry_id=entry) == "run"
     assert client.cancel("c2") == "running"
     assert redis_client.exists(KEYS.cancelled("c2"))

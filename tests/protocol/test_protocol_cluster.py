@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 from redis.cluster import RedisCluster
+from redis.exceptions import ResponseError
 
+from protocol import fair
 from protocol.aclient import AsyncFerryClient
 from protocol.client import FerryClient
 from protocol.cluster import NotReplicatedError, Replication, check_cluster_url
@@ -49,8 +51,7 @@ def test_enqueue_lands_on_its_shard_after_a_replica_has_it(client: FerryClient,
     for i, rid in enumerate(ids):
         job = {as_str(k): as_str(v) for k, v in rc.hgetall(KEYS.job(rid)).items()}
         assert job["state"] == "queued" and job["stream"] == KEYS.stream_for(rid, i % 3 - 1)
-        entry = rc.xrange(job["stream"], job["entry_id"], job["entry_id"])
-        assert decode_entry(entry[0][1]).request_id == rid
+        assert "entry_id" not in job  # named by the worker that pulls it
         assert 3600 < rc.ttl(KEYS.job(rid)) <= TTLS.job_s  # the reservation got the job's TTL
     with pytest.raises(DuplicateRequestError, match="already in use"):
         client.enqueue(GenerateRequest(request_id=ids[0], prompt="again"))
@@ -59,7 +60,15 @@ def test_enqueue_lands_on_its_shard_after_a_replica_has_it(client: FerryClient,
     for rid in ids:
         per_master[redis_cluster.master_of(KEYS.job(rid))] += 1
     assert min(per_master.values()) > 5
-    assert all(rc.xlen(s) > 0 for s in KEYS.lane_streams("normal"))
+    assert all(rc.xlen(fair.bell(s)) > 0 for s in KEYS.lane_streams("normal"))
+    pulled = set()  # every request waits in its shard's fair backlog, pulled like a worker
+    for stream in KEYS.request_streams:
+        with contextlib.suppress(ResponseError):  # BUSYGROUP: the client made it
+            rc.xgroup_create(stream, KEYS.group, id="0", mkstream=True)
+        node = rc.get_node_from_key(stream)
+        entries, _marks = fair.pull(rc.get_redis_connection(node), stream, KEYS.group, "w", 99)
+        pulled |= {decode_entry(fields).request_id for _id, fields in entries}
+    assert pulled == set(ids)
 
 
 def test_no_replica_acknowledging_is_a_clear_error(redis_cluster: LocalCluster,

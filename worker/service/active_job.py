@@ -83,6 +83,7 @@ class ActiveJob:
         self.entry = admission.entry
         self.request = admission.request
         self.request_id = admission.request.request_id
+        self.charged = admission.charged  # what the fair pull charged (worker/service/fair_ledger)
         self.worker_id = worker_id
         self.next_seq = admission.next_seq
         params = admission.request.params

@@ -1,12 +1,15 @@
 """The intake thread: stream entries -> started jobs, prompts built off the engine loop.
 
-It reads the priority lanes highest first (``protocol.keys.PRIORITY_BANDS``), and takes only
-as many entries as the worker can start soon (``Slots``), so a burst spreads over every
-idle worker instead of queueing behind the first one's prefills; it BLOCKs long only while
-the batch is empty. On a Redis Cluster each lane has a stream per shard: a pass reads the
-high lane of every shard before any normal lane, starting each lane at a shard that moves
-on every pass (so no shard is always read last), and BLOCKs briefly on one shard at a time
-(a blocking read cannot span slots). Each pass first runs the reaper: XAUTOCLAIM of entries
+It takes requests through the tenants' fair backlogs (``protocol/fair.py``, read by
+``fair_reader.py``), the priority lanes highest first (``protocol.keys.PRIORITY_BANDS``), and
+only as many as the worker can start soon (``Slots``), so a burst spreads over every idle
+worker instead of queueing behind the first one's prefills and the fair order is the
+fleet's, not this worker's; it BLOCKs long only while the batch is empty, and settles the
+real cost of finished requests (``fair_ledger.py``) before each pass's pulls. On a Redis
+Cluster each lane has a stream per shard: a pass reads the high lane of every shard before
+any normal lane, starting each lane at a shard that moves on every pass (so no shard is
+always read last), and BLOCKs briefly on one shard at a time (a blocking read cannot span
+slots). Each pass first runs the reaper: XAUTOCLAIM of entries
 idle past the lease (their worker died or stalled), which are resumed from their replay
 log. Entries that cannot be decoded, were delivered too often, or reuse another job's
 request id go to the dead-letter stream; the worker keeps going. Started jobs get their
@@ -24,14 +27,17 @@ from typing import Any
 import structlog
 from redis.exceptions import ResponseError
 
+from protocol import fair
 from protocol.codec import ProtocolError, decode_entry, request_fields
 from protocol.keys import PRIORITY_BANDS
-from protocol.models import GenerateRequest, TokenEvent
+from protocol.models import GenerateRequest
 from protocol.store import START_JOB_LUA, ensure_group
 from protocol.streaming import decode_log
 from worker.service.active_job import ActiveJob
 from worker.service.deadletter import DeadLetters
-from worker.service.jobs import Admission
+from worker.service.fair_ledger import FairLedger, fair_fields
+from worker.service.fair_reader import FairReader
+from worker.service.jobs import replayed
 from worker.service.leases import Entry, HeldEntries, dead_consumers, hand_back_consumer
 from worker.service.outbox import Outbox
 from worker.service.prompt_pool import PromptPool
@@ -45,7 +51,7 @@ class Intake(threading.Thread):
     def __init__(
         self, settings: WorkerSettings, held: HeldEntries, slots: Slots,
         mailbox: queue.Queue[Any], outbox: Outbox, busy: Callable[[], bool],
-        dead: DeadLetters, prompts: PromptPool,
+        dead: DeadLetters, prompts: PromptPool, ledger: FairLedger,
     ) -> None:
         super().__init__(name="ferry-intake", daemon=True)
         self.settings = settings
@@ -67,6 +73,11 @@ class Intake(threading.Thread):
         self._next_reap = 0.0
         self._next_rescue = 0.0
         self._turn = 0  # the shard each lane is read from first, this pass
+        # per entry taken: its id before the fair pull adopted it (or ''), and its charge
+        self._fair: dict[Entry, tuple[str, int]] = {}
+        self.ledger = ledger
+        self.reader = FairReader(settings, self.redis)
+        self._lanes = {band: set(self.keys.lane_streams(band)) for band in PRIORITY_BANDS}
 
     def stop(self) -> None:
         self.stopped.set()
@@ -122,26 +133,13 @@ class Intake(threading.Thread):
             self._rescue_dead_workers()
         if time.monotonic() >= self._next_reap:
             taken += self._reap(max(rooms.values()))
-        for stream, room in rooms.items():  # highest lane first, without blocking
-            if room - taken <= 0:
-                continue
-            reply: Any = self.redis.xreadgroup(
-                self.keys.group, self.settings.worker_id, {stream: ">"}, count=room - taken)
-            for _name, entries in reply or []:
-                taken += len(entries)
-                self._process(stream, entries, {})
-        if taken:
-            return
-        # one shard's lanes (a read spans one slot): on a cluster, briefly, then the next
-        open_lanes: dict[Any, Any] = {s: ">" for s in self.keys.shard_streams(first_shard)
-                                      if rooms[s] > 0}
-        block = self.settings.busy_block_ms if self.busy() else self.settings.idle_block_ms
-        if self.keys.shards > 1:
-            block = min(block, self.settings.busy_block_ms)
-        reply = self.redis.xreadgroup(self.keys.group, self.settings.worker_id, open_lanes,
-                                      count=1, block=block)
-        for name, entries in sorted(reply or [], key=lambda r: self.streams.index(text(r[0]))):
-            self._process(text(name), entries, {})
+        self.ledger.settle(self.redis)  # finished requests' real cost, before picking
+        for band in PRIORITY_BANDS:  # highest lane first, without blocking
+            lane = [stream for stream in order if stream in self._lanes[band]]
+            taken += self.reader.pull_lane(lane, rooms, taken,
+                                           lambda stream, got: self._process(stream, got, {}))
+        if not taken:
+            self.reader.wait(first_shard, rooms, self.busy())
 
     def _rescue_dead_workers(self) -> None:
         """Hand back the entries of workers that died without draining (kill -9, OOM, a
@@ -212,6 +210,7 @@ class Intake(threading.Thread):
                 self.dead.duplicate(self.redis, entry, fields, request.request_id)
                 continue
             self.held.add(entry, request.request_id)
+            self._fair[entry] = fair_fields(fields)
             good.append((entry, request))
         if good:
             self._start(good)
@@ -228,10 +227,11 @@ class Intake(threading.Thread):
             pipe = self.redis.pipeline(transaction=False)
             for (stream, entry_id), request in good:
                 rid = request.request_id
+                origin, _cost = self._fair.get((stream, entry_id), ("", 0))
                 # EVAL by name: a cluster pipeline has no eval() (it routes by the keys)
                 pipe.execute_command("EVAL", START_JOB_LUA, 2, keys.job(rid), keys.cancelled(rid),
                                      rid, self.settings.worker_id, now,
-                                     self.settings.ttls.job_s, entry_id, stream)
+                                     self.settings.ttls.job_s, entry_id, stream, origin)
                 pipe.lrange(keys.events(rid), 0, -1)
                 pipe.get(keys.cancelled(rid))
             replies = pipe.execute()
@@ -242,14 +242,17 @@ class Intake(threading.Thread):
         finally:
             for entry, _request in good[done:]:
                 self.held.discard(entry)
+                self._fair.pop(entry, None)
 
     def _dispatch(
         self, entry: Entry, request: GenerateRequest, decision: str, log_items: list[Any],
         reason: Any,
     ) -> None:
+        origin, charged = self._fair.pop(entry, ("", fair.DIRECT_COST))
         if decision == "duplicate":  # another entry owns this request id: leave it alone
             self.held.discard(entry)
-            self.dead.duplicate(self.redis, entry, request_fields(request), request.request_id,
+            fields = {**request_fields(request), **({"origin": origin} if origin else {})}
+            self.dead.duplicate(self.redis, entry, fields, request.request_id,
                                 in_flight=False)
             return
         try:
@@ -259,6 +262,7 @@ class Intake(threading.Thread):
             self.dead.unrunnable(self.redis, entry, request, f"replay log unreadable: {exc}")
             return
         admission = replayed(entry, request, events)
+        admission.charged = charged
         if decision == "skip" or (events and events[-1].is_final):
             self.held.discard(entry)
             stream, entry_id = entry
@@ -278,18 +282,3 @@ class Intake(threading.Thread):
             self.slots.take()
             self.prompts.submit(admission)
 
-
-def replayed(entry: Entry, request: GenerateRequest, events: list[TokenEvent]) -> Admission:
-    """An admission that continues what the replay log says was streamed: per choice, its
-    tokens and text, and which choices already ended (n > 1)."""
-    admission = Admission(entry, request, next_seq=len(events))
-    for event in events:
-        admission.prior.setdefault(event.index, []).extend(event.token_ids)
-        if event.text:
-            admission.prior_text[event.index] = \
-                admission.prior_text.get(event.index, "") + event.text
-        if event.choice_finish_reason is not None:
-            admission.finished_choices[event.index] = event.choice_finish_reason
-    if request.params.num_candidates == 1:
-        admission.prior.setdefault(0, [])
-    return admission

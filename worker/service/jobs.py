@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from protocol.fair import DIRECT_COST
 from protocol.models import GenerateRequest, JobStatus, TokenEvent
 from worker.service.leases import Entry
 
@@ -30,6 +31,7 @@ class Admission:
     prior_text: dict[int, str] = field(default_factory=dict)
     finished_choices: dict[int, str] = field(default_factory=dict)
     next_seq: int = 0
+    charged: int = DIRECT_COST  # tokens the fair pull charged its tenant (protocol.fair)
     # Filled off the engine loop (``prompt_pool``): the prompt's token ids, or why not;
     # with ``echo`` and a prompt given as ids, its text.
     prompt_token_ids: list[int] | None = None
@@ -103,3 +105,19 @@ def convert_logprobs(
          "top": [{"token_id": t, "logprob": p, "token": token_text(t)} for t, p in top]}
         for tid, (lp, top) in zip(token_ids, raw, strict=False)
     ]
+
+
+def replayed(entry: Entry, request: GenerateRequest, events: list[TokenEvent]) -> Admission:
+    """An admission that continues what the replay log says was streamed: per choice, its
+    tokens and text, and which choices already ended (n > 1)."""
+    admission = Admission(entry, request, next_seq=len(events))
+    for event in events:
+        admission.prior.setdefault(event.index, []).extend(event.token_ids)
+        if event.text:
+            admission.prior_text[event.index] = \
+                admission.prior_text.get(event.index, "") + event.text
+        if event.choice_finish_reason is not None:
+            admission.finished_choices[event.index] = event.choice_finish_reason
+    if request.params.num_candidates == 1:
+        admission.prior.setdefault(0, [])
+    return admission

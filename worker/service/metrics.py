@@ -72,6 +72,7 @@ class WorkerMetrics:
         self._build_gauges()
         self._build_counters()
         self._build_histograms()
+        self._build_tenant_metrics()
         self._tokens = _Cumulative(self.output_tokens)
         self._preemptions = _Cumulative(self.preemptions)
         self._prefix_queries = _Cumulative(self.prefix_queries)
@@ -151,6 +152,18 @@ class WorkerMetrics:
             "Tokens served from the prefix cache instead of computed; hit rate = "
             "rate(hits) / rate(queries).", registry=reg
         )
+
+    def _build_tenant_metrics(self) -> None:
+        reg, p = self.registry, PREFIX
+        self.tenant_requests = Counter(
+            p + "tenant_requests", "Requests that ended here, by tenant.", ["tenant"],
+            registry=reg)
+        self.tenant_tokens = Counter(
+            p + "tenant_tokens", "Tokens served, by tenant and kind (prompt, completion).",
+            ["tenant", "kind"], registry=reg)
+        self.tenant_queued = Histogram(
+            p + "tenant_queue_time_seconds", "From enqueue until the worker started the "
+            "request, by tenant.", ["tenant"], buckets=_LATENCY_BUCKETS, registry=reg)
 
     def _build_histograms(self) -> None:
         reg, p = self.registry, PREFIX
@@ -234,6 +247,14 @@ class WorkerMetrics:
         self.e2e.observe(e2e_s)
         self.queued.observe(queued_s)
         self.request_tokens.observe(output_tokens)
+
+    def tenant_finished(self, tenant: str, prompt_tokens: int, completion_tokens: int,
+                        queued_s: float) -> None:
+        """A request of ``tenant`` ended: its tokens and time in the queue, per tenant."""
+        self.tenant_requests.labels(tenant).inc()
+        self.tenant_tokens.labels(tenant, "prompt").inc(prompt_tokens)
+        self.tenant_tokens.labels(tenant, "completion").inc(completion_tokens)
+        self.tenant_queued.labels(tenant).observe(queued_s)
 
     def observe_inter_token(self, seconds: float) -> None:
         """Gap between consecutive tokens of one request (TPOT for streaming clients)."""

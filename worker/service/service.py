@@ -21,6 +21,7 @@ from worker.engine.engine import Engine
 from worker.engine.health import DeviceFault
 from worker.service.control import Control
 from worker.service.deadletter import DeadLetters
+from worker.service.fair_ledger import FairLedger
 from worker.service.intake import Intake
 from worker.service.job_table import JobTable
 from worker.service.jobs import Admission, Command
@@ -55,9 +56,11 @@ class WorkerService:
         self.outbox = Outbox(settings, self.held, self.mailbox, observer)
         self.prompts = PromptPool(build_with(engine.prompts), self.mailbox,
                                   decode=engine.prompts.decode)
+        self.ledger = FairLedger()
         self.intake = Intake(settings, self.held, self.slots, self.mailbox, self.outbox,
-                             engine.has_unfinished_requests, self.dead, self.prompts)
-        self.book = StatsBook(engine.stats, self.metrics)
+                             engine.has_unfinished_requests, self.dead, self.prompts,
+                             self.ledger)
+        self.book = StatsBook(engine.stats, self.metrics, self.ledger)
         self.control = Control(settings, self.held, self.mailbox, self._heartbeat_stats)
         self._stop = threading.Event()
         self._drain_until: float | None = None

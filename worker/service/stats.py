@@ -17,8 +17,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from protocol.tenancy import DEFAULT_TENANT
 from worker.engine.outputs import EngineStats
 from worker.service.active_job import ActiveJob
+from worker.service.fair_ledger import FairLedger
 from worker.service.jobs import Outgoing
 from worker.service.metrics import WorkerMetrics
 
@@ -42,9 +44,11 @@ class ServiceCounters:
 
 
 class StatsBook:
-    def __init__(self, engine_stats: Callable[[], EngineStats], metrics: WorkerMetrics) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats], metrics: WorkerMetrics,
+                 ledger: FairLedger | None = None) -> None:
         self._read_engine = engine_stats
         self.metrics = metrics
+        self.ledger = ledger or FairLedger()
         self.engine_stats = engine_stats()
         self._samples: deque[tuple[float, int]] = deque()
         self._reported = {"reclaimed": 0, "dead_lettered": 0}
@@ -66,6 +70,11 @@ class StatsBook:
             (timings.queued_s or 0.0) if timings else 0.0,
             usage.completion_tokens if usage else 0,
         )
+        tenant = job.request.tenant or DEFAULT_TENANT
+        prompt, completion = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
+        self.metrics.tenant_finished(tenant, prompt, completion,
+                                     (timings.queued_s or 0.0) if timings else 0.0)
+        self.ledger.note(job.entry[0], tenant, prompt + completion, job.charged)
 
     def _tokens_per_s(self, tokens: int) -> float:
         now = time.monotonic()

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 from redis.crc import key_slot
 
+from protocol import fair
 from protocol.client import FerryClient
 from protocol.cluster import Replication, refresh_topology
-from protocol.codec import decode_event, encode_event
+from protocol.codec import decode_entry, decode_event, encode_event
 from protocol.models import GenerateRequest, JobStatus, TokenEvent, Usage
 from protocol.store import as_str, start_job
 from tests.redis_cluster import LocalCluster
@@ -52,13 +53,14 @@ class Fleet:
         for rid in ids:
             self.client.enqueue(GenerateRequest(request_id=rid, prompt="x"))
         self.entries: dict[str, tuple[str, str]] = {}
-        for rid in ids:
-            job = self.r.hgetall(self.keys.job(rid))
-            stream, entry_id = as_str(job[b"stream"]), as_str(job[b"entry_id"])
-            self.r.xreadgroup(self.keys.group, "w1", {stream: ">"})
-            assert start_job(self.r, self.keys, rid, "w1", self.settings.ttls,
-                             entry_id=entry_id, stream=stream) == "run"
-            self.entries[rid] = (stream, entry_id)
+        for stream in self.keys.request_streams:  # taken as a worker takes them: fair pull
+            taken, _marks = fair.pull(self.r, stream, self.keys.group, "w1", len(ids))
+            for raw_id, fields in taken:
+                rid, entry_id = decode_entry(fields).request_id, as_str(raw_id)
+                assert start_job(self.r, self.keys, rid, "w1", self.settings.ttls,
+                                 entry_id=entry_id, stream=stream) == "run"
+                self.entries[rid] = (stream, entry_id)
+        assert sorted(self.entries) == sorted(ids)
         self.pusher = ClusterPusher(self.settings, self.r, encode_outgoing, lambda _: True)
 
     def step(self, seq: int) -> list[Outgoing]:

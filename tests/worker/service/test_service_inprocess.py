@@ -17,6 +17,7 @@ from typing import Any
 
 import msgpack
 
+from protocol import fair
 from protocol.client import FerryClient
 from protocol.codec import encode_event, encode_request
 from protocol.keys import Keys
@@ -148,7 +149,7 @@ def test_max_deliveries_dead_letters_with_error_event(
     r = client.redis
     request = GenerateRequest(prompt="poison", params=SamplingParams(max_tokens=4))
     client.enqueue(request)
-    r.xreadgroup(KEYS.group, "ghost", {KEYS.requests: ">"}, count=1)
+    fair.pull(r, KEYS.requests, KEYS.group, "ghost", 1)  # taken as a worker takes it
     entry_id = r.xpending_range(KEYS.requests, KEYS.group, "-", "+", 1)[0]["message_id"]
     for _ in range(2):  # two more deliveries to dead consumers
         r.xclaim(KEYS.requests, KEYS.group, "ghost", 0, [entry_id], idle=10**9)

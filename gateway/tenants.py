@@ -1,0 +1,165 @@
+"""Tenants: who owns each API key, with its weight in the fair share and its quotas.
+
+Three ways to configure them, decided once at startup:
+
+* no keys: one tenant, the default one (``protocol.tenancy.DEFAULT_TENANT``), no quotas:
+  nothing changes for a gateway without authentication;
+* ``FERRY_API_KEYS=k1,k2``: each key is its own tenant, named ``key-`` and 16 hex digits
+  of the key's SHA-256 (stable across gateways, useless for recovering the key), weight 1;
+* ``FERRY_TENANTS_FILE``: a TOML file naming tenants with their keys' SHA-256 (never the
+  keys), a weight and optional quotas (``docs/tenants.md``)::
+
+      [tenants.search]
+      keys_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"]
+      weight = 3
+      max_concurrent = 64
+      tokens_per_minute = 200000
+      max_priority = 0
+
+A bad file stops the gateway at startup with the tenant and field named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from protocol.tenancy import DEFAULT_TENANT, TENANT_PATTERN
+
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_FIELDS = {"keys_sha256", "weight", "max_concurrent", "tokens_per_minute", "max_priority"}
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One tenant: its id (part of Redis key names), share weight and quotas (None: none)."""
+
+    id: str
+    weight: float = 1.0
+    max_concurrent: int | None = None
+    tokens_per_minute: int | None = None
+    max_priority: int | None = None  # the lowest ``priority`` value (highest lane) allowed
+
+    @property
+    def wire(self) -> str | None:
+        """``GenerateRequest.tenant`` for this tenant's requests (None: the default)."""
+        return None if self.id == DEFAULT_TENANT else self.id
+
+
+DEFAULT = Tenant(DEFAULT_TENANT)
+
+
+def key_sha256(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def key_tenant_id(api_key: str) -> str:
+    """``key-`` and 16 hex digits of the key's SHA-256."""
+    return "key-" + key_sha256(api_key)[:16]
+
+
+@dataclass(frozen=True)
+class TenantDirectory:
+    """API key hash -> tenant; ``None`` table: no authentication, every caller is DEFAULT."""
+
+    by_hash: tuple[tuple[str, Tenant], ...] | None = None
+
+    @property
+    def authenticated(self) -> bool:
+        return self.by_hash is not None
+
+    def tenant(self, tenant_id: str | None) -> Tenant:
+        """The tenant named on a request (``None``, or an unknown id: weight 1, no quotas)."""
+        for _hash, tenant in self.by_hash or ():
+            if tenant.id == tenant_id:
+                return tenant
+        return DEFAULT if tenant_id in (None, DEFAULT_TENANT) else Tenant(str(tenant_id))
+
+    def resolve(self, api_key: str | None) -> Tenant | None:
+        """The tenant of ``api_key``; None if it is no tenant's key. Every stored hash is
+        compared, in constant time, so timing reveals neither the key nor the match."""
+        if self.by_hash is None:
+            return DEFAULT
+        if not api_key:
+            return None
+        digest = key_sha256(api_key).encode()
+        found = None
+        for stored, tenant in self.by_hash:
+            if hmac.compare_digest(digest, stored.encode()):
+                found = tenant
+        return found
+
+    @classmethod
+    def from_keys(cls, api_keys: tuple[str, ...]) -> TenantDirectory:
+        if not api_keys:
+            return cls(None)
+        return cls(tuple((key_sha256(k), Tenant(key_tenant_id(k))) for k in api_keys))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TenantDirectory:
+        try:
+            doc = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"tenants_file: cannot read {str(path)!r}: {exc}") from None
+        tenants = doc.get("tenants")
+        if not isinstance(tenants, dict) or not tenants:
+            raise ValueError("tenants_file: needs at least one [tenants.NAME] table")
+        table: list[tuple[str, Tenant]] = []
+        for name, spec in tenants.items():
+            tenant, hashes = _parse_tenant(name, spec)
+            table += [(h, tenant) for h in hashes]
+        seen = [h for h, _ in table]
+        if len(set(seen)) != len(seen):
+            raise ValueError("tenants_file: a key hash is listed under two tenants")
+        return cls(tuple(table))
+
+
+def _parse_tenant(name: str, spec: Any) -> tuple[Tenant, list[str]]:
+    where = f"tenants_file: tenants.{name}"
+    if not re.match(TENANT_PATTERN, name) or name == DEFAULT_TENANT:
+        raise ValueError(f"{where}: the name must match {TENANT_PATTERN} and not be "
+                         f"{DEFAULT_TENANT!r}")
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where}: must be a table")
+    unknown = set(spec) - _FIELDS
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+    hashes = spec.get("keys_sha256")
+    if not isinstance(hashes, list) or not hashes or not all(
+            isinstance(h, str) and _SHA256_RE.match(h) for h in hashes):
+        raise ValueError(f"{where}.keys_sha256: a non-empty list of lowercase hex SHA-256 "
+                         "digests (64 characters each) of the tenant's API keys")
+    weight = spec.get("weight", 1)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+        raise ValueError(f"{where}.weight: must be a number > 0")
+    quotas = {f: _positive_int(where, f, spec.get(f))
+              for f in ("max_concurrent", "tokens_per_minute")}
+    priority = spec.get("max_priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise ValueError(f"{where}.max_priority: must be an integer")
+    return Tenant(name, float(weight), quotas["max_concurrent"], quotas["tokens_per_minute"],
+                  priority), hashes
+
+
+def _positive_int(where: str, field: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}.{field}: must be an integer >= 1")
+    return value
+
+
+def tenant_directory(settings: Any) -> TenantDirectory:
+    """The directory ``GatewaySettings`` describe (a file, keys, or no authentication)."""
+    if settings.tenants_file:
+        if settings.api_keys:
+            raise ValueError("tenants_file: set either api_keys or tenants_file, not both "
+                             "(list every key in the file)")
+        return TenantDirectory.from_file(settings.tenants_file)
+    return TenantDirectory.from_keys(tuple(settings.api_keys))

@@ -1,0 +1,220 @@
+"""The fair backlog: a weighted fair share of every lane for every tenant, kept in Redis.
+
+Producers no longer XADD a request to its lane stream: they push it onto its tenant's
+*backlog* for that lane (a LIST), and register the tenant in the lane's *ready* set (a
+ZSET scored by the tenant's virtual token counter, as in VTC: "Fairness in Serving Large
+Language Models", OSDI 2024). A worker pulls through one script (``PULL_LUA``) that picks
+the ready tenant with the lowest counter, moves the head of its backlog into the lane
+stream and XREADGROUPs it for the calling consumer, all atomically: from then on the
+entry is an ordinary stream entry (PEL, leases, reaper and takeover are unchanged). The
+counter is charged the request's token budget (``cost_hint``) divided by its tenant's
+weight; the worker charges the difference to the tokens it really used when the request
+ends (``CHARGE_LUA``). A tenant (re)entering the ready set starts at
+max(its counter, the lowest ready counter) (or the floor the last tenant left at, if
+none is ready), so idle time banks no credit: a late tenant with little work is served
+at once, a flooding one cannot starve the others, and nothing idles while anyone waits.
+
+Every worker pulls from the same keys, so the shares hold fleet-wide, not per worker. The
+keys of one lane stream share its hash tag (``{stream}:fair:*``), so on a Redis Cluster
+each shard keeps its own counters (see ``docs/tenants.md`` for how that composes).
+
+Entries that an older producer XADDed straight into the lane stream are *adopted* by the
+next pull: read, acknowledged, deleted, and pushed onto the default tenant's backlog,
+tagged with their original entry id (``origin``), which ``START_JOB_LUA`` accepts as the
+job's own entry. They are then served as the default tenant, in turn.
+
+A backlog item is a fixed header, ``%012d`` cost then the origin id padded to 48
+characters, followed by the msgpack request.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from protocol.models import GenerateRequest
+from protocol.tenancy import DEFAULT_TENANT
+
+DIRECT_COST = 64
+"""What an adopted (directly XADDed) entry is charged up front; corrected when it ends."""
+
+COST_FIELD = "cost"
+ORIGIN_FIELD = "origin"
+_HEADER = 12 + 48
+
+
+def backlog(stream: str, tenant: str) -> str:
+    """LIST: one tenant's requests waiting for this lane stream, oldest first."""
+    return f"{stream}:fair:q:{tenant}"
+
+
+def ready(stream: str) -> str:
+    """ZSET: tenants with a non-empty backlog for this lane, scored by their counter."""
+    return f"{stream}:fair:ready"
+
+
+def counters(stream: str) -> str:
+    """HASH: tenant -> virtual token counter (``:floor``: where the last leaver stood)."""
+    return f"{stream}:fair:vtc"
+
+
+def weights(stream: str) -> str:
+    """HASH: tenant -> weight, as its latest producer declared it."""
+    return f"{stream}:fair:w"
+
+
+def bell(stream: str) -> str:
+    """STREAM: one entry per request waiting in this lane's backlogs (the pull trims one
+    per request it takes): its length is the backlog's depth (what KEDA's ``streamLength``
+    and ``queue_lags`` read), and every push wakes the workers blocked on it."""
+    return f"{stream}:fair:bell"
+
+
+def fair_keys(stream: str) -> list[str]:
+    """The keys of one lane's fair backlog that every script gets, in script order."""
+    return [ready(stream), counters(stream), weights(stream), bell(stream)]
+
+
+def cost_hint(request: GenerateRequest) -> int:
+    """The tokens a request may cost, known before any tokenizer runs: the prompt
+    (token ids, or about four characters a token) plus every candidate's ``max_tokens``."""
+    if request.prompt_token_ids is not None:
+        prompt = len(request.prompt_token_ids)
+    elif request.prompt is not None:
+        prompt = math.ceil(len(request.prompt) / 4)
+    else:
+        prompt = math.ceil(sum(len(m.content) for m in request.messages or []) / 4)
+    return max(1, prompt + request.params.max_tokens * request.params.num_candidates)
+
+
+# Shared Lua: the lift rule, as a function of (ready, vtc, tenant).
+_LIFT = """
+local function lift(ready, vtc, tenant)
+  if redis.call('ZSCORE', ready, tenant) then return end
+  local c = tonumber(redis.call('HGET', vtc, tenant) or '0')
+  local low = redis.call('ZRANGE', ready, 0, 0, 'WITHSCORES')
+  local floor = tonumber(low[2] or redis.call('HGET', vtc, ':floor') or '0')
+  if floor > c then c = floor end
+  redis.call('HSET', vtc, tenant, c)
+  redis.call('ZADD', ready, c, tenant)
+end
+"""
+
+# The push, as a Lua fragment: KEYS[a..a+4] = ready, vtc, weights, bell, backlog;
+# ARGV[b..b+3] = tenant, weight, cost, msgpack request.
+PUSH_BODY = _LIFT + """
+local function push(a, b)
+  local tenant = ARGV[b]
+  redis.call('RPUSH', KEYS[a + 4], string.format('%012d%-48s', tonumber(ARGV[b + 2]), '')
+             .. ARGV[b + 3])
+  redis.call('HSET', KEYS[a + 2], tenant, ARGV[b + 1])
+  lift(KEYS[a], KEYS[a + 1], tenant)
+  redis.call('XADD', KEYS[a + 3], '*', 't', tenant)
+end
+"""
+
+PUSH_LUA = PUSH_BODY + "push(1, 1)\nreturn 1\n"
+
+
+def push_args(keys_stream: str, request: GenerateRequest, weight: float,
+              payload: bytes) -> tuple[list[str], list[Any]]:
+    """(KEYS, ARGV) of ``PUSH_LUA`` (or of ``push(a, b)`` inside a bigger script)."""
+    tenant = request.tenant or DEFAULT_TENANT
+    return ([*fair_keys(keys_stream), backlog(keys_stream, tenant)],
+            [tenant, repr(float(weight)), cost_hint(request), payload])
+
+
+# KEYS: stream, ready, vtc, weights, bell. ARGV: group, consumer, count, direct cost,
+# default tenant, backlog key prefix. Returns {bell last id, stream last id, id, fields,
+# id, fields, ...}.
+PULL_LUA = _LIFT + """
+local stream, ready, vtc, w = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local group, me, prefix, dflt = ARGV[1], ARGV[2], ARGV[6], ARGV[5]
+local out, taken = {}, 0
+local adopted = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', 100, 'STREAMS',
+                           stream, '>')
+if adopted then
+  for _, e in ipairs(adopted[1][2]) do
+    local id, f = e[1], e[2]
+    local data
+    for i = 1, #f, 2 do if f[i] == 'data' then data = f[i + 1] end end
+    if data then
+      redis.call('XACK', stream, group, id)
+      redis.call('XDEL', stream, id)
+      redis.call('RPUSH', prefix .. dflt, string.format('%012d%-48s', tonumber(ARGV[4]), id)
+                 .. data)
+      lift(ready, vtc, dflt)
+      redis.call('XADD', KEYS[5], '*', 't', dflt)
+    else  -- no request in it: the caller dead-letters it
+      out[#out + 1] = id
+      out[#out + 1] = f
+    end
+  end
+end
+for n = 1, tonumber(ARGV[3]) do
+  local low = redis.call('ZRANGE', ready, 0, 0, 'WITHSCORES')
+  if not low[1] then break end
+  local tenant, c = low[1], tonumber(low[2])
+  local item = redis.call('LPOP', prefix .. tenant)
+  if item then
+    local cost = tonumber(string.sub(item, 1, 12))
+    local origin = string.gsub(string.sub(item, 13, 60), ' ', '')
+    local fields = {'data', string.sub(item, 61), 'cost', cost, 'tenant', tenant}
+    if origin ~= '' then fields[#fields + 1] = 'origin'; fields[#fields + 1] = origin end
+    redis.call('XADD', stream, '*', unpack(fields))
+    local got = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', 1, 'STREAMS',
+                           stream, '>')
+    out[#out + 1] = got[1][2][1][1]
+    out[#out + 1] = got[1][2][1][2]
+    taken = taken + 1
+    c = c + cost / tonumber(redis.call('HGET', w, tenant) or '1')
+    redis.call('HSET', vtc, tenant, c)
+  end
+  if redis.call('LLEN', prefix .. tenant) > 0 then
+    redis.call('ZADD', ready, c, tenant)
+  else
+    redis.call('ZREM', ready, tenant)
+    redis.call('HSET', vtc, ':floor', c)
+  end
+end
+if taken > 0 then
+  redis.call('XTRIM', KEYS[5], 'MAXLEN', math.max(0, redis.call('XLEN', KEYS[5]) - taken))
+end
+local last_bell = redis.call('XREVRANGE', KEYS[5], '+', '-', 'COUNT', 1)
+local last_entry = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+table.insert(out, 1, last_entry[1] and last_entry[1][1] or '0-0')
+table.insert(out, 1, last_bell[1] and last_bell[1][1] or '0-0')
+return out
+"""
+
+# KEYS: vtc, ready, weights. ARGV: tenant, tokens (may be negative). The correction once
+# a request ends: what it really used minus what the pull charged, divided by the weight.
+CHARGE_LUA = """
+local w = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '1')
+local c = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') + tonumber(ARGV[2]) / w
+redis.call('HSET', KEYS[1], ARGV[1], c)
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then redis.call('ZADD', KEYS[2], c, ARGV[1]) end
+return tostring(c)
+"""
+
+
+def pull(r: Any, stream: str, group: str, consumer: str, count: int
+         ) -> tuple[list[tuple[Any, dict[Any, Any]]], tuple[Any, Any]]:
+    """Up to ``count`` entries for ``consumer`` from ``stream``'s fair backlog (sync
+    client), as XREADGROUP would give them, and the (bell, stream) ids to block after."""
+    reply = r.execute_command(
+        "EVAL", PULL_LUA, 5, stream, ready(stream), counters(stream), weights(stream),
+        bell(stream), group, consumer, count, DIRECT_COST, DEFAULT_TENANT,
+        backlog(stream, ""))
+    marks = (reply[0], reply[1])
+    entries = []
+    for i in range(2, len(reply), 2):
+        flat = reply[i + 1]
+        entries.append((reply[i], dict(zip(flat[::2], flat[1::2], strict=True))))
+    return entries, marks
+
+
+def queue_charge(pipe: Any, stream: str, tenant: str, tokens: int) -> None:
+    """Queue adding ``tokens`` (divided by the tenant's weight) to its counter on a lane."""
+    pipe.execute_command("EVAL", CHARGE_LUA, 3, counters(stream), ready(stream),
+                         weights(stream), tenant, tokens)

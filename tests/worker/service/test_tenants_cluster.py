@@ -1,0 +1,69 @@
+"""The late small tenant on a Redis Cluster (3 masters, 3 replicas on loopback), one real
+``ferry worker --redis-cluster``: each shard keeps its own counters (the backlog keys carry
+the shard's hash tag), requests spread over the shards by id hash, and the worker pulls
+every shard, so the fair share still holds over the whole queue.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from protocol import fair
+from protocol.client import FerryClient
+from protocol.keys import ClusterKeys
+from protocol.models import GenerateRequest
+from protocol.sampling import SamplingParams
+from protocol.tenancy import scoped_id
+from tests.redis_cluster import LocalCluster
+from tests.worker.service.procs import WorkerProcess, start_all
+from worker.models import default_model_path
+
+KEYS = ClusterKeys("ferry", 3)
+PARAMS = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+
+
+def _requests(tenant: str, n: int) -> list[GenerateRequest]:
+    return [GenerateRequest(request_id=scoped_id(tenant, f"r{i}"), tenant=tenant,
+                            prompt=f"tenant {tenant} asks question number {i}", params=PARAMS)
+            for i in range(n)]
+
+
+def test_late_small_tenant_on_a_cluster(redis_cluster: LocalCluster, log_dir: Path) -> None:
+    client = FerryClient.from_url(redis_cluster.url, cluster=True)
+    rc = client.redis
+
+    def times(q: GenerateRequest) -> tuple[str, float]:
+        state, finished = rc.hmget(KEYS.job(q.request_id), "state", "finished_at")
+        return (state or b"").decode(), float(finished or "inf")
+
+    flood, late = _requests("a", 40), _requests("b", 4)
+    worker = WorkerProcess(default_model_path(), redis_cluster.url, "cw1", log_dir,
+                           "--max-num-seqs", "4", cluster=True)
+    try:
+        start_all(worker)
+        client.ensure_group()
+        for request in flood:
+            client.enqueue(request)
+        shards = {KEYS.shard_of(q.request_id) for q in flood}
+        sent = time.monotonic()
+        while time.monotonic() - sent < 2.0:
+            if sum(times(q)[0] == "done" for q in flood) >= 8:
+                break
+            time.sleep(0.05)
+        done_before = sum(times(q)[0] == "done" for q in flood)
+        for request in late:
+            client.enqueue(request)
+        deadline = time.monotonic() + 300
+        while not all(times(q)[0] == "done" for q in flood + late):
+            assert time.monotonic() < deadline, "not every request finished"
+            time.sleep(0.2)
+        waiting = sum(rc.xlen(fair.bell(s)) for s in KEYS.request_streams)
+        a_finish = sorted(times(q)[1] for q in flood)
+        b_last = max(times(q)[1] for q in late)
+    finally:
+        worker.kill()
+        client.close()
+    assert len(shards) == 3  # the flood's ids spread over every shard
+    assert done_before <= 8 and waiting == 0
+    assert b_last < a_finish[19], sum(t < b_last for t in a_finish)

@@ -1,0 +1,64 @@
+"""The fair share's second charge: what a finished request really cost its tenant.
+
+The fair pull (``protocol.fair``) charges a tenant's virtual token counter the request's
+budget (prompt estimate plus ``max_tokens``) when a worker takes it; when the request ends
+the engine loop notes here what it really used (prompt and generated tokens), and the
+intake thread, before its next pull, adds the difference to the counter (divided by the
+tenant's weight, in Redis). A request that stops early so gives its unused budget back,
+and the counters follow the tokens actually served, as VTC's do.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from protocol import fair
+
+
+class FairLedger:
+    """Corrections waiting to be charged: (lane stream, tenant, tokens). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owed: dict[tuple[str, str], int] = {}
+
+    def note(self, stream: str, tenant: str, used: int, charged: int) -> None:
+        """Engine loop: a request of ``tenant`` from ``stream`` used ``used`` tokens and was
+        charged ``charged`` by the pull."""
+        if used == charged:
+            return
+        with self._lock:
+            key = (stream, tenant)
+            self._owed[key] = self._owed.get(key, 0) + used - charged
+
+    def settle(self, r: Any) -> int:
+        """Intake thread: charge every correction noted so far (one pipeline); returns how
+        many counters changed. On a Redis error the corrections are kept for next time."""
+        with self._lock:
+            owed, self._owed = self._owed, {}
+        if not owed:
+            return 0
+        try:
+            pipe = r.pipeline(transaction=False)
+            for (stream, tenant), tokens in owed.items():
+                fair.queue_charge(pipe, stream, tenant, tokens)
+            pipe.execute()
+        except BaseException:
+            with self._lock:
+                for key, tokens in owed.items():
+                    self._owed[key] = self._owed.get(key, 0) + tokens
+            raise
+        return len(owed)
+
+
+def fair_fields(fields: Any) -> tuple[str, int]:
+    """An entry's ``origin`` ('' if none) and ``cost`` (what the fair pull charged; an
+    entry no pull moved was charged ``DIRECT_COST``, ``protocol.fair``)."""
+    origin = fields.get(b"origin", fields.get("origin", b""))
+    cost = fields.get(b"cost", fields.get("cost"))
+    try:
+        charged = int(cost) if cost is not None else fair.DIRECT_COST
+    except ValueError:
+        charged = fair.DIRECT_COST
+    return origin.decode() if isinstance(origin, bytes) else str(origin), charged

@@ -1,0 +1,68 @@
+"""The intake's reads of the fair backlogs: which lane stream to pull from, how many at a
+time, and how to wait when every backlog is empty (``protocol/fair.py``).
+
+On one Redis a lane is one stream: the pull asks for the whole room at once, in the order
+the shared counters decide. On a Redis Cluster each shard keeps its own counters, so
+taking a whole room from one shard would hand that shard's second-fairest request out
+before the other shards' fairest: the reader takes one entry per shard in turn (round
+robin, from the pass's rotating first shard) until the room is filled or every shard of
+the lane is empty. The tenant with the lowest counter on each shard so gets its turn
+before anyone's second, and the per-shard shares add up to a fleet-wide one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from protocol import fair
+from worker.service.redis_io import WorkerSettings
+
+Process = Callable[[str, list[Any]], None]
+
+
+class FairReader:
+    """Pulls for one worker; ``marks`` collects where each pulled stream and bell ended,
+    so a later wait misses no push that came after the pull."""
+
+    def __init__(self, settings: WorkerSettings, redis: Any) -> None:
+        self.settings = settings
+        self.keys = settings.keys
+        self.redis = redis
+        self.marks: dict[str, Any] = {}
+
+    def pull_lane(self, lane: list[str], rooms: dict[str, int], taken: int,
+                  process: Process) -> int:
+        """Entries taken from one lane's streams (in the order given), each batch handed
+        to ``process``; stops when ``rooms[stream] - taken`` is used up."""
+        got, open_ = 0, list(lane)
+        while open_:
+            for stream in list(open_):
+                room = rooms[stream] - taken - got
+                if room <= 0:
+                    return got
+                want = room if len(lane) == 1 else 1
+                entries, (bell_id, last_id) = fair.pull(
+                    self.redis, stream, self.keys.group, self.settings.worker_id, want)
+                self.marks[fair.bell(stream)], self.marks[stream] = bell_id, last_id
+                got += len(entries)
+                if entries:
+                    process(stream, entries)
+                if len(entries) < want:
+                    open_.remove(stream)
+        return got
+
+    def wait(self, shard: int, rooms: dict[str, int], busy: bool) -> None:
+        """Nothing to pull: BLOCK until a producer rings a lane's bell (a push onto its
+        fair backlog) or XADDs straight into it, from where the pulls left them. One shard
+        (a read spans one slot): on a cluster briefly, then the next pass tries the next."""
+        watched = {name: self.marks[name] for stream in self.keys.shard_streams(shard)
+                   if rooms[stream] > 0 and stream in self.marks
+                   for name in (fair.bell(stream), stream)}
+        self.marks = {}
+        if not watched:
+            return
+        block = self.settings.busy_block_ms if busy else self.settings.idle_block_ms
+        if self.keys.shards > 1:
+            block = min(block, self.settings.busy_block_ms)
+        self.redis.xread(watched, count=1, block=block)
