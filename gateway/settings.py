@@ -9,7 +9,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.cluster import Replication
-from protocol.keys import DEFAULT_SHARDS, MAX_SHARDS, Keys, keys_for
+from protocol.cluster_keys import keys_for
+from protocol.keys import Keys
+from protocol.shard_slots import DEFAULT_SHARDS, MAX_SHARDS
 from protocol.store import Ttls
 
 _NONE_WORDS = frozenset({"", "none", "off", "null"})

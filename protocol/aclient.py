@@ -19,15 +19,17 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from protocol.cluster import Replication, async_cluster_client
 from protocol.cluster_enqueue import EnqueuePlan, aenqueue
+from protocol.cluster_keys import keys_for
 from protocol.codec import (
     ProtocolError,
     decode_event_trusted,
     decode_heartbeat,
     status_from_hash,
 )
-from protocol.keys import DEFAULT_SHARDS, Keys, keys_for
+from protocol.keys import Keys
 from protocol.models import GenerateRequest, JobStatus, TokenEvent, WorkerHeartbeat
 from protocol.pubsub_hub import Inbox, PubSubHub
+from protocol.shard_slots import DEFAULT_SHARDS
 from protocol.sharded_hub import ShardedPubSubHub
 from protocol.store import (
     DuplicateRequestError,

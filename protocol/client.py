@@ -28,9 +28,11 @@ from protocol.cluster import (
 )
 from protocol.cluster_enqueue import EnqueuePlan
 from protocol.cluster_enqueue import enqueue as cluster_enqueue
+from protocol.cluster_keys import keys_for
 from protocol.codec import decode_event, status_from_hash
-from protocol.keys import DEFAULT_SHARDS, Keys, keys_for
+from protocol.keys import Keys
 from protocol.models import GenerateRequest, JobStatus, TokenEvent
+from protocol.shard_slots import DEFAULT_SHARDS
 from protocol.store import (
     DuplicateRequestError,
     Ttls,

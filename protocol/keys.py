@@ -4,13 +4,8 @@ All names share one prefix (default ``ferry``) so several deployments can share 
 and so ``SCAN MATCH ferry:*`` finds everything. Per-request names embed the request id,
 which the protocol restricts to key-safe characters (see ``protocol.models.ID_PATTERN``).
 
-``Keys`` names one Redis; ``ClusterKeys`` names the same things for a Redis Cluster, where
-a key's *hash tag* (the part in braces) decides its slot: every key and channel of one
-request carries the tag ``request_tag(id)``, so each per-request script and pipeline stays
-in one slot; the request streams are split into ``shards``, each shard's three lanes and
-its dead letters sharing one tag placed in its own slot window (``SHARD_SLOT_WINDOWS``),
-so the shards spread over the masters; the fleet-wide keys (heartbeats, restarts) share
-the tag ``{prefix}``.
+``Keys`` names one Redis; ``ClusterKeys`` (``protocol/cluster_keys.py``) names the same
+things for a Redis Cluster, with hash tags, and ``keys_for`` picks one or the other.
 
 The Batch API's names (files, batches) carry a hash tag already: every key of one file
 shares ``{file id}``, every key of one batch ``{batch id}``, so the scripts that touch several
@@ -20,12 +15,9 @@ ignores the braces.
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 from typing import ClassVar
-
-from redis.crc import key_slot
 
 DEFAULT_PREFIX = "ferry"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -207,168 +199,3 @@ class Keys:
     def batches_active(self) -> str:
         """ZSET (all scores 0): batches not yet ended, which batchers look for work in."""
         return f"{self.prefix}:batches:active"
-
-# --- Redis Cluster ---------------------------------------------------------------------
-
-def request_tag(request_id: str) -> str:
-    """The hash tag every key and channel of one request carries in cluster mode.
-
-    The one place that decides which slot a request's state lives in: the job hash, the
-    replay log, the cancel mark and the token channel all hash to this tag's slot, so the
-    scripts that touch several of them run on one node. (Request ids cannot contain
-    braces: ``protocol.models.ID_PATTERN``.)"""
-    return "{" + request_id + "}"
-
-
-SLOTS = 16384
-MAX_SHARDS = 17
-DEFAULT_SHARDS = 3
-
-SHARD_SLOT_WINDOWS: tuple[tuple[int, int], ...] = (
-    (15420, 16383), (7447, 7561), (2341, 2520), (11916, 12014), (4681, 4818),
-    (9362, 9556), (1170, 1259), (14043, 14198), (6144, 6301), (10601, 10922),
-    (3511, 3780), (12873, 13106), (8192, 8673), (0, 963), (14456, 15291),
-    (5120, 5782), (9638, 10600),
-)
-"""Slot window of shard k's tag (inclusive). For every S <= 17 the first S windows lie in S
-different slot ranges of the split ``redis-cli --cluster create`` makes for S masters, so
-with M masters and S a multiple of M every master holds S / M shards whatever S is, and a
-shard keeps its name (and place) when S grows. (Steinhaus' problem: no such sequence has
-18 points; found by a small search, checked by ``tests/protocol/test_protocol_keys.py``.)"""
-
-
-@functools.lru_cache(maxsize=64)
-def slot_ranges(masters: int) -> tuple[tuple[int, int], ...]:
-    """The slot ranges (inclusive) ``redis-cli --cluster create`` gives ``masters`` masters."""
-    per, first, cursor, out = SLOTS / masters, 0, 0.0, []
-    for j in range(masters):
-        last = SLOTS - 1 if j == masters - 1 else round(cursor + per - 1)
-        out.append((first, last))
-        first, cursor = last + 1, cursor + per
-    return tuple(out)
-
-
-def _slot_range(slot: int, masters: int) -> int:
-    return next(j for j, (_, last) in enumerate(slot_ranges(masters)) if slot <= last)
-
-
-@functools.lru_cache(maxsize=MAX_SHARDS)
-def _shard_by_range(shards: int) -> tuple[int, ...]:
-    """For S shards: which shard's window lies in each of the S slot ranges."""
-    owner = {_slot_range(SHARD_SLOT_WINDOWS[k][0], shards): k for k in range(shards)}
-    return tuple(owner[j] for j in range(shards))
-
-
-@functools.lru_cache(maxsize=256)
-def shard_tag(prefix: str, shard: int) -> str:
-    """``{prefix.s<k>.<n>}``: the first n whose slot lies in shard k's window."""
-    low, high = SHARD_SLOT_WINDOWS[shard]
-    for n in range(SLOTS * 64):
-        tag = f"{prefix}.s{shard}.{n}"
-        if low <= key_slot(tag.encode()) <= high:
-            return "{" + tag + "}"
-    raise RuntimeError(f"no tag found for shard {shard}")  # pragma: no cover
-
-
-@dataclass(frozen=True)
-class ClusterKeys(Keys):
-    """The names for a Redis Cluster: the single-Redis names with a hash tag.
-
-    * per request: ``ferry:job:{id}``, ``ferry:events:{id}``, ``ferry:tokens:{id}`` (a
-      sharded pub/sub channel), ``ferry:cancelled:{id}``;
-    * shard k: ``ferry:requests:high:{ferry.s<k>.<n>}``, ``ferry:requests:{...}``,
-      ``ferry:requests:low:{...}`` and its dead letters ``ferry:requests:dead:{...}``;
-    * fleet-wide: ``ferry:workers:{ferry}``, ``ferry:worker:{ferry}:<id>``,
-      ``ferry:restarts:{ferry}``; the control channel stays ``ferry:control`` (classic
-      pub/sub, which a cluster broadcasts to every node: cancels are rare).
-    """
-
-    shards: int = DEFAULT_SHARDS  # type: ignore[assignment]  # a field here, 1 in Keys
-    cluster: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 1 <= self.shards <= MAX_SHARDS:
-            raise ValueError(f"shards: {self.shards} is not in 1..{MAX_SHARDS}")
-
-    def shard_of(self, request_id: str) -> int:
-        """The shard whose window shares a slot range with the request's own slot (of the
-        S ranges ``redis-cli`` would give S masters): uniform over shards, and with an even
-        split of slots over M masters (S a multiple of M) the request's stream is on the
-        master that also holds its keys."""
-        return _shard_by_range(self.shards)[_slot_range(key_slot(request_id.encode()),
-                                                         self.shards)]
-
-    def shard_streams(self, shard: int) -> tuple[str, ...]:
-        self._check_shard(shard)
-        tag = shard_tag(self.prefix, shard)
-        return (f"{self.prefix}:requests:high:{tag}", f"{self.prefix}:requests:{tag}",
-                f"{self.prefix}:requests:low:{tag}")
-
-    @functools.cached_property
-    def _shard_by_stream(self) -> dict[str, int]:
-        return {s: k for k in range(self.shards) for s in self.shard_streams(k)}
-
-    def shard_of_stream(self, stream: str) -> int:
-        try:
-            return self._shard_by_stream[stream]
-        except KeyError:
-            raise ValueError(f"stream: {stream!r} is not a request stream") from None
-
-    def dead_letter_for(self, stream: str) -> str:
-        return f"{self.prefix}:requests:dead:{shard_tag(self.prefix, self.shard_of_stream(stream))}"
-
-    @property
-    def dead_letters(self) -> tuple[str, ...]:
-        return tuple(f"{self.prefix}:requests:dead:{shard_tag(self.prefix, k)}"
-                     for k in range(self.shards))
-
-    @property
-    def global_tag(self) -> str:
-        return "{" + self.prefix + "}"
-
-    # single-stream names have no meaning across shards: name the shard instead
-    @property
-    def requests(self) -> str:
-        raise TypeError("ClusterKeys: the request streams are sharded; use stream_for, "
-                        "shard_streams or lane_streams")
-
-    def requests_band(self, band: str) -> str:
-        raise TypeError("ClusterKeys: the request streams are sharded; use lane_streams")
-
-    @property
-    def dead_letter(self) -> str:
-        raise TypeError("ClusterKeys: dead letters are per shard; use dead_letter_for")
-
-    @property
-    def workers(self) -> str:
-        return f"{self.prefix}:workers:{self.global_tag}"
-
-    @property
-    def batches_active(self) -> str:
-        return f"{self.prefix}:batches:active:{self.global_tag}"
-
-    @property
-    def restarts(self) -> str:
-        return f"{self.prefix}:restarts:{self.global_tag}"
-
-    def worker(self, worker_id: str) -> str:
-        return f"{self.prefix}:worker:{self.global_tag}:{worker_id}"
-
-    def tokens(self, request_id: str) -> str:
-        return f"{self.prefix}:tokens:{request_tag(request_id)}"
-
-    def events(self, request_id: str) -> str:
-        return f"{self.prefix}:events:{request_tag(request_id)}"
-
-    def job(self, request_id: str) -> str:
-        return f"{self.prefix}:job:{request_tag(request_id)}"
-
-    def cancelled(self, request_id: str) -> str:
-        return f"{self.prefix}:cancelled:{request_tag(request_id)}"
-
-
-def keys_for(prefix: str = DEFAULT_PREFIX, cluster: bool = False,
-             shards: int = DEFAULT_SHARDS) -> Keys:
-    """The names of one deployment: ``ClusterKeys`` on a cluster, else ``Keys``."""
-    return ClusterKeys(prefix, shards) if cluster else Keys(prefix)

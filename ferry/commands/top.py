@@ -21,7 +21,8 @@ from rich.text import Text
 
 from ferry.fleet import HISTORY_LEN, History, Snapshot, WorkerView, collect
 from ferry.recovery import RestartRecord
-from protocol.keys import DEFAULT_SHARDS, keys_for
+from protocol.cluster_keys import keys_for
+from protocol.shard_slots import DEFAULT_SHARDS
 
 SPARK = "▁▂▃▄▅▆▇█"
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from protocol import fair
-from protocol.keys import ClusterKeys
+from protocol.cluster_keys import ClusterKeys
 
 OVERLAY = Path(__file__).resolve().parents[2] / "ops" / "k8s-cluster"
 

@@ -17,8 +17,8 @@ from protocol import fair
 from protocol.aclient import AsyncFerryClient
 from protocol.client import FerryClient
 from protocol.cluster import NotReplicatedError, Replication, check_cluster_url
+from protocol.cluster_keys import ClusterKeys
 from protocol.codec import decode_entry
-from protocol.keys import ClusterKeys
 from protocol.models import GenerateRequest, TokenEvent
 from protocol.store import DuplicateRequestError, Ttls, as_str, ensure_group, push_event
 from tests.redis_cluster import LocalCluster

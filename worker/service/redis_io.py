@@ -32,8 +32,10 @@ from protocol.cluster import (
     cluster_client,
     refresh_topology,
 )
-from protocol.keys import DEFAULT_SHARDS, Keys, keys_for
+from protocol.cluster_keys import keys_for
+from protocol.keys import Keys
 from protocol.models import ID_PATTERN
+from protocol.shard_slots import DEFAULT_SHARDS
 from protocol.store import Ttls
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = TRANSIENT_CLUSTER_ERRORS

@@ -28,8 +28,9 @@ import redis
 
 from protocol.client import FerryClient
 from protocol.cluster import cluster_client
+from protocol.cluster_keys import keys_for
 from protocol.codec import decode_event, decode_heartbeat
-from protocol.keys import Keys, keys_for
+from protocol.keys import Keys
 from protocol.models import GenerateRequest, TokenEvent, WorkerHeartbeat
 
 ROOT = Path(__file__).resolve().parents[3]

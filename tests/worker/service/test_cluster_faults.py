@@ -17,8 +17,8 @@ from typing import Any
 import openai
 import pytest
 
+from protocol.cluster_keys import ClusterKeys
 from protocol.codec import decode_event
-from protocol.keys import ClusterKeys
 from protocol.models import GenerateRequest
 from protocol.sampling import SamplingParams
 from tests.ferry.gateway_proc import GatewayProcess

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from protocol import fair
 from protocol.client import FerryClient
-from protocol.keys import ClusterKeys
+from protocol.cluster_keys import ClusterKeys
 from protocol.models import GenerateRequest
 from protocol.sampling import SamplingParams
 from protocol.tenancy import scoped_id
