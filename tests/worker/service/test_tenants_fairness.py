@@ -95,17 +95,24 @@ def _shares(r: redis.Redis, heavy: list[GenerateRequest], light: list[GenerateRe
             sum(who == "light" for _t, who in starts))
 
 
-def test_weights_three_to_one_hold_within_ten_percent(server: RedisServer,
-                                                       log_dir: Path) -> None:
-    """Tenant h (weight 3) and tenant l (weight 1) both keep a backlog (300 and 100
-    requests of the same size, queued before the worker starts): of the first 200 started,
-    h's share of the tokens is 3:1 within 10%."""
+def _backlogs(server: RedisServer) -> tuple[list[GenerateRequest], list[GenerateRequest]]:
+    """300 requests of tenant h (weight 3) and 100 of tenant l (weight 1), queued."""
     client = FerryClient(redis.Redis.from_url(server.url))
     heavy, light = _requests("h", 300), _requests("l", 100)
     for request in heavy:
         client.enqueue(request, weight=3)
     for request in light:
         client.enqueue(request, weight=1)
+    client.close()
+    return heavy, light
+
+
+def test_weights_three_to_one_hold_within_ten_percent(server: RedisServer,
+                                                       log_dir: Path) -> None:
+    """Tenant h (weight 3) and tenant l (weight 1) both keep a backlog (300 and 100
+    requests of the same size, queued before the worker starts): of the first 200 started,
+    h's share of the tokens is 3:1 within 10%."""
+    heavy, light = _backlogs(server)
     r = server.client()
     with _worker(server, "w1", log_dir, 8) as worker:
         start_all(worker)
@@ -119,12 +126,7 @@ def test_two_workers_one_killed_mid_run_keep_the_shares(server: RedisServer,
     """The same 3:1 split over two workers, one of them killed -9 after about 60 requests
     started: the survivor takes over its requests (they finish), and the shares still
     hold fleet-wide: the counters live in Redis, not in any worker."""
-    client = FerryClient(redis.Redis.from_url(server.url))
-    heavy, light = _requests("h", 300), _requests("l", 100)
-    for request in heavy:
-        client.enqueue(request, weight=3)
-    for request in light:
-        client.enqueue(request, weight=1)
+    heavy, light = _backlogs(server)
     r = server.client()
     w1, w2 = _worker(server, "w1", log_dir, 4), _worker(server, "w2", log_dir, 4)
     try:
