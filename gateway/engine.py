@@ -26,6 +26,7 @@ from protocol.aclient import AsyncFerryClient, AsyncSubscription
 from protocol.models import GenerateRequest, TokenEvent
 from protocol.store import DuplicateRequestError
 from protocol.streaming import StreamTimeout
+from protocol.tenancy import public_id
 
 log = structlog.get_logger("ferry.gateway")
 
@@ -76,10 +77,12 @@ class Engine:
         tenant = self.tenants.tenant(request.tenant)
         try:
             await self.client.enqueue(request, weight=tenant.weight)
-        except DuplicateRequestError as exc:
+        except DuplicateRequestError:
             self.metrics.enqueue_errors.labels("duplicate_id").inc()
             await self.quotas.release(tenant, [request.request_id])
-            raise APIError(409, str(exc), param="request_id") from None
+            mine = public_id(tenant.id, request.request_id)  # the caller's id, not Redis'
+            raise APIError(409, f"request_id: {mine!r} is already in use",
+                           param="request_id") from None
         except BaseException as exc:
             self.metrics.enqueue_errors.labels(type(exc).__name__).inc()
             with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):

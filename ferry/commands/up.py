@@ -145,7 +145,9 @@ def _print_banner(sup: Supervisor, url: str, redis_url: str, slots: list[WorkerS
         metrics = (f"metrics http://{shown}:{slot.metrics_port}/metrics"
                    if slot.metrics_port else "metrics off")
         typer.echo(f"  worker-{slot.index}  pid {child.pid}, id {slot.worker_id(0)}, {metrics}")
-    typer.echo(f"  curl -N {url}/v1/completions -H 'Content-Type: application/json'"
+    keyed = os.environ.get("FERRY_API_KEYS") or os.environ.get("FERRY_TENANTS_FILE")
+    auth = " -H \"Authorization: Bearer $KEY\"" if keyed else ""  # the key is never printed
+    typer.echo(f"  curl -N {url}/v1/completions{auth} -H 'Content-Type: application/json'"
                ' -d \'{"prompt": "def fibonacci(n):", "max_tokens": 32, "stream": true}\'')
 
 

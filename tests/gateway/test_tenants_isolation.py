@@ -67,6 +67,7 @@ def test_the_same_id_in_two_tenants_is_two_jobs(gateway: GatewayServer,
     assert _job(gateway, A, "shared-1", "from a").status_code == 202
     again = _job(gateway, A, "shared-1", "from a again")
     assert again.status_code == 409 and again.json()["error"]["param"] == "request_id"
+    assert again.json()["error"]["message"] == "request_id: 'shared-1' is already in use"
     with FakeWorker(redis_server.url, Script(tokens=["o", "k"])) as worker:
         for who in (A, B):
             reply = httpx.get(f"{gateway.url}/v1/jobs/shared-1/events", headers=who,
