@@ -102,6 +102,15 @@ class WorkerProcess:
             r.close()
         return decode_heartbeat(raw) if raw else None
 
+    def heartbeat_after(self, since: float, timeout: float = 30.0) -> WorkerHeartbeat:
+        """The first heartbeat written after ``since`` (wall clock): its stats count what
+        happened before then (a heartbeat read at once may predate it)."""
+        deadline = time.monotonic() + timeout
+        while (beat := self.heartbeat()) is None or beat.updated_at <= since:
+            assert time.monotonic() < deadline, f"{self.worker_id}: no heartbeat after {since}"
+            time.sleep(0.05)
+        return beat
+
     def wait_live(self, timeout: float = 90.0) -> WorkerProcess:
         """Wait for the first heartbeat (model loaded, threads running)."""
         deadline = time.monotonic() + timeout

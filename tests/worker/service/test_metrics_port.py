@@ -40,7 +40,8 @@ def test_a_taken_port_moves_to_the_next_free_one() -> None:
         squatter.bind(("127.0.0.1", port))
         squatter.listen()
         bound = WorkerMetrics().serve(port)
-    assert bound == port + 1  # (the next one was free a moment ago; the OS rarely reuses)
+    # the next free one: port + 1 unless something took it meanwhile (seen once in CI)
+    assert port < bound <= port + 8, (port, bound)
     assert "ferry_worker_" in _scrape(bound)
     assert WorkerMetrics().serve(0) == 0
 

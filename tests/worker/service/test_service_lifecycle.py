@@ -57,8 +57,8 @@ def test_sigterm_hands_back_then_drains(
         assert pending and all(p["time_since_delivered"] >= 10**9 for p in pending)
         patient.start().wait_live()  # lease 60 s: only the hand-back lets it take them now
         results = streams.join()
-        beat = patient.heartbeat()
-        assert beat is not None and int(beat.stats["reclaimed"]) == len(pending)
+        beat = patient.heartbeat_after(time.time())
+        assert int(beat.stats["reclaimed"]) == len(pending)
         second = _requests(4, 200, "drain")
         streams = Streams(redis_server.url, second, timeout=60).start()
         while redis_client.llen(KEYS.events(second[-1].request_id)) < 2:
