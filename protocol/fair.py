@@ -7,9 +7,12 @@ Language Models", OSDI 2024). A worker pulls through one script (``PULL_LUA``) t
 the ready tenant with the lowest counter, moves the head of its backlog into the lane
 stream and XREADGROUPs it for the calling consumer, all atomically: from then on the
 entry is an ordinary stream entry (PEL, leases, reaper and takeover are unchanged). The
-counter is charged the request's token budget (``cost_hint``) divided by its tenant's
-weight; the worker charges the difference to the tokens it really used when the request
-ends (``CHARGE_LUA``). A tenant (re)entering the ready set starts at
+counter is charged the request's prompt tokens (``prompt_hint``) divided by its tenant's
+weight; the worker charges the rest of what it really served (the generated tokens, and
+any error in the prompt estimate) when the request ends (``CHARGE_LUA``). Charging the
+whole budget (prompt + ``max_tokens``) at the pull instead would make a late tenant pay
+for tokens not yet served and alternate with a flooding tenant's pulls, where VTC serves
+it at once. A tenant (re)entering the ready set starts at
 max(its counter, the lowest ready counter) (or the floor the last tenant left at, if
 none is ready), so idle time banks no credit: a late tenant with little work is served
 at once, a flooding one cannot starve the others, and nothing idles while anyone waits.
@@ -75,16 +78,23 @@ def fair_keys(stream: str) -> list[str]:
     return [ready(stream), counters(stream), weights(stream), bell(stream)]
 
 
-def cost_hint(request: GenerateRequest) -> int:
-    """The tokens a request may cost, known before any tokenizer runs: the prompt
-    (token ids, or about four characters a token) plus every candidate's ``max_tokens``."""
+def prompt_hint(request: GenerateRequest) -> int:
+    """The prompt's tokens, known before any tokenizer runs: its token ids, or about four
+    characters a token. What the fair pull charges (the prompt is served at once, by the
+    prefill); the generated tokens are charged when they have been served."""
     if request.prompt_token_ids is not None:
         prompt = len(request.prompt_token_ids)
     elif request.prompt is not None:
         prompt = math.ceil(len(request.prompt) / 4)
     else:
         prompt = math.ceil(sum(len(m.content) for m in request.messages or []) / 4)
-    return max(1, prompt + request.params.max_tokens * request.params.num_candidates)
+    return max(1, prompt)
+
+
+def cost_hint(request: GenerateRequest) -> int:
+    """The tokens a request may cost at most: the prompt plus every candidate's
+    ``max_tokens`` (what the ``tokens_per_minute`` quota counts at admission)."""
+    return prompt_hint(request) + request.params.max_tokens * request.params.num_candidates
 
 
 # Shared Lua: the lift rule, as a function of (ready, vtc, tenant).
@@ -121,7 +131,7 @@ def push_args(keys_stream: str, request: GenerateRequest, weight: float,
     """(KEYS, ARGV) of ``PUSH_LUA`` (or of ``push(a, b)`` inside a bigger script)."""
     tenant = request.tenant or DEFAULT_TENANT
     return ([*fair_keys(keys_stream), backlog(keys_stream, tenant)],
-            [tenant, repr(float(weight)), cost_hint(request), payload])
+            [tenant, repr(float(weight)), prompt_hint(request), payload])
 
 
 # KEYS: stream, ready, vtc, weights, bell. ARGV: group, consumer, count, direct cost,

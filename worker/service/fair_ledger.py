@@ -1,11 +1,12 @@
 """The fair share's second charge: what a finished request really cost its tenant.
 
 The fair pull (``protocol.fair``) charges a tenant's virtual token counter the request's
-budget (prompt estimate plus ``max_tokens``) when a worker takes it; when the request ends
-the engine loop notes here what it really used (prompt and generated tokens), and the
-intake thread, before its next pull, adds the difference to the counter (divided by the
-tenant's weight, in Redis). A request that stops early so gives its unused budget back,
-and the counters follow the tokens actually served, as VTC's do.
+prompt estimate when a worker takes it; when the request ends the engine loop notes here
+what it really used (prompt and generated tokens), and the intake thread, before its next
+pull, adds the difference to the counter (divided by the tenant's weight, in Redis). The
+counters so follow the tokens actually served, as VTC's do; a request's generated tokens
+count from its end (a tenant's counter lags by what its running requests have generated
+so far, as every tenant's does in proportion to its running requests).
 """
 
 from __future__ import annotations

@@ -190,9 +190,11 @@ class JobTable:
         """Forget a job that the engine no longer holds; its terminal event."""
         self.jobs.pop(job.request_id, None)
         self._deadlines.pop(job.request_id, None)
-        self.slots.release()
-        item = job.final_event(reason, out, error, kind, self.token_text)
-        self.book.finished(job, item)
+        try:
+            item = job.final_event(reason, out, error, kind, self.token_text)
+            self.book.finished(job, item)  # its cost is in the fair ledger...
+        finally:
+            self.slots.release()  # ...before the intake, woken by the room, pulls again
         return item
 
     def _finish_now(

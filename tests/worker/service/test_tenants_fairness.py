@@ -82,8 +82,13 @@ def test_late_small_tenant_finishes_before_the_floods_twentieth(
     assert done_before <= 8, "the flood was mostly served before b arrived: nothing to test"
     a_finish = sorted(_times(r, q.request_id)[2] for q in flood)
     b_last = max(_times(r, q.request_id)[2] for q in late)
+    starts = sorted((_times(r, q.request_id)[1], q.request_id[0]) for q in flood + late)
+    print(f"late tenant: b's last finished after {sum(t < b_last for t in a_finish)} of a's "
+          f"({done_before} done when b came); start order {''.join(w for _t, w in starts)}")
     assert b_last < a_finish[19], (
-        f"b's last finished after {sum(t < b_last for t in a_finish)} of a's")
+        f"b's last finished after {sum(t < b_last for t in a_finish)} of a's; "
+        f"{done_before} of a's done when b came; start order "
+        f"{''.join(who for _t, who in starts)}")
 
 
 def _shares(r: redis.Redis, heavy: list[GenerateRequest], light: list[GenerateRequest],
