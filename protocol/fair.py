@@ -14,7 +14,8 @@ whole budget (prompt + ``max_tokens``) at the pull instead would make a late ten
 for tokens not yet served and alternate with a flooding tenant's pulls, where VTC serves
 it at once. A tenant (re)entering the ready set starts at
 max(its counter, the lowest ready counter) (or the floor the last tenant left at, if
-none is ready), so idle time banks no credit: a late tenant with little work is served
+none is ready; a thousandth of a token under it, so it wins a tie), so idle time banks no
+credit: a late tenant with little work is served
 at once, a flooding one cannot starve the others, and nothing idles while anyone waits.
 
 Every worker pulls from the same keys, so the shares hold fleet-wide, not per worker. The
@@ -104,7 +105,9 @@ local function lift(ready, vtc, tenant)
   local c = tonumber(redis.call('HGET', vtc, tenant) or '0')
   local low = redis.call('ZRANGE', ready, 0, 0, 'WITHSCORES')
   local floor = tonumber(low[2] or redis.call('HGET', vtc, ':floor') or '0')
-  if floor > c then c = floor end
+  -- just under the floor: an arriving tenant goes first among equals (a tie would go
+  -- to the smaller id), for a thousandth of a token of credit
+  if floor > c then c = floor - 0.001 end
   redis.call('HSET', vtc, tenant, c)
   redis.call('ZADD', ready, c, tenant)
 end

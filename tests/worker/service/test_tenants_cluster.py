@@ -66,4 +66,6 @@ def test_late_small_tenant_on_a_cluster(redis_cluster: LocalCluster, log_dir: Pa
         client.close()
     assert len(shards) == 3  # the flood's ids spread over every shard
     assert done_before <= 8 and waiting == 0
+    print(f"late tenant on a cluster: b's last finished after "
+          f"{sum(t < b_last for t in a_finish)} of a's ({done_before} done when b came)")
     assert b_last < a_finish[19], sum(t < b_last for t in a_finish)
