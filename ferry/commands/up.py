@@ -30,6 +30,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ferry.demo import stream_demo
 from ferry.local_cluster import ClusterLayout
 from ferry.local_stack import free_port, start_redis, start_redis_cluster
 from ferry.recovery import Recovery
@@ -38,7 +39,6 @@ from protocol.cluster_keys import keys_for
 from protocol.shard_slots import DEFAULT_SHARDS
 
 FERRY = (sys.executable, "-m", "ferry.cli")
-DEMO_PROMPTS = ["def fibonacci(n):", "The quick brown fox", "class Queue:"]
 
 
 class _Stop(Exception):
@@ -95,28 +95,6 @@ def _wait_ready(sup: Supervisor, url: str, workers: int, timeout: float) -> None
         if time.monotonic() > deadline:
             raise RuntimeError(f"not ready after {timeout:.0f} s: {state}")
         time.sleep(0.25)
-
-
-def _demo(url: str, max_tokens: int) -> None:
-    """Stream a few prompts through the gateway's OpenAI API, printing tokens as they come."""
-    for prompt in DEMO_PROMPTS:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
-        req = urllib.request.Request(
-            url + "/v1/completions", data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        sys.stdout.write(f"\n>>> {prompt}")
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            for raw in resp:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"demo request failed: {chunk['error']}")
-                sys.stdout.write(chunk["choices"][0].get("text", ""))
-                sys.stdout.flush()
-        sys.stdout.write("\n")
 
 
 def _metrics_ports(first: int | None, workers: int) -> list[int]:
@@ -289,7 +267,7 @@ def up(
         sup.supervising = True
         _print_banner(sup, gateway_url, url, slots, gateways)
         if demo:
-            _demo(gateway_url, demo_max_tokens)
+            stream_demo(gateway_url, demo_max_tokens)
             return
         typer.echo("Ctrl-C stops everything.")
         while True:
