@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError, error_body
 from gateway.settings import GatewaySettings
-from gateway.tenants import DEFAULT, TenantDirectory
+from gateway.tenancy.tenants import DEFAULT, TenantDirectory
 from protocol.aclient import AsyncFerryClient
 from protocol.models import GenerateRequest
 
@@ -60,7 +60,7 @@ async def check_queue(client: AsyncFerryClient, settings: GatewaySettings) -> No
 
 async def require_api_key(request: Request) -> None:
     """401 unless ``Authorization: Bearer <key>`` is a tenant's key (when keys exist);
-    the tenant it names is kept on the request (``gateway.principal``)."""
+    the tenant it names is kept on the request (``gateway.tenancy.principal``)."""
     tenants: TenantDirectory = request.app.state.tenants
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if not tenants.authenticated:

@@ -11,15 +11,15 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from redis.exceptions import RedisError
 
-from gateway import routes_batches, routes_files, routes_health, routes_jobs, routes_openai
 from gateway.admission import BodyLimitMiddleware, require_api_key
-from gateway.engine import Engine
 from gateway.errors import APIError, install_error_handlers, unavailable
 from gateway.metrics import Metrics, MetricsMiddleware
+from gateway.queue_client import QueueClient
 from gateway.redis_client import ferry_client
+from gateway.routes import batches, files, health, jobs, openai
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
-from gateway.tenants import tenant_directory
+from gateway.tenancy.tenants import tenant_directory
 
 log = structlog.get_logger("ferry.gateway")
 
@@ -32,7 +32,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = ferry_client(settings)
-        app.state.engine = Engine(client, settings, metrics, app.state.tenants)
+        app.state.queue = QueueClient(client, settings, metrics, app.state.tenants)
         app.state.served = ServedModels(client, settings.served_model_name)
         try:
             await client.ensure_group()  # so queue lag is measurable before a worker starts
@@ -51,12 +51,12 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     _install_docs(app)
     install_error_handlers(app, settings.retry_after_s)
     _install_fallback_handlers(app, settings.retry_after_s)
-    app.include_router(routes_health.router)
-    app.include_router(routes_openai.router)
-    app.include_router(routes_jobs.router)
-    app.include_router(routes_files.router)
-    app.include_router(routes_batches.router)
-    upload_limit = settings.batch_file_max_bytes + routes_files.MULTIPART_SLACK
+    app.include_router(health.router)
+    app.include_router(openai.router)
+    app.include_router(jobs.router)
+    app.include_router(files.router)
+    app.include_router(batches.router)
+    upload_limit = settings.batch_file_max_bytes + files.MULTIPART_SLACK
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        paths={"/v1/files": upload_limit})
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: sees every status

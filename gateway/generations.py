@@ -20,8 +20,8 @@ import time
 
 from fastapi import Request
 
-from gateway.engine import ClientGone, Engine, Generation
 from gateway.errors import failure
+from gateway.queue_client import ClientGone, Generation, QueueClient
 from protocol.models import GenerateRequest, TokenEvent
 
 Batch = list[tuple[int, list[TokenEvent]]]
@@ -29,25 +29,25 @@ Batch = list[tuple[int, list[TokenEvent]]]
 
 
 class Generations:
-    def __init__(self, engine: Engine, generations: list[Generation]) -> None:
-        self.engine = engine
+    def __init__(self, queue: QueueClient, generations: list[Generation]) -> None:
+        self.queue = queue
         self.items = generations
-        self._queue: asyncio.Queue[tuple[int, list[TokenEvent] | BaseException]] | None = None
+        self._ready: asyncio.Queue[tuple[int, list[TokenEvent] | BaseException]] | None = None
         self._pumps: list[asyncio.Task[None]] = []
 
     @classmethod
-    async def start(cls, engine: Engine, requests: list[GenerateRequest],
+    async def start(cls, queue: QueueClient, requests: list[GenerateRequest],
                     received_at: float) -> Generations:
         """Subscribe and enqueue every request; if one fails, the ones started are
         cancelled and the error is raised."""
         started: list[Generation] = []
         try:
             for request in requests:
-                started.append(await engine.start(request, received_at))
+                started.append(await queue.start(request, received_at))
         except BaseException:
-            await cls(engine, started).close()
+            await cls(queue, started).close()
             raise
-        return cls(engine, started)
+        return cls(queue, started)
 
     @property
     def finished(self) -> bool:
@@ -75,22 +75,22 @@ class Generations:
         return batch
 
     def _start_pumps(self) -> asyncio.Queue[tuple[int, list[TokenEvent] | BaseException]]:
-        if self._queue is None:
-            self._queue = asyncio.Queue()
+        if self._ready is None:
+            self._ready = asyncio.Queue()
             self._pumps = [asyncio.create_task(self._pump(i, g))
                            for i, g in enumerate(self.items)]
-        return self._queue
+        return self._ready
 
     async def _pump(self, index: int, generation: Generation) -> None:
-        assert self._queue is not None
-        wait = self.engine.settings.keepalive_s
+        assert self._ready is not None
+        wait = self.queue.settings.keepalive_s
         try:
             while not generation.finished:
                 events = await generation.next(wait)
                 if events:
-                    self._queue.put_nowait((index, events))
+                    self._ready.put_nowait((index, events))
         except Exception as exc:  # handed to the reader, who raises it
-            self._queue.put_nowait((index, exc))
+            self._ready.put_nowait((index, exc))
 
     async def first(self, http: Request, hold_s: float) -> Batch:
         """Events until every request has sent one, one of them failed, or ``hold_s``
@@ -98,7 +98,7 @@ class Generations:
         held: Batch = []
         seen: set[int] = set()
         deadline = time.monotonic() + hold_s
-        check = self.engine.settings.disconnect_check_s
+        check = self.queue.settings.disconnect_check_s
         while len(seen) < len(self.items):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -118,7 +118,7 @@ class Generations:
         ClientGone if the client hangs up first."""
         events: list[list[TokenEvent]] = [[] for _ in self.items]
         while not self.finished:
-            batch = await self.next(self.engine.settings.disconnect_check_s)
+            batch = await self.next(self.queue.settings.disconnect_check_s)
             for index, got in batch:
                 events[index] += got
                 if failure(got[-1]) is not None:

@@ -22,7 +22,11 @@ LIFECYCLE_MARK = "## Request lifecycle"
 # (folder, heading caption); each section lists that folder's modules (not sub-folders)
 SECTIONS = [
     ("protocol", "torch-free wire contract"),
-    ("gateway", "FastAPI, no torch"),
+    ("gateway", "FastAPI, no torch: the app, its settings and its queue client"),
+    ("gateway/openai_api", "OpenAI's request and response shapes"),
+    ("gateway/tenancy", "API keys, tenants, quotas"),
+    ("gateway/routes", "the HTTP routes, one module per API"),
+    ("gateway/batcher", "the Batch API's driver, ``ferry batcher``: a process of its own"),
     ("worker", "the worker package: lazy exports"),
     ("worker/engine", "the inference engine: one step, no I/O"),
     ("worker/service", "the Redis worker process around the engine"),

@@ -20,6 +20,13 @@ FORBIDDEN = {
     "protocol": ("gateway", "worker", "kernels", "ferry", "observability"),
     "kernels": ("gateway", "worker", "protocol", "ferry", "observability"),
     "gateway": ("worker", "kernels", "ferry"),
+    # the gateway's rooms: shapes and tenancy know no routes, no app and no batcher;
+    # the HTTP routes never reach into the batcher's process
+    "gateway.openai_api": ("gateway.routes", "gateway.batcher", "gateway.app",
+                           "gateway.queue_client", "gateway.generations"),
+    "gateway.tenancy": ("gateway.routes", "gateway.batcher", "gateway.app",
+                        "gateway.openai_api", "gateway.queue_client"),
+    "gateway.routes": ("gateway.batcher",),
     "worker.engine": ("worker.service", "gateway", "ferry"),
     "worker.service": ("gateway", "ferry"),
     "worker.models": ("worker.engine", "worker.service", "gateway", "ferry"),

@@ -39,7 +39,7 @@ def batcher(
     batch_* settings and the gateway's limits, docs/operations.md)."""
     import asyncio
 
-    from gateway.batch_driver import run_batcher
+    from gateway.batcher.driver import run_batcher
     from gateway.settings import GatewaySettings
     from observability.logging import configure_logging
 

@@ -1,4 +1,4 @@
-"""An in-process batcher (``gateway.batch_driver.run_batcher``) on its own event loop in a
+"""An in-process batcher (``gateway.batcher.driver.run_batcher``) on its own event loop in a
 background thread; ``stop()`` ends it the way SIGTERM does (leases released)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from gateway.batch_driver import run_batcher
+from gateway.batcher.driver import run_batcher
 from gateway.settings import GatewaySettings
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gateway.batch_lines import BadLine, bad_line_result, custom_id_of, parse_line
+from gateway.batcher.lines import BadLine, bad_line_result, custom_id_of, parse_line
 
 URL = "/v1/completions"
 

@@ -13,8 +13,8 @@ import openai
 import pytest
 import redis
 
-from gateway.principal import key_principal
 from gateway.settings import GatewaySettings
+from gateway.tenancy.principal import key_principal
 from protocol.keys import Keys
 from tests.gateway.server import GatewayServer
 from tests.redis_server import RedisServer

@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.openai_fields import IGNORED, REFUSED_UNLESS
+from gateway.openai_api.fields import IGNORED, REFUSED_UNLESS
 from tests.gateway import openai_helpers as h
 from tests.gateway.server import GatewayServer
 from tests.protocol.fake_worker import FakeWorker
@@ -148,8 +148,8 @@ def test_ref_cycles_are_400s(gateway: GatewayServer, schema: dict[str, Any]) -> 
 def test_docs_list_every_openai_and_vllm_field() -> None:
     from pathlib import Path
 
-    from gateway.schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
-    from gateway.structured import StructuredOutputsIn
+    from gateway.openai_api.schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
+    from gateway.openai_api.structured import StructuredOutputsIn
 
     root = Path(__file__).resolve().parents[2]
     honoured = (set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import APIError
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, JobCreate
+from gateway.openai_api.schemas import ChatCompletionRequest, CompletionRequest, JobCreate
 from gateway.settings import GatewaySettings
 from protocol.codec import decode_request, encode_request
 from tests.gateway.server import GatewayServer

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from gateway.settings import GatewaySettings
-from gateway.tenants import key_tenant_id
+from gateway.tenancy.tenants import key_tenant_id
 from protocol import fair
 from protocol.keys import Keys
 from protocol.tenancy import scoped_id

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from gateway.settings import GatewaySettings
-from gateway.tenants import TenantDirectory
+from gateway.tenancy.tenants import TenantDirectory
 from tests.gateway.server import GatewayServer
 from tests.redis_server import RedisServer
 

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
-from gateway.engine import Engine
+from gateway.queue_client import QueueClient
 
 router = APIRouter()
 log = structlog.get_logger("ferry.gateway")
@@ -37,10 +37,10 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
     """Ready when Redis answers and at least one worker heartbeat is live."""
-    engine: Engine = request.app.state.engine
+    queue: QueueClient = request.app.state.queue
     try:
-        await engine.client.ping()
-        workers = await engine.client.live_workers()
+        await queue.client.ping()
+        workers = await queue.client.live_workers()
     except (RedisError, OSError) as exc:
         log.warning("readyz_redis_unreachable", error=f"{type(exc).__name__}: {exc}")
         return JSONResponse({"ready": False, "reason": "redis unreachable"}, status_code=503)
@@ -82,5 +82,5 @@ def _version() -> str:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    engine: Engine = request.app.state.engine
-    return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    queue: QueueClient = request.app.state.queue
+    return Response(queue.metrics.render(), media_type=CONTENT_TYPE_LATEST)

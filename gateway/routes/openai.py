@@ -22,15 +22,15 @@ from redis.exceptions import RedisError
 
 from gateway.admission import require_api_key
 from gateway.body import parse_json, run_sized, validate
-from gateway.engine import ClientGone, Engine
 from gateway.errors import APIError, failure, unavailable
 from gateway.generations import Batch, Generations
-from gateway.openai_format import Formatter
-from gateway.principal import scoped, tenant
-from gateway.response_shape import ResponseShape
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.openai_api.format import Formatter
+from gateway.openai_api.response_shape import ResponseShape
+from gateway.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.queue_client import ClientGone, QueueClient
 from gateway.served_models import ServedModels
 from gateway.sse import DONE, PING, EventStreamResponse, sse
+from gateway.tenancy.principal import scoped, tenant
 from protocol.codec import ProtocolError
 from protocol.models import GenerateRequest
 from protocol.streaming import StreamTimeout
@@ -38,9 +38,9 @@ from protocol.streaming import StreamTimeout
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 
-def get_engine(request: Request) -> Engine:
-    engine: Engine = request.app.state.engine
-    return engine
+def get_queue(request: Request) -> QueueClient:
+    queue: QueueClient = request.app.state.queue
+    return queue
 
 
 def get_served(request: Request) -> ServedModels:
@@ -55,22 +55,22 @@ def body_schema(model: type[Any]) -> dict[str, Any]:
 
 
 @router.post("/completions", openapi_extra=body_schema(CompletionRequest))
-async def completions(http: Request, engine: Engine = Depends(get_engine)) -> Response:
+async def completions(http: Request, queue: QueueClient = Depends(get_queue)) -> Response:
     def prepare(raw: bytes) -> tuple[list[GenerateRequest], ResponseShape]:
         return validate(CompletionRequest, parse_json(raw)).to_generate_requests(
-            engine.settings)
+            queue.settings)
 
-    return await _serve(*await run_sized(await http.body(), prepare), http, engine)
+    return await _serve(*await run_sized(await http.body(), prepare), http, queue)
 
 
 @router.post("/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
-async def chat_completions(http: Request, engine: Engine = Depends(get_engine)) -> Response:
+async def chat_completions(http: Request, queue: QueueClient = Depends(get_queue)) -> Response:
     def prepare(raw: bytes) -> tuple[list[GenerateRequest], ResponseShape]:
-        settings = engine.settings
+        settings = queue.settings
         body = parse_json(raw, settings.max_messages, settings.max_prompt_chars)
         return validate(ChatCompletionRequest, body).to_generate_requests(settings)
 
-    return await _serve(*await run_sized(await http.body(), prepare), http, engine)
+    return await _serve(*await run_sized(await http.body(), prepare), http, queue)
 
 
 @router.get("/models")
@@ -85,17 +85,17 @@ async def models(served: ServedModels = Depends(get_served)) -> dict[str, Any]:
 
 
 async def _serve(requests: list[GenerateRequest], shape: ResponseShape, http: Request,
-                 engine: Engine) -> Response:
+                 queue: QueueClient) -> Response:
     received_at = time.time()
     model = await get_served(http).resolve(requests[0].model)
     who = tenant(http)
     requests = scoped(who, [r.model_copy(update={"model": model}) for r in requests])
-    await engine.admit(requests, who)
-    group = await Generations.start(engine, requests, received_at)
+    await queue.admit(requests, who)
+    group = await Generations.start(queue, requests, received_at)
     fmt = Formatter(shape.request_id, model, shape)
     try:
         if shape.stream:
-            held = await group.first(http, engine.settings.stream_hold_s)
+            held = await group.first(http, queue.settings.stream_hold_s)
             for _, events in held:
                 error = failure(events[-1])
                 if error is not None:
@@ -122,7 +122,7 @@ async def _serve(requests: list[GenerateRequest], shape: ResponseShape, http: Re
 async def _stream(group: Generations, fmt: Formatter, held: Batch) -> AsyncIterator[bytes]:
     """SSE chunks in OpenAI's format, one write per wake-up carrying every event that was
     ready by then (the held ones first); errors become an error chunk, then ``[DONE]``."""
-    settings = group.engine.settings
+    settings = group.queue.settings
     batch = held
     try:
         opening = fmt.opening()

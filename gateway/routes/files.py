@@ -22,8 +22,8 @@ from starlette.formparsers import MultiPartException
 
 from gateway.admission import require_api_key
 from gateway.errors import APIError
-from gateway.principal import principal
 from gateway.settings import GatewaySettings
+from gateway.tenancy.principal import principal
 from protocol.batch_store import BatchStore
 from protocol.batches import FILE_ID_RE, FileRecord, new_file_id
 
@@ -37,7 +37,7 @@ EXPIRES_MIN_S, EXPIRES_MAX_S = 3600, 30 * 24 * 3600  # OpenAI's bounds for expir
 
 
 def get_store(request: Request) -> BatchStore:
-    client = request.app.state.engine.client
+    client = request.app.state.queue.client
     return BatchStore(client.redis, client.keys)
 
 

@@ -21,12 +21,12 @@ from pathlib import Path
 import structlog
 from redis.exceptions import RedisError
 
-from gateway.batch_inflight import BatcherContext, FleetBudget
-from gateway.batch_run import BatchRun
+from gateway.batcher.inflight import BatcherContext, FleetBudget
+from gateway.batcher.run import BatchRun
 from gateway.redis_client import ferry_client
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
-from gateway.tenants import tenant_directory
+from gateway.tenancy.tenants import tenant_directory
 from protocol.batch_store import BatchStore
 
 log = structlog.get_logger("ferry.batcher")

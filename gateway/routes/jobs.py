@@ -19,13 +19,13 @@ from redis.exceptions import RedisError
 
 from gateway.admission import require_api_key
 from gateway.body import parse_json, run_sized, validate
-from gateway.engine import Engine
 from gateway.errors import APIError, unavailable
-from gateway.principal import job_id as job_id_of
-from gateway.principal import scoped, tenant
-from gateway.routes_openai import body_schema, get_engine, get_served
-from gateway.schemas import JobCreate
+from gateway.openai_api.schemas import JobCreate
+from gateway.queue_client import QueueClient
+from gateway.routes.openai import body_schema, get_queue, get_served
 from gateway.sse import PING, EventStreamResponse, sse
+from gateway.tenancy.principal import job_id as job_id_of
+from gateway.tenancy.principal import scoped, tenant
 from protocol.aclient import AsyncSubscription
 from protocol.codec import ProtocolError
 from protocol.models import ID_PATTERN, GenerateRequest, JobStatus
@@ -47,17 +47,17 @@ def _own(http: Request, job_id: str) -> str:
     return rid
 
 
-async def _status_or_404(engine: Engine, rid: str, job_id: str) -> JobStatus:
-    status = await engine.client.result(rid)
+async def _status_or_404(queue: QueueClient, rid: str, job_id: str) -> JobStatus:
+    status = await queue.client.result(rid)
     if status is None:
         raise APIError(404, f"job: no job {job_id!r} (unknown or expired)", param="id")
     return status
 
 
 @router.post("", status_code=202, openapi_extra=body_schema(JobCreate))
-async def create_job(http: Request, engine: Engine = Depends(get_engine)) -> JSONResponse:
+async def create_job(http: Request, queue: QueueClient = Depends(get_queue)) -> JSONResponse:
     def prepare(raw: bytes) -> GenerateRequest:
-        body = parse_json(raw, engine.settings.max_messages, engine.settings.max_prompt_chars)
+        body = parse_json(raw, queue.settings.max_messages, queue.settings.max_prompt_chars)
         return validate(JobCreate, body).to_generate_request()
 
     plain = await run_sized(await http.body(), prepare)
@@ -65,8 +65,8 @@ async def create_job(http: Request, engine: Engine = Depends(get_engine)) -> JSO
         await get_served(http).resolve(plain.model)
     who = tenant(http)
     [request] = scoped(who, [plain])
-    await engine.admit([request], who)
-    await engine.enqueue(request)
+    await queue.admit([request], who)
+    await queue.enqueue(request)
     rid = plain.request_id
     body_out = {"id": rid, "object": "job", "state": "queued", "links": _links(rid)}
     return JSONResponse(body_out, status_code=202, headers={"Location": f"/v1/jobs/{rid}"})
@@ -74,23 +74,23 @@ async def create_job(http: Request, engine: Engine = Depends(get_engine)) -> JSO
 
 @router.get("/{job_id}")
 async def get_job(job_id: str, http: Request,
-                  engine: Engine = Depends(get_engine)) -> dict[str, Any]:
-    status = await _status_or_404(engine, _own(http, job_id), job_id)
+                  queue: QueueClient = Depends(get_queue)) -> dict[str, Any]:
+    status = await _status_or_404(queue, _own(http, job_id), job_id)
     return {"id": job_id, "object": "job", **status.model_dump(mode="json"),
             "request_id": job_id, "links": _links(job_id)}
 
 
 @router.delete("/{job_id}", status_code=202)
 async def cancel_job(job_id: str, http: Request,
-                     engine: Engine = Depends(get_engine)) -> JSONResponse:
+                     queue: QueueClient = Depends(get_queue)) -> JSONResponse:
     """202 when the cancel took effect or was passed to the worker; 409 once the job has
     ended, however it ended (done, failed, timeout or cancelled): nothing is left to
     cancel, and a second DELETE gets the same answer as a DELETE of a finished job."""
     rid = _own(http, job_id)
-    status = await _status_or_404(engine, rid, job_id)
+    status = await _status_or_404(queue, rid, job_id)
     if status.is_terminal:
         raise APIError(409, f"job: {job_id!r} already ended ({status.state})", param="id")
-    found = await engine.client.cancel(rid, reason="cancelled via API")
+    found = await queue.client.cancel(rid, reason="cancelled via API")
     if found not in ("cancelled", "running", "queued"):  # ended meanwhile, or expired
         raise APIError(409, f"job: {job_id!r} already ended ({found})", param="id")
     state = "cancelled" if found == "cancelled" else "cancelling"
@@ -101,7 +101,7 @@ async def cancel_job(job_id: str, http: Request,
 async def job_events(
     job_id: str,
     http: Request,
-    engine: Engine = Depends(get_engine),
+    queue: QueueClient = Depends(get_queue),
     last_event_id: str | None = Header(default=None, alias="Last-Event-ID"),
     after: int | None = Query(default=None, ge=-1, description="Resume after this seq."),
 ) -> Response:
@@ -113,10 +113,10 @@ async def job_events(
     204, which also stops EventSource from reconnecting."""
     rid = _own(http, job_id)
     after_seq = _after_seq(last_event_id, after)
-    sub = await engine.open(rid)  # before reading the log: nothing published is missed
+    sub = await queue.open(rid)  # before reading the log: nothing published is missed
     try:
-        status = await _status_or_404(engine, rid, job_id)
-        last = int(await engine.client.redis.llen(engine.client.keys.events(rid))) - 1  # type: ignore[misc]
+        status = await _status_or_404(queue, rid, job_id)
+        last = int(await queue.client.redis.llen(queue.client.keys.events(rid))) - 1  # type: ignore[misc]
     except BaseException:
         await sub.close()
         raise
@@ -126,13 +126,13 @@ async def job_events(
     if after_seq > last:
         after_seq = last - 1 if status.is_terminal else last
     sub.start_after(after_seq)
-    deadline = time.monotonic() + engine.settings.request_timeout_s
+    deadline = time.monotonic() + queue.settings.request_timeout_s
 
     async def close() -> None:
         with contextlib.suppress(RedisError, OSError):
             await sub.close()
 
-    return EventStreamResponse(_events(sub, engine, deadline, job_id), on_close=close)
+    return EventStreamResponse(_events(sub, queue, deadline, job_id), on_close=close)
 
 
 _MAX_SEQ = 2**63 - 1  # what Redis list indices (and msgpack) can carry
@@ -156,7 +156,7 @@ def _after_seq(last_event_id: str | None, after: int | None) -> int:
     return value
 
 
-async def _events(sub: AsyncSubscription, engine: Engine, deadline: float,
+async def _events(sub: AsyncSubscription, queue: QueueClient, deadline: float,
                   job_id: str) -> AsyncIterator[bytes]:
     """Until the terminal event, or the deadline (the client may then resume); one write
     per wake-up with every event that was ready.
@@ -168,9 +168,9 @@ async def _events(sub: AsyncSubscription, engine: Engine, deadline: float,
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            events = await sub.next_events(min(left, engine.settings.keepalive_s))
+            events = await sub.next_events(min(left, queue.settings.keepalive_s))
             yield b"".join(sse({**e.model_dump(mode="json", exclude_none=True),
                                 "request_id": job_id}, event_id=e.seq)
                            for e in events) if events else PING
     except (RedisError, OSError, ProtocolError) as exc:
-        yield sse(unavailable(exc, engine.settings.retry_after_s).body(), event="error")
+        yield sse(unavailable(exc, queue.settings.retry_after_s).body(), event="error")

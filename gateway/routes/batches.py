@@ -1,7 +1,7 @@
 """Batches API: create a batch from an uploaded file, follow it, list them, cancel one.
 
 The route only records the batch (``validating``) and puts it in the active set; a
-batcher (``ferry batcher``, ``gateway/batch_driver.py``) validates the lines, feeds them to
+batcher (``ferry batcher``, ``gateway/batcher/driver.py``) validates the lines, feeds them to
 the queue on the low lane and writes the results. Objects, statuses and timestamps are
 OpenAI's; ``request_counts`` are live (the batcher's counters, moved with each result).
 """
@@ -15,10 +15,9 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.admission import require_api_key
-from gateway.batch_lines import SCHEMAS
 from gateway.errors import APIError
-from gateway.principal import principal
-from gateway.routes_files import (
+from gateway.openai_api.schemas import ENDPOINT_SCHEMAS as SCHEMAS
+from gateway.routes.files import (
     EXPIRES_MAX_S,
     EXPIRES_MIN_S,
     get_store,
@@ -26,6 +25,7 @@ from gateway.routes_files import (
     owned_file,
 )
 from gateway.settings import GatewaySettings
+from gateway.tenancy.principal import principal
 from protocol.batch_store import BatchStore
 from protocol.batches import BATCH_ID_RE, BatchRecord, new_batch_id
 

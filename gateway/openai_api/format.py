@@ -15,14 +15,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.errors import APIError, failure
-from gateway.openai_logprobs import (
+from gateway.openai_api.logprobs import (
     CompletionLogprobs,
     chat_content,
     entries_of,
     merge,
     vllm_prompt_logprobs,
 )
-from gateway.response_shape import ResponseShape
+from gateway.openai_api.response_shape import ResponseShape
 from gateway.sse import json_bytes, sse
 from protocol.models import ChoiceResult, PromptLogprob, TokenEvent, Usage
 

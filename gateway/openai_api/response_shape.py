@@ -1,6 +1,6 @@
 """How one OpenAI request's response is shaped, decided once from its body.
 
-The formatter (``gateway/openai_format.py``) reads this instead of the body, so the body
+The formatter (``gateway/openai_api/format.py``) reads this instead of the body, so the body
 models own parsing and the formatter owns layout.
 """
 

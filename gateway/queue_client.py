@@ -1,4 +1,4 @@
-"""The gateway's Redis engine client: admit, subscribe-then-enqueue, follow, cancel on exit.
+"""The gateway's client of the Redis queue: admit, subscribe-then-enqueue, follow, cancel on exit.
 
 A ``Generation`` is one enqueued request as seen by one HTTP exchange. Whatever ends the
 exchange (terminal event, client gone, deadline, error) must end in ``close()``, which
@@ -19,9 +19,9 @@ from redis.exceptions import RedisError
 from gateway.admission import check_limits, check_queue
 from gateway.errors import APIError, unavailable
 from gateway.metrics import Metrics
-from gateway.quotas import Quotas
 from gateway.settings import GatewaySettings
-from gateway.tenants import DEFAULT, Tenant, TenantDirectory
+from gateway.tenancy.quotas import Quotas
+from gateway.tenancy.tenants import DEFAULT, Tenant, TenantDirectory
 from protocol.aclient import AsyncFerryClient, AsyncSubscription
 from protocol.models import GenerateRequest, TokenEvent
 from protocol.store import DuplicateRequestError
@@ -35,7 +35,7 @@ class ClientGone(Exception):
     """The HTTP client disconnected while waiting for a non-streamed result."""
 
 
-class Engine:
+class QueueClient:
     """Shared by all handlers of one app; holds the async client, settings and metrics."""
 
     def __init__(self, client: AsyncFerryClient, settings: GatewaySettings, metrics: Metrics,
@@ -119,14 +119,13 @@ class Engine:
 class Generation:
     """Follows one request's events, with a deadline, metrics and cancel-on-close."""
 
-    def __init__(
-        self, engine: Engine, request: GenerateRequest, sub: AsyncSubscription, received_at: float
-    ) -> None:
-        self.engine = engine
+    def __init__(self, queue: QueueClient, request: GenerateRequest, sub: AsyncSubscription,
+                 received_at: float) -> None:
+        self.queue = queue
         self.request = request
         self.sub = sub
         self.received_at = received_at
-        self.deadline = time.monotonic() + engine.deadline_s(request)
+        self.deadline = time.monotonic() + queue.deadline_s(request)
         self.close_reason = "client disconnected"
         self._saw_token = False
         self._closed = False
@@ -150,16 +149,16 @@ class Generation:
         return events
 
     def _observe(self, events: list[TokenEvent]) -> None:
-        metrics = self.engine.metrics
+        metrics = self.queue.metrics
         for event in events:
             if event.token_ids and not self._saw_token:
                 self._saw_token = True
                 metrics.ttft.observe(time.time() - self.received_at)
             if event.is_final:
                 tenant = self.request.tenant or DEFAULT.id
-                self.engine.metrics.tenant_tokens.labels(tenant, "prompt").inc(
+                self.queue.metrics.tenant_tokens.labels(tenant, "prompt").inc(
                     event.usage.prompt_tokens if event.usage else 0)
-                self.engine.metrics.tenant_tokens.labels(tenant, "completion").inc(
+                self.queue.metrics.tenant_tokens.labels(tenant, "completion").inc(
                     event.usage.completion_tokens if event.usage else 0)
                 latency = time.time() - self.received_at
                 metrics.latency.labels(event.finish_reason or "").observe(latency)
@@ -168,7 +167,7 @@ class Generation:
         """All events through the terminal one; ClientGone if the client hangs up first."""
         events: list[TokenEvent] = []
         while not self.finished:
-            batch = await self.next(self.engine.settings.disconnect_check_s)
+            batch = await self.next(self.queue.settings.disconnect_check_s)
             events.extend(batch)
             if not batch and await http.is_disconnected():
                 raise ClientGone(self.request_id)
@@ -179,11 +178,11 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        self.engine.metrics.inflight_streams.dec()
+        self.queue.metrics.inflight_streams.dec()
         with anyio.CancelScope(shield=True):
             try:
                 if not self.sub.finished:
-                    state = await self.engine.client.cancel(self.request_id, self.close_reason)
+                    state = await self.queue.client.cancel(self.request_id, self.close_reason)
                     log.info("request_cancelled", request_id=self.request_id,
                              reason=self.close_reason, state=state)
             except (RedisError, OSError) as exc:

@@ -3,7 +3,7 @@
 A line of a batch input file is ``{"custom_id", "method": "POST", "url", "body"}``. Its
 body goes through the very schema class and request builder of the route it names
 (``CompletionRequest`` / ``ChatCompletionRequest``, ``to_generate_request``, the admission
-caps), and its result body through the same formatter (``gateway/openai_format.py``), so a
+caps), and its result body through the same formatter (``gateway/openai_api/format.py``), so a
 line gets exactly the answer the endpoint would have given, refusals included: a body the
 route would answer 400 becomes an error-file line whose ``response`` is that 400. What
 only a batch can get wrong (not JSON, a missing ``custom_id``, another ``url``, a
@@ -21,9 +21,9 @@ from typing import Any
 from gateway.admission import check_limits
 from gateway.body import validate
 from gateway.errors import APIError
-from gateway.openai_format import Formatter, failure
-from gateway.response_shape import ResponseShape
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.openai_api.format import Formatter, failure
+from gateway.openai_api.response_shape import ResponseShape
+from gateway.openai_api.schemas import ENDPOINT_SCHEMAS as SCHEMAS
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
 from gateway.sse import json_bytes
@@ -31,12 +31,6 @@ from protocol.batch_progress import LineResult
 from protocol.batches import BatchRecord, line_request_id
 from protocol.models import GenerateRequest, TokenEvent
 from protocol.tenancy import DEFAULT_TENANT, scoped_id
-
-SCHEMAS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
-    "/v1/completions": CompletionRequest,
-    "/v1/chat/completions": ChatCompletionRequest,
-}
-"""The endpoints a batch may name, and the body schema of each."""
 
 MAX_CUSTOM_ID = 512
 ENDED_LINES = {

@@ -1,7 +1,7 @@
 """Who is calling: the tenant that owns the jobs, files and batches its requests create.
 
 ``require_api_key`` (``gateway.admission``) resolves the caller's key to its tenant once
-(``gateway.tenants``) and keeps it on the request; ``tenant`` and ``principal`` are the one
+(``gateway.tenancy.tenants``) and keeps it on the request; ``tenant`` and ``principal`` are the one
 place every route asks. Another tenant's object is answered 404, never 403: its existence
 is not disclosed.
 """
@@ -13,7 +13,7 @@ import re
 from fastapi import Request
 
 from gateway.errors import APIError
-from gateway.tenants import DEFAULT, Tenant, key_tenant_id
+from gateway.tenancy.tenants import DEFAULT, Tenant, key_tenant_id
 from protocol.models import ID_PATTERN, GenerateRequest
 from protocol.tenancy import scoped_id
 
@@ -34,7 +34,7 @@ def principal(request: Request) -> str:
 
 
 def key_principal(api_key: str) -> str:
-    """The tenant id of a key given in ``FERRY_API_KEYS`` (``gateway.tenants``)."""
+    """The tenant id of a key given in ``FERRY_API_KEYS`` (``gateway.tenancy.tenants``)."""
     return key_tenant_id(api_key)
 
 

@@ -5,7 +5,7 @@ in Redis — the cursor ``fed``, the in-flight set, the results (``protocol/batc
 — so a batcher that takes a batch over after a crash goes on where the record says; what
 is kept in memory is only a cache of parsed lines. Lines are fed on the low lane, at most
 ``batch_max_in_flight`` at a time, as ordinary requests whose id is the line's own, and
-followed by ``gateway/batch_inflight.py`` until each has its one result.
+followed by ``gateway/batcher/inflight.py`` until each has its one result.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 import structlog
 from redis.exceptions import RedisError
 
-from gateway.batch_inflight import BatcherContext, InFlight
-from gateway.batch_lines import ENDED_LINES, LinePlan, check_line, custom_id_of, ended_result
+from gateway.batcher.inflight import BatcherContext, InFlight
+from gateway.batcher.lines import ENDED_LINES, LinePlan, check_line, custom_id_of, ended_result
 from protocol.batch_progress import BatchProgress, LeaseLost, LineResult
 from protocol.batches import BatchRecord, FileKind, FileRecord, new_file_id
 

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from gateway.errors import APIError
-from gateway.tenants import Tenant
+from gateway.tenancy.tenants import Tenant
 from protocol.aclient import AsyncFerryClient
 from protocol.fair import cost_hint
 from protocol.keys import Keys

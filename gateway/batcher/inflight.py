@@ -14,10 +14,10 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from gateway.batch_lines import LinePlan, check_line, ended_result, finished_result
+from gateway.batcher.lines import LinePlan, check_line, ended_result, finished_result
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
-from gateway.tenants import TenantDirectory
+from gateway.tenancy.tenants import TenantDirectory
 from protocol.aclient import AsyncFerryClient
 from protocol.batch_progress import BatchProgress, LineResult
 from protocol.batch_store import BatchStore

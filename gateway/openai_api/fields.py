@@ -7,7 +7,7 @@ field whose meaning Ferry cannot produce (tool calling, beam search, a request-s
 chat template, ...) is a 400 naming it, unless its value is one that asks for nothing
 (``tools: []``, ``use_beam_search: false``). A field that cannot change the text (billing,
 storage, tracing, a backend choice) is accepted and ignored. Fields Ferry honours are
-declared on the body models (``gateway/schemas.py``); anything else is unknown and
+declared on the body models (``gateway/openai_api/schemas.py``); anything else is unknown and
 ignored with a log line, as OpenAI-compatible servers do. ``tests/gateway`` checks that
 docs/protocol.md names every field listed here.
 """

@@ -2,7 +2,7 @@
 
 Types are strict, as OpenAI's are: ``max_tokens: "5"`` or ``true`` is a 400, not a 5 or a
 1 (a float field still takes an integer). Fields Ferry honours are declared here; every
-other known OpenAI / vLLM field is refused or ignored by ``gateway/openai_fields.py``, so
+other known OpenAI / vLLM field is refused or ignored by ``gateway/openai_api/fields.py``, so
 none that changes the output is silently dropped. A completions ``prompt`` may be a list:
 each prompt becomes a request of its own (``to_generate_requests``), choice ``i`` of
 prompt ``p`` is returned as index ``p * n + i``, as OpenAI and vLLM do.
@@ -17,10 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.body import validation_error
 from gateway.errors import APIError
-from gateway.openai_fields import refuse_unsupported
-from gateway.response_shape import ResponseShape
+from gateway.openai_api.fields import refuse_unsupported
+from gateway.openai_api.response_shape import ResponseShape
+from gateway.openai_api.structured import StructuredFields, check_params
 from gateway.settings import GatewaySettings
-from gateway.structured import StructuredFields, check_params
 from protocol.models import ID_PATTERN, ChatMessage, GenerateRequest, new_request_id
 from protocol.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -255,3 +255,10 @@ class JobCreate(BaseModel):
     def to_generate_request(self) -> GenerateRequest:
         check_params(self.params)  # [structured output] 400 if the grammar cannot compile
         return _build(**{name: getattr(self, name) for name in type(self).model_fields})
+
+
+ENDPOINT_SCHEMAS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
+"""The endpoints a Batch API line may name, and the body schema of each."""
