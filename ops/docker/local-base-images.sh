@@ -15,8 +15,9 @@
 # Prints the compose variables on stdout; progress goes to stderr.
 set -euo pipefail
 CACHE="${FERRY_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ferry/images}"
-MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 SUITE=bookworm
+# the mirror: DEBIAN_MIRROR, or the one this machine's apt already uses (apt-mirror.sh)
+MIRROR="${DEBIAN_MIRROR:-$(bash "$(dirname "${BASH_SOURCE[0]}")/apt-mirror.sh" "$SUITE")}"
 DEBIAN="ferry-local/debian:$SUITE"
 PYTHON="ferry-local/python:3.11"
 REDIS="ferry-local/redis:7"
