@@ -1,0 +1,50 @@
+"""The host-step benchmark's stub model: the real engine around a forward that costs nothing.
+
+What a GPU step leaves to the host is everything but the forward: scheduling, building the
+inputs, launching sampling, reading tokens back, finishing requests, and (in the output
+process) detokenizing and publishing. To time exactly that on a CPU, the model's body is
+replaced by ``StubModel``: it writes its hidden states (the input tokens' embeddings, so the
+next token depends on the last one and the streams' text varies) and nothing else, and its
+logits span only the first ``STUB_VOCAB`` ids of the default model's vocabulary, so the
+tensor ops cost the CPU about what their launches cost on a GPU while detokenizing stays
+real (the default model's own tokenizer).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+STUB_VOCAB = 512
+
+
+class StubModel(nn.Module):
+    """Stands in for ``runner.model``: same call signature, embeddings as hidden states."""
+
+    def __init__(self, model: Any, vocab: int = STUB_VOCAB) -> None:
+        super().__init__()
+        self.embed = model.get_input_embeddings()
+        weight = model.get_output_embeddings().weight.detach()
+        self.head = weight[:vocab].clone()  # [V', H]
+        self.base_model = self._body
+
+    def _body(self, input_ids: torch.Tensor, **_: Any) -> torch.Tensor:
+        return self.embed(input_ids[0])  # [T, H]: the forward's hidden states
+
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: torch.Tensor | None = None,
+                **_: Any) -> Any:
+        hidden = self._body(input_ids)  # [T, H]
+        rows = hidden if logits_to_keep is None else hidden.index_select(0, logits_to_keep)
+        return SimpleNamespace(logits=(rows @ self.head.T)[None])  # [1, N, V']
+
+
+def stub_engine(engine: Any, vocab: int = STUB_VOCAB) -> Any:
+    """Swap ``engine``'s model for the stub; static decode buffers are dropped (the stub
+    has no graph path), so every step goes through ``ModelRunner.execute``'s eager path."""
+    runner = engine.runner
+    runner.model = StubModel(runner.model, vocab)
+    runner.graphs = None
+    return engine
