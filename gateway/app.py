@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 import structlog
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from redis.exceptions import RedisError
@@ -16,6 +17,8 @@ from gateway.errors import APIError, install_error_handlers, unavailable
 from gateway.metrics import Metrics, MetricsMiddleware
 from gateway.queue_client import QueueClient
 from gateway.redis_client import ferry_client
+from gateway.request_id import HEADER as REQUEST_ID_HEADER
+from gateway.request_id import RequestIdMiddleware
 from gateway.routes import batches, files, health, jobs, openai
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
@@ -59,8 +62,22 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     upload_limit = settings.batch_file_max_bytes + files.MULTIPART_SLACK
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        paths={"/v1/files": upload_limit})
+    _install_cors(app, settings.allowed_origins)
+    app.add_middleware(RequestIdMiddleware)  # every answer carries X-Request-Id
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: sees every status
     return app
+
+
+def _install_cors(app: FastAPI, origins: tuple[str, ...]) -> None:
+    """CORS for browser clients, as vLLM's ``--allowed-origins``: off unless origins are
+    set (``*``: any). Outside the body limit and the routes, so a preflight is answered
+    without a key and a refusal (401, 413, 429) still reaches the page that asked."""
+    if not origins:
+        return
+    app.add_middleware(
+        CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
+        allow_headers=["*"], allow_credentials=False,
+        expose_headers=[REQUEST_ID_HEADER.decode(), "Retry-After", "Location"])
 
 
 def _install_docs(app: FastAPI) -> None:
