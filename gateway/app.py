@@ -19,10 +19,11 @@ from gateway.queue_client import QueueClient
 from gateway.redis_client import ferry_client
 from gateway.request_id import HEADER as REQUEST_ID_HEADER
 from gateway.request_id import RequestIdMiddleware
-from gateway.routes import batches, files, health, jobs, openai
+from gateway.routes import batches, files, health, jobs, openai, tokenize
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
 from gateway.tenancy.tenants import tenant_directory
+from gateway.tokenizer_client import TokenizerClient
 
 log = structlog.get_logger("ferry.gateway")
 
@@ -37,6 +38,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         client = ferry_client(settings)
         app.state.queue = QueueClient(client, settings, metrics, app.state.tenants)
         app.state.served = ServedModels(client, settings.served_model_name)
+        app.state.tokenizer = TokenizerClient(client, app.state.served, settings)
         try:
             await client.ensure_group()  # so queue lag is measurable before a worker starts
         except (RedisError, OSError) as exc:
@@ -59,6 +61,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(tokenize.router)
     upload_limit = settings.batch_file_max_bytes + files.MULTIPART_SLACK
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        paths={"/v1/files": upload_limit})

@@ -84,6 +84,9 @@ class GatewaySettings(BaseModel):
     allowed_origins: tuple[str, ...] = Field(
         default=(), description="Browser origins allowed by CORS (comma-separated in "
         "FERRY_ALLOWED_ORIGINS, ``*`` for any); empty: no CORS headers at all.")
+    tokenizer_timeout_s: float = Field(
+        default=10.0, gt=0, le=300, description="How long /tokenize, /detokenize and "
+        "/tokenizer_info wait for a worker's answer before a 503.")
     served_model_name: str | None = Field(
         default=None, max_length=256,
         description="The model name this gateway answers to (besides the names live workers "
