@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 import structlog
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from redis.exceptions import RedisError
@@ -16,10 +17,13 @@ from gateway.errors import APIError, install_error_handlers, unavailable
 from gateway.metrics import Metrics, MetricsMiddleware
 from gateway.queue_client import QueueClient
 from gateway.redis_client import ferry_client
-from gateway.routes import batches, files, health, jobs, openai
+from gateway.request_id import HEADER as REQUEST_ID_HEADER
+from gateway.request_id import RequestIdMiddleware
+from gateway.routes import batches, files, health, jobs, openai, tokenize
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
 from gateway.tenancy.tenants import tenant_directory
+from gateway.tokenizer_client import TokenizerClient
 
 log = structlog.get_logger("ferry.gateway")
 
@@ -34,6 +38,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         client = ferry_client(settings)
         app.state.queue = QueueClient(client, settings, metrics, app.state.tenants)
         app.state.served = ServedModels(client, settings.served_model_name)
+        app.state.tokenizer = TokenizerClient(client, app.state.served, settings)
         try:
             await client.ensure_group()  # so queue lag is measurable before a worker starts
         except (RedisError, OSError) as exc:
@@ -56,11 +61,26 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(tokenize.router)
     upload_limit = settings.batch_file_max_bytes + files.MULTIPART_SLACK
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        paths={"/v1/files": upload_limit})
+    _install_cors(app, settings.allowed_origins)
+    app.add_middleware(RequestIdMiddleware)  # every answer carries X-Request-Id
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: sees every status
     return app
+
+
+def _install_cors(app: FastAPI, origins: tuple[str, ...]) -> None:
+    """CORS for browser clients, as vLLM's ``--allowed-origins``: off unless origins are
+    set (``*``: any). Outside the body limit and the routes, so a preflight is answered
+    without a key and a refusal (401, 413, 429) still reaches the page that asked."""
+    if not origins:
+        return
+    app.add_middleware(
+        CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
+        allow_headers=["*"], allow_credentials=False,
+        expose_headers=[REQUEST_ID_HEADER.decode(), "Retry-After", "Location"])
 
 
 def _install_docs(app: FastAPI) -> None:

@@ -15,6 +15,7 @@ from protocol.shard_slots import DEFAULT_SHARDS, MAX_SHARDS
 from protocol.store import Ttls
 
 _NONE_WORDS = frozenset({"", "none", "off", "null"})
+_LIST_FIELDS = frozenset({"api_keys", "allowed_origins"})  # comma-separated in FERRY_*
 
 
 def _optional(name: str) -> bool:
@@ -80,6 +81,12 @@ class GatewaySettings(BaseModel):
     )
     job_ttl_s: int = Field(default=24 * 3600, ge=1)
     events_ttl_s: int = Field(default=3600, ge=1)
+    allowed_origins: tuple[str, ...] = Field(
+        default=(), description="Browser origins allowed by CORS (comma-separated in "
+        "FERRY_ALLOWED_ORIGINS, ``*`` for any); empty: no CORS headers at all.")
+    tokenizer_timeout_s: float = Field(
+        default=10.0, gt=0, le=300, description="How long /tokenize, /detokenize and "
+        "/tokenizer_info wait for a worker's answer before a 503.")
     served_model_name: str | None = Field(
         default=None, max_length=256,
         description="The model name this gateway answers to (besides the names live workers "
@@ -139,7 +146,8 @@ class GatewaySettings(BaseModel):
     def from_env(
         cls, environ: Mapping[str, str] | None = None, **overrides: Any
     ) -> GatewaySettings:
-        """Read ``FERRY_<FIELD>`` variables (``FERRY_API_KEYS`` is comma-separated);
+        """Read ``FERRY_<FIELD>`` variables (``FERRY_API_KEYS`` and
+        ``FERRY_ALLOWED_ORIGINS`` are comma-separated);
         keyword overrides win. Invalid values raise a ValidationError naming the field."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
@@ -147,7 +155,7 @@ class GatewaySettings(BaseModel):
             raw = env.get(f"FERRY_{name.upper()}")
             if raw is None:
                 continue
-            if name == "api_keys":
+            if name in _LIST_FIELDS:
                 values[name] = tuple(k.strip() for k in raw.split(",") if k.strip())
             elif raw.strip().lower() in _NONE_WORDS and _optional(name):
                 values[name] = None

@@ -48,6 +48,9 @@ class ClusterKeys(Keys):
     * fleet-wide: ``ferry:workers:{ferry}``, ``ferry:worker:{ferry}:<id>``,
       ``ferry:restarts:{ferry}``; the control channel stays ``ferry:control`` (classic
       pub/sub, which a cluster broadcasts to every node: cancels are rare).
+    * per served model: the tokenizer's request list and replies,
+      ``ferry:tokenizer:{<model>}`` and ``ferry:tokenizer:{<model>}:reply:<id>``, named
+      as in ``Keys`` (tagged there already: one slot per model).
     """
 
     shards: int = DEFAULT_SHARDS  # type: ignore[assignment]  # a field here, 1 in Keys

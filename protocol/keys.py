@@ -7,6 +7,9 @@ which the protocol restricts to key-safe characters (see ``protocol.models.ID_PA
 ``Keys`` names one Redis; ``ClusterKeys`` (``protocol/cluster_keys.py``) names the same
 things for a Redis Cluster, with hash tags, and ``keys_for`` picks one or the other.
 
+The tokenizer's request lists and replies carry the hash tag of their model
+(``model_tag``), so a request and its reply share a slot of a Redis Cluster.
+
 The Batch API's names (files, batches) carry a hash tag already: every key of one file
 shares ``{file id}``, every key of one batch ``{batch id}``, so the scripts that touch several
 of them (``protocol/batches.py``) stay on one slot of a Redis Cluster; a single Redis just
@@ -15,6 +18,7 @@ ignores the braces.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import ClassVar
@@ -31,6 +35,17 @@ def _lane_index(band: str) -> int:
     if band not in PRIORITY_BANDS:
         raise ValueError(f"band: {band!r} is not one of {', '.join(PRIORITY_BANDS)}")
     return PRIORITY_BANDS.index(band)
+
+
+_MODEL_TAG_RE = re.compile(r"^[A-Za-z0-9_.:/@+-]{1,128}$")
+
+
+def model_tag(model: str) -> str:
+    """The hash tag of one served model's tokenizer keys: the name itself when it is short
+    and brace-free (readable in ``SCAN``), else ``sha-`` and its SHA-256 prefix."""
+    if _MODEL_TAG_RE.match(model):
+        return model
+    return "sha-" + hashlib.sha256(model.encode()).hexdigest()[:32]
 
 
 def band_of(priority: int) -> str:
@@ -157,6 +172,17 @@ class Keys:
     def worker(self, worker_id: str) -> str:
         """STRING holding the worker's msgpack WorkerHeartbeat; its TTL is its liveness."""
         return f"{self.prefix}:worker:{worker_id}"
+
+    # --- tokenizer requests: one hash tag per served model ------------------------------
+    def tokenizer_requests(self, model: str) -> str:
+        """LIST: msgpack TokenizerRequests (``protocol/tokenizer.py``) for the workers that
+        serve ``model``; any one of them pops and answers each (TTL, refreshed per push)."""
+        return f"{self.prefix}:tokenizer:{{{model_tag(model)}}}"
+
+    def tokenizer_reply(self, model: str, reply_id: str) -> str:
+        """LIST: the one msgpack TokenizerReply to request ``reply_id`` (short TTL); in the
+        slot of the model's request list."""
+        return f"{self.prefix}:tokenizer:{{{model_tag(model)}}}:reply:{reply_id}"
 
     # --- Batch API: one hash tag per file and per batch ------------------------------------
     def file(self, file_id: str) -> str:

@@ -36,6 +36,9 @@ def gateway(
     served_model_name: Annotated[str | None, typer.Option(
         envvar="FERRY_SERVED_MODEL_NAME", help="The model name to answer to (besides those "
         "live workers advertise); requests naming another model get 404.")] = None,
+    allowed_origins: Annotated[str | None, typer.Option(
+        envvar="FERRY_ALLOWED_ORIGINS", help="Browser origins CORS allows, comma-separated "
+        "('*': any); unset: no CORS.")] = None,
     log_level: LogLevel = "info",
     redis_cluster: RedisCluster = None,
     stream_shards: StreamShards = None,
@@ -48,7 +51,9 @@ def gateway(
     from observability.logging import configure_logging
 
     configure_logging(level=log_level)
+    origins = None if allowed_origins is None else tuple(
+        o.strip() for o in allowed_origins.split(",") if o.strip())
     opts = given(prefix=prefix, served_model_name=served_model_name,
                  redis_cluster=redis_cluster, stream_shards=stream_shards,
-                 redis_wait_replicas=redis_wait_replicas)
+                 redis_wait_replicas=redis_wait_replicas, allowed_origins=origins)
     serve(redis_url, host=host, port=port, log_level=log_level, workers=workers, **opts)

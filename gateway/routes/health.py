@@ -2,8 +2,8 @@
 generators and Prometheus.
 
 * ``/healthz``: the process serves HTTP (a liveness probe: a restart would not help Redis).
-* ``/readyz`` and vLLM's ``/health`` (GET) and ``/ping`` (GET, POST): 200 when a request
-  can be served now — Redis answers and at least one worker heartbeat is live — else 503
+* ``/readyz`` and vLLM's ``/health`` (GET, HEAD) and ``/ping`` (GET, POST): 200 when a
+  request can be served now — Redis answers and at least one worker heartbeat is live — else 503
   with the reason. guidellm checks ``/health`` before a benchmark, so a stack whose
   workers are still loading makes it wait or stop instead of measuring errors.
 * ``/version``: ``{"version": "<ferry's package version>"}``, as vLLM answers.
@@ -54,6 +54,14 @@ async def readyz(request: Request) -> JSONResponse:
 async def health(request: Request) -> JSONResponse:
     """vLLM's health check: 200 when a request can be served now (as ``/readyz``)."""
     return await readyz(request)
+
+
+@router.head("/health")
+async def health_head(request: Request) -> Response:
+    """``HEAD /health``: the status of ``GET /health``, without a body, for load balancers
+    and uptime checks that probe with HEAD."""
+    answer = await readyz(request)
+    return Response(status_code=answer.status_code)
 
 
 @router.get("/ping")

@@ -1,5 +1,8 @@
 """Jobs API: submit and walk away, poll or follow later, resume a stream, cancel.
 
+Bodies show the caller's own job id and nothing of the fleet's insides: no worker id
+(which is also its consumer name), no stream entry id.
+
 Unlike the OpenAI routes, a job is detached from the HTTP exchange that created it: a
 client leaving an event stream does not cancel it, and ``Last-Event-ID`` resumes exactly
 after the last event it saw (event ids are the events' ``seq``).
@@ -32,6 +35,10 @@ from protocol.models import ID_PATTERN, GenerateRequest, JobStatus
 
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)])
 _ID_RE = re.compile(ID_PATTERN)
+_INTERNAL = {"worker_id"}
+"""Fields of the job hash and its events that name the fleet's insides (which worker, i.e.
+which consumer, ran it): kept in the logs, the hash itself and ``ferry top``, never shown
+to callers. (The hash's ``entry_id`` and ``stream`` are not JobStatus fields at all.)"""
 
 
 def _links(job_id: str) -> dict[str, str]:
@@ -76,7 +83,7 @@ async def create_job(http: Request, queue: QueueClient = Depends(get_queue)) -> 
 async def get_job(job_id: str, http: Request,
                   queue: QueueClient = Depends(get_queue)) -> dict[str, Any]:
     status = await _status_or_404(queue, _own(http, job_id), job_id)
-    return {"id": job_id, "object": "job", **status.model_dump(mode="json"),
+    return {"id": job_id, "object": "job", **status.model_dump(mode="json", exclude=_INTERNAL),
             "request_id": job_id, "links": _links(job_id)}
 
 
@@ -169,7 +176,8 @@ async def _events(sub: AsyncSubscription, queue: QueueClient, deadline: float,
             if left <= 0:
                 return
             events = await sub.next_events(min(left, queue.settings.keepalive_s))
-            yield b"".join(sse({**e.model_dump(mode="json", exclude_none=True),
+            yield b"".join(sse({**e.model_dump(mode="json", exclude_none=True,
+                                               exclude=_INTERNAL),
                                 "request_id": job_id}, event_id=e.seq)
                            for e in events) if events else PING
     except (RedisError, OSError, ProtocolError) as exc:

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models (and one
+model, ``/v1/models/{id}``).
 
 Bodies are read raw and parsed by ``gateway/body.py`` (off the event loop when large).
 A streamed response does not commit its 200 at once: it holds until every request of the
@@ -76,12 +77,28 @@ async def chat_completions(http: Request, queue: QueueClient = Depends(get_queue
 @router.get("/models")
 async def models(served: ServedModels = Depends(get_served)) -> dict[str, Any]:
     """The served model names: the configured one and those live workers advertise."""
-    workers = await served.workers()
+    return {"object": "list", "data": await _model_cards(served)}
+
+
+@router.get("/models/{model_id:path}")
+async def model(model_id: str, served: ServedModels = Depends(get_served)) -> dict[str, Any]:
+    """One served model as ``/v1/models`` lists it (the SDK's ``models.retrieve``); 404
+    ``model_not_found`` for any other id. A hub id's slash is part of the path."""
+    for fresh in (False, True):
+        card = next((c for c in await _model_cards(served, fresh) if c["id"] == model_id),
+                    None)
+        if card is not None:
+            return card
+    raise APIError(404, f"model: the model {model_id!r} does not exist", param="model",
+                   code="model_not_found")
+
+
+async def _model_cards(served: ServedModels, fresh: bool = False) -> list[dict[str, Any]]:
+    workers = await served.workers(fresh)
     started = {w.model: int(min(x.started_at for x in workers if x.model == w.model))
                for w in workers}
-    data = [{"id": name, "object": "model", "created": started.get(name, 0),
+    return [{"id": name, "object": "model", "created": started.get(name, 0),
              "owned_by": "ferry"} for name in await served.names()]
-    return {"object": "list", "data": data}
 
 
 async def _serve(requests: list[GenerateRequest], shape: ResponseShape, http: Request,

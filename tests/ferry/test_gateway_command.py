@@ -74,3 +74,24 @@ def test_settings_travel_to_gateway_workers_through_the_environment() -> None:
     assert GatewaySettings.from_env(env) == settings
     with pytest.raises(ValueError, match="FERRY_\\* environment"):
         settings_env(GatewaySettings(api_keys=("a,b",)))
+
+
+def test_allowed_origins_option_turns_cors_on(server: RedisServer) -> None:
+    """``ferry gateway --allowed-origins a,b`` (vLLM's --allowed-origins): those origins
+    get CORS answers, others none; and --workers processes get the same list."""
+    import httpx
+
+    port = free_port()
+    origins = "https://a.example,https://b.example"
+    with GatewayProcess(server.url, port, "--allowed-origins", origins, "--workers", "2") as gw:
+        gw.wait_healthy()
+        for _ in range(6):  # fresh connections: both processes answer some of them
+            with httpx.Client() as client:
+                ok = client.options(f"http://127.0.0.1:{port}/v1/models", headers={
+                    "Origin": "https://b.example", "Access-Control-Request-Method": "GET"})
+            assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == \
+                "https://b.example"
+        other = httpx.get(f"http://127.0.0.1:{port}/healthz",
+                          headers={"Origin": "https://c.example"})
+        assert "access-control-allow-origin" not in other.headers
+        gw.stop()

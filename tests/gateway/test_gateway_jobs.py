@@ -55,10 +55,15 @@ def test_job_lifecycle_and_resumable_events(
         assert reply.json()["id"] == "job-1" and reply.headers["location"] == "/v1/jobs/job-1"
         status = _wait_state(gateway, "job-1", "done")
     assert status["text"] == "abcd" and status["finish_reason"] == "stop"
-    assert status["token_ids"] == [1, 2, 3, 4] and status["worker_id"] == "fake-worker"
+    assert status["token_ids"] == [1, 2, 3, 4]
+    # which worker (consumer) ran it is the fleet's business, not the caller's: the hash
+    # has it, the body does not
+    assert redis_client.hget("ferry:job:job-1", "worker_id") == b"fake-worker"
+    assert "fake-worker" not in json.dumps(status) and "worker_id" not in status
 
     events = _events(httpx.get(f"{gateway.url}/v1/jobs/job-1/events", timeout=10).text)
     assert [seq for seq, _ in events] == [0, 1, 2, 3]
+    assert not any("worker_id" in e or "fake-worker" in json.dumps(e) for _, e in events)
     assert events[-1][1]["finish_reason"] == "stop" and events[0][1]["text"] == "a"
     resumed = httpx.get(f"{gateway.url}/v1/jobs/job-1/events", timeout=10,
                         headers={"Last-Event-ID": "1"})

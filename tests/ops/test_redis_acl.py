@@ -288,3 +288,47 @@ def test_batch_api_as_gateway_batcher_and_worker_users(server: AclRedis) -> None
     _denied(g.sadd, KEYS.batch_inflight(batch.id), 1)  # progress is the batcher's
     _denied(g.hincrby, KEYS.batch(batch.id), "completed", 1)
     _denied(g.set, KEYS.batch_lease(batch.id), "me")
+
+
+def test_tokenizer_routes_as_gateway_and_worker_users(server: AclRedis) -> None:
+    """/tokenize as ferry-gateway, answered by the worker's tokenizer responder as
+    ferry-worker (the default model's real tokenizer, no model loaded); neither may touch
+    the other's side beyond that."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from gateway.settings import GatewaySettings
+    from tests.gateway.server import GatewayServer
+    from worker.engine.prompts import PromptBuilder, PromptLimits
+    from worker.models import default_model_path
+    from worker.service.redis_io import WorkerSettings
+    from worker.service.tokenizer_responder import TokenizerResponder
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    prompts = PromptBuilder(tokenizer, PromptLimits(vocab_size=len(tokenizer),
+                                                    max_model_len=2048, num_blocks=8,
+                                                    block_size=16))
+    worker = WorkerSettings(redis_url=server.url("ferry-worker"), worker_id="acl-tok",
+                            model_name="m")
+    beat = WorkerHeartbeat(worker_id="acl-tok", model="m", started_at=1.0,
+                           updated_at=time.time())
+    pipe = server.client("ferry-worker").pipeline()
+    write_heartbeat(pipe, KEYS, beat, Ttls(heartbeat_s=60))
+    pipe.execute()
+    responder = TokenizerResponder(worker, prompts, tokenizer, threads=1)
+    responder.start()
+    settings = GatewaySettings(redis_url=server.url("ferry-gateway"))
+    try:
+        with GatewayServer(settings) as gw:
+            reply = httpx.post(f"{gw.url}/tokenize", json={"prompt": "hello"}, timeout=20)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["tokens"] == tokenizer("hello")["input_ids"]
+            info = httpx.get(f"{gw.url}/tokenizer_info", timeout=20)
+            assert info.json()["eos_token"] == tokenizer.eos_token
+    finally:
+        responder.stop()
+    g, w = server.client("ferry-gateway"), server.client("ferry-worker")
+    _denied(g.blpop, [KEYS.tokenizer_requests("m")], 1)  # only replies are the gateway's
+    _denied(g.set, KEYS.tokenizer_requests("m"), b"x")
+    _denied(w.lrem, KEYS.tokenizer_requests("m"), 1, b"x")
+    _denied(w.set, KEYS.tokenizer_reply("m", "r"), b"x")

@@ -113,3 +113,17 @@ def test_prefixes_get_their_own_shard_tags() -> None:
     assert not set(a.request_streams) & set(b.request_streams)
     assert a.workers == "ferry:workers:{ferry}" and a.worker("w1") == "ferry:worker:{ferry}:w1"
     assert slot(a.workers) == slot(a.worker("w1")) == slot(a.restarts)
+
+
+@pytest.mark.parametrize("model", ["default", "Qwen/Qwen2.5-0.5B", "my model {v2}",
+                                   "x" * 200, "ünï"])
+def test_a_models_tokenizer_request_and_reply_share_a_slot(model: str) -> None:
+    """The gateway pushes the request and BLPOPs the reply: one slot, whatever the name
+    (braces, spaces or length in a name become a digest tag, never a broken one)."""
+    for keys in (Keys(), ClusterKeys("ferry", 3)):
+        request, reply = keys.tokenizer_requests(model), keys.tokenizer_reply(model, "r1")
+        assert slot(request) == slot(reply) and reply.startswith(request + ":reply:")
+        tag = request[request.index("{") + 1:request.rindex("}")]
+        assert "{" not in tag and "}" not in tag and 0 < len(tag) <= 128
+    assert Keys().tokenizer_requests("default") == "ferry:tokenizer:{default}"
+    assert Keys().tokenizer_requests("a b") != Keys().tokenizer_requests("a c")

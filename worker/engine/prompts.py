@@ -114,16 +114,33 @@ class PromptBuilder:
         """The text of ``ids`` as the model's tokenizer writes it (``echo``)."""
         return str(self._tokenizer().decode(ids))
 
-    def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
+    def tokenize(
+        self, prompt: str | None, messages: list[dict[str, Any]] | None, *,
+        add_special_tokens: bool | None = None, add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """The prompt's ids, or the chat template's rendering of ``messages`` (generation
+        uses the defaults; ``/tokenize`` may ask for others, as vLLM's does).
+        ``add_special_tokens`` None: a prompt gets them, a chat only what its template
+        writes; true on a chat adds them on top of the template's."""
         tok = self._tokenizer()
-        if messages is not None:
-            if not getattr(tok, "chat_template", None):
-                raise PromptError("messages: this model has no chat template")
-            ids = tok.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            return list(ids)
-        return list(tok(prompt, add_special_tokens=True, verbose=False)["input_ids"])
+        if messages is None:
+            special = True if add_special_tokens is None else add_special_tokens
+            return list(tok(prompt, add_special_tokens=special, verbose=False)["input_ids"])
+        if not getattr(tok, "chat_template", None):
+            raise PromptError("messages: this model has no chat template")
+        options = {"add_generation_prompt": add_generation_prompt}
+        if continue_final_message:
+            options["continue_final_message"] = True
+        if add_special_tokens:
+            text = tok.apply_chat_template(messages, tokenize=False, **options)
+            return list(tok(text, add_special_tokens=True, verbose=False)["input_ids"])
+        ids = tok.apply_chat_template(messages, tokenize=True, return_dict=False, **options)
+        return list(ids)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (vLLM's ``return_token_strs``)."""
+        return [str(t) for t in self._tokenizer().convert_ids_to_tokens(ids)]
 
     def _refuse_by_bound(
         self, prompt: str | None, messages: list[dict[str, Any]] | None, params: SamplingParams

@@ -1,4 +1,5 @@
-"""The worker service: the engine loop, wired to the intake, outbox and control threads.
+"""The worker service: the engine loop, wired to the intake, outbox, control and tokenizer
+threads.
 
 The loop owns the engine (which is single-threaded) and never touches Redis: between two
 steps it drains its mailbox (new requests from the intake, cancels and lost leases from
@@ -32,6 +33,7 @@ from worker.service.prompt_pool import PromptPool, build_with
 from worker.service.redis_io import TRANSIENT_ERRORS, Backoff, WorkerSettings, recover
 from worker.service.slots import Slots
 from worker.service.stats import ServiceCounters, StatsBook
+from worker.service.tokenizer_responder import TokenizerResponder
 
 log = structlog.get_logger("ferry.worker")
 
@@ -62,6 +64,7 @@ class WorkerService:
                              self.ledger)
         self.book = StatsBook(engine.stats, self.metrics, self.ledger)
         self.control = Control(settings, self.held, self.mailbox, self._heartbeat_stats)
+        self.tokenizer_responder = TokenizerResponder(settings, engine.prompts, engine.tokenizer)
         self._stop = threading.Event()
         self._drain_until: float | None = None
         self.metrics_port = 0
@@ -102,6 +105,7 @@ class WorkerService:
                                                self.settings.metrics_host)
         self.outbox.start()
         self.control.start()
+        self.tokenizer_responder.start()
         self.intake.start()
         self.log.info("worker_started", model=self.settings.model_name,
                       max_num_seqs=self.slots.total, lease_s=self.settings.lease_s,
@@ -195,6 +199,7 @@ class WorkerService:
         unfinished = self.table.abort_all()
         flushed = self.outbox.close(timeout=10.0)
         handed = hand_back(self.settings, list(self.held.snapshot()))
+        self.tokenizer_responder.stop()
         self.control.stop()
         self.log.info("worker_stopped", unfinished=unfinished, handed_back=handed,
                       events_flushed=flushed)

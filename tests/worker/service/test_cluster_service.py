@@ -224,3 +224,23 @@ def test_a_request_no_replica_confirmed_is_refused_and_cancelled(
     status = _wait(stack, "cl-unsafe", ("cancelled",))
     assert status["finish_reason"] == "cancelled" and "not accepted" in status["error"]
     assert len(status["token_ids"] or []) < 400
+
+
+def test_tokenizer_routes_on_a_cluster(stack: Any, checkpoint: str) -> None:
+    """/tokenize and /detokenize through the cluster gateway: the request and its reply
+    share the model's slot, and whichever of the two workers is free answers."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    model = httpx.get(stack.url + "/v1/models").json()["data"][0]["id"]
+    assert stack.r.keyslot(KEYS.tokenizer_requests(model)) == stack.r.keyslot(
+        KEYS.tokenizer_reply(model, "any"))
+    for text in ("def f(x):", "    return x * 2", "class Queue:"):
+        got = httpx.post(stack.url + "/tokenize", json={"prompt": text}, timeout=30)
+        assert got.status_code == 200, got.text
+        ids = got.json()["tokens"]
+        assert ids == tok(text)["input_ids"]
+        back = httpx.post(stack.url + "/detokenize", json={"tokens": ids}, timeout=30)
+        assert back.json() == {"prompt": tok.decode(ids)}
+    info = httpx.get(stack.url + "/tokenizer_info", timeout=30).json()
+    assert info["chat_template"] == tok.chat_template
