@@ -97,6 +97,23 @@ redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 return 'ok'
 """
 
+# KEYS: batch, lease. ARGV: batcher. One more unexpected failure of the batch's run,
+# counted in the record so that every batcher, after any restart, sees the same count.
+FAILURE_LUA = f"""
+if not ({_LEASE_HELD}) then return 'lost' end
+return tostring(redis.call('HINCRBY', KEYS[1], 'failures', 1))
+"""
+
+# KEYS: batch, lease. ARGV: batcher. A batch given up: it has as many requests as lines
+# it reported (each non-blank line got one result, or as many as could be reported).
+SETTLE_TOTAL_LUA = f"""
+if not ({_LEASE_HELD}) then return 'lost' end
+local done = tonumber(redis.call('HGET', KEYS[1], 'completed') or '0') +
+  tonumber(redis.call('HGET', KEYS[1], 'failed') or '0')
+redis.call('HSET', KEYS[1], 'total', done)
+return 'ok'
+"""
+
 # KEYS: lease. ARGV: batcher, ttl ms. Take a free lease, or one's own again (a batcher
 # restarted under the same id after its process was reaped: ``ferry up``).
 ACQUIRE_LUA = """
@@ -205,6 +222,14 @@ class BatchProgress:
         args = [x for name, value in fields.items() for x in (
             name, json.dumps(value) if isinstance(value, dict | list) else str(value))]
         await self._fenced(UPDATE_LUA, [self._batch, self._lease], *args)
+
+    async def count_failure(self) -> int:
+        """One more unexpected failure of this batch's run; the count so far."""
+        return int(await self._fenced(FAILURE_LUA, [self._batch, self._lease]))
+
+    async def settle_total(self) -> None:
+        """``total`` = the results recorded (a batch given up: ``BatchRun.give_up``)."""
+        await self._fenced(SETTLE_TOTAL_LUA, [self._batch, self._lease])
 
     async def reserve_files(self, output_id: str, error_id: str) -> None:
         await self._fenced(RESERVE_FILES_LUA, [self._batch, self._lease], output_id, error_id)

@@ -154,6 +154,17 @@ class BatchStore:
         """Batches not yet ended, oldest first: where batchers look for work."""
         return [as_str(i) for i in await self.redis.zrange(self.keys.batches_active, 0, -1)]
 
+    async def owners_and_leases(self, batch_ids: Sequence[str]) -> list[tuple[str | None, bool]]:
+        """Each batch's owner (None once its record is gone) and whether a batcher leases
+        it, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for batch_id in batch_ids:
+            pipe.hget(self.keys.batch(batch_id), "owner")
+            pipe.exists(self.keys.batch_lease(batch_id))
+        found = await pipe.execute()
+        return [(None if found[i] is None else as_str(found[i]), bool(found[i + 1]))
+                for i in range(0, len(found), 2)]
+
     async def inflight_counts(self) -> dict[str, int]:
         """Lines in flight of every active batch (one SCARD each, one round trip)."""
         active = await self.active_batches()

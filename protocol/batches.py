@@ -96,9 +96,11 @@ class FileRecord(_Record):
 class BatchRecord(_Record):
     """One batch, as OpenAI's Batch object describes it, plus what the batcher needs:
     ``fed`` (lines before it are enqueued or settled), ``lines`` (physical lines of the
-    input file) and ``ending`` (``expired`` once the window passed: where finalizing
-    leads). ``total`` counts the requests (non-blank lines); ``completed`` and ``failed``
-    count recorded results, so the batch is done when they sum to ``total``."""
+    input file), ``ending`` (``expired`` once the window passed: where finalizing
+    leads) and ``failures`` (unexpected failures of its run, over all batchers: past a
+    bound the batch is given up). ``total`` counts the requests (non-blank lines);
+    ``completed`` and ``failed`` count recorded results, so the batch is done when they
+    sum to ``total``."""
 
     id: str
     owner: str
@@ -127,6 +129,7 @@ class BatchRecord(_Record):
     failed: int = 0
     fed: int = 0
     lines: int = 0
+    failures: int = 0
     output_bytes: int = 0
     error_bytes: int = 0
     prompt_tokens: int = 0

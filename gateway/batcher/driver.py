@@ -6,6 +6,11 @@ may run; each takes the batches of the active set that nobody leases (``SET NX P
 to ``batch_max_active`` at once, and renews its leases while it drives them. One that dies
 (SIGKILL included) stops renewing; its batches go to whichever batcher sees their lease
 gone, which continues from the progress in Redis. SIGTERM releases the leases at once.
+
+Slots are shared by owner (tenant), not by age: a free slot goes to the owner holding the
+fewest here (``Batcher.claim``), and when every slot is taken while an owner that holds
+none here has a batch waiting, the owner holding the most gives up its youngest batch
+(``Batcher.make_room``): one tenant's batches cannot keep another's from ever starting.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import secrets
 import signal
 import socket
+from collections import Counter
 from pathlib import Path
 
 import structlog
@@ -41,6 +47,7 @@ class Batcher:
         self.ctx = ctx
         self.health_file = health_file
         self.runs: dict[str, asyncio.Task[None]] = {}
+        self.owners: dict[str, str] = {}  # batch id -> owner, for the batches in ``runs``
 
     @property
     def scan_interval_s(self) -> float:
@@ -50,13 +57,13 @@ class Batcher:
         """Claim and drive batches until ``stop``; then end every run (leases released)."""
         log.info("batcher_started", batcher_id=self.ctx.batcher_id)
         while not stop.is_set():
+            self._reap()
             try:
                 await self.claim()
                 if self.health_file is not None:
                     self.health_file.touch()
             except (RedisError, OSError) as exc:
                 log.warning("batcher_redis_error", error=str(exc))
-            self._reap()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.scan_interval_s)
         for task in self.runs.values():
@@ -65,22 +72,57 @@ class Batcher:
         log.info("batcher_stopped", batcher_id=self.ctx.batcher_id)
 
     async def claim(self) -> None:
-        """Lease the active batches nobody drives, while this batcher has room."""
-        for batch_id in await self.ctx.store.active_batches():
-            if len(self.runs) >= self.ctx.settings.batch_max_active:
+        """Lease the active batches nobody drives while this batcher has room (or can make
+        some): round-robin by owner, the owner holding the fewest slots here first, each
+        owner's oldest batch first (ids sort by age)."""
+        waiting = [b for b in await self.ctx.store.active_batches() if b not in self.runs]
+        queues: dict[str, list[str]] = {}
+        for batch_id, (owner, leased) in zip(
+                waiting, await self.ctx.store.owners_and_leases(waiting), strict=True):
+            if not leased:  # a record gone (owner None): its run takes it off the set
+                queues.setdefault(owner or "", []).append(batch_id)
+        held = Counter(self.owners.values())
+        while queues:
+            if len(self.runs) >= self.ctx.settings.batch_max_active and \
+                    not await self.make_room(queues, held):
                 return
-            if batch_id in self.runs:
-                continue
+            owner = min(queues, key=lambda o: (held[o], queues[o][0]))
+            batch_id = queues[owner].pop(0)
+            if not queues[owner]:
+                del queues[owner]
             run = BatchRun(self.ctx, batch_id)
             if await run.progress.acquire():
                 log.info("batch_leased", batch_id=batch_id, batcher_id=self.ctx.batcher_id)
                 self.runs[batch_id] = asyncio.create_task(run.run(), name=batch_id)
+                self.owners[batch_id] = owner
+                held[owner] += 1
+
+    async def make_room(self, queues: dict[str, list[str]], held: Counter[str]) -> bool:
+        """Every slot is taken: if an owner with a batch waiting holds none here and
+        another holds several, stop driving the youngest batch of the one holding the
+        most (its lease released, it goes on wherever a slot is free next: its progress
+        is in Redis). True if a slot was freed."""
+        if not any(held[owner] == 0 for owner in queues):
+            return False
+        biggest, most = held.most_common(1)[0]
+        if most < 2:
+            return False
+        youngest = max(b for b, owner in self.owners.items() if owner == biggest)
+        task = self.runs.pop(youngest)
+        del self.owners[youngest]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        held[biggest] -= 1
+        log.info("batch_yielded", batch_id=youngest, owner=biggest,
+                 batcher_id=self.ctx.batcher_id)
+        return True
 
     def _reap(self) -> None:
         for batch_id, task in list(self.runs.items()):
             if not task.done():
                 continue
             del self.runs[batch_id]
+            self.owners.pop(batch_id, None)
             if not task.cancelled() and task.exception() is not None:
                 log.error("batch_run_failed", batch_id=batch_id, exc_info=task.exception())
 

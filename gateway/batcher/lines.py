@@ -8,18 +8,25 @@ line gets exactly the answer the endpoint would have given, refusals included: a
 route would answer 400 becomes an error-file line whose ``response`` is that 400. What
 only a batch can get wrong (not JSON, a missing ``custom_id``, another ``url``, a
 duplicate ``custom_id``) is an error-file line with ``response: null`` and an ``error``
-code, as OpenAI's error files have.
+code, as OpenAI's error files have. Whatever else goes wrong while checking a line (a bug,
+an input nobody foresaw) is that line's error too, code ``internal_error``: a line never
+stops its batch (``check_line``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+from redis.exceptions import RedisError
+
 from gateway.admission import check_limits
-from gateway.body import validate
+from gateway.body import MAX_DEPTH, brackets, check_depth, nesting_depth, validate
 from gateway.errors import APIError
 from gateway.openai_api.format import Formatter, failure
 from gateway.openai_api.response_shape import ResponseShape
@@ -32,13 +39,18 @@ from protocol.batches import BatchRecord, line_request_id
 from protocol.models import GenerateRequest, TokenEvent
 from protocol.tenancy import DEFAULT_TENANT, scoped_id
 
+log = structlog.get_logger("ferry.batcher")
+
 MAX_CUSTOM_ID = 512
+_CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*("(?:[^"\\]|\\.)*")')
 ENDED_LINES = {
     "batch_cancelled": "The batch was cancelled before this request finished.",
     "batch_expired": "This request could not be executed before the completion window "
                      "expired.",
     "file_not_found": "The batch's input file was deleted or expired before this request "
                       "ran.",
+    "batch_failed": "The batch failed before this request finished: the batcher could not "
+                    "drive it (the batch's errors say why).",
 }
 """The error of a line a batch never ran (or stopped), by the reason the batch ended."""
 
@@ -82,7 +94,8 @@ class LinePlan:
 
 def parse_line(raw: bytes, index: int, endpoint: str, max_bytes: int) -> BatchLine | None:
     """The line's custom_id and body; None for a blank line (not a request); ``BadLine``
-    for anything else that is not a request for ``endpoint``."""
+    for anything else that is not a request for ``endpoint``; the route's 400
+    (``APIError``) for a body nested too deep to parse (``gateway.body.check_depth``)."""
     text = raw.strip()
     if not text:
         return None
@@ -90,6 +103,7 @@ def parse_line(raw: bytes, index: int, endpoint: str, max_bytes: int) -> BatchLi
     if len(text) > max_bytes:
         raise BadLine("request_too_large", f"{where}: {len(text)} bytes exceed the request "
                       f"body limit of {max_bytes}")
+    check_depth(text, outer=1)  # the body sits one level down in the line
     try:
         line = json.loads(text)
     except ValueError as exc:
@@ -112,12 +126,32 @@ def parse_line(raw: bytes, index: int, endpoint: str, max_bytes: int) -> BatchLi
 
 
 def custom_id_of(raw: bytes) -> str | None:
-    """The custom_id of a line, if it has a usable one (for the lines a batch never ran)."""
+    """The custom_id of a line, if it has a usable one (for the lines a batch never ran,
+    and those too deep to parse)."""
+    if nesting_depth(raw, MAX_DEPTH + 1) > MAX_DEPTH + 1:
+        return _shallow_custom_id(raw)
     try:
         value = json.loads(raw).get("custom_id")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
     return value if isinstance(value, str) else None
+
+
+def _shallow_custom_id(raw: bytes) -> str | None:
+    """The custom_id of a line too deep for ``json.loads``: the first of the first few
+    ``"custom_id": "..."`` that is a key of the line itself (outside strings, one level
+    deep), found without parsing the rest."""
+    for match in itertools.islice(_CUSTOM_ID.finditer(raw), 8):
+        outside, in_string = brackets(raw[:match.start()])
+        depth = (outside.count(b"[") + outside.count(b"{")
+                 - outside.count(b"]") - outside.count(b"}"))
+        if not in_string and depth == 1:
+            try:
+                value = json.loads(match.group(1))
+            except ValueError:  # a bad escape, or not UTF-8
+                return None
+            return value if 0 < len(value) <= MAX_CUSTOM_ID else None
+    return None
 
 
 async def plan_line(line: BatchLine, batch_id: str, endpoint: str, settings: GatewaySettings,
@@ -139,7 +173,7 @@ async def plan_line(line: BatchLine, batch_id: str, endpoint: str, settings: Gat
         for request in requests:
             check_limits(request, settings)
     except APIError as exc:
-        return refused_result(batch_id, line, exc)
+        return refused_result(batch_id, line.index, line.custom_id, exc)
     update = {"stream": False, "model": model, "tenant": None if owner == DEFAULT_TENANT
               else owner}
     planned = tuple(r.model_copy(update={**update, "priority": max(settings.batch_priority,
@@ -153,11 +187,31 @@ async def check_line(raw: bytes, index: int, rec: BatchRecord, settings: Gateway
                      served: ServedModels,
                      seen: dict[str, int] | None = None) -> LinePlan | LineResult | None:
     """Line ``index`` of a batch: its plan, the error result of a line that cannot run, or
-    None (blank). ``seen`` (validation only) finds duplicate custom_ids: the first runs."""
+    None (blank). ``seen`` (validation only) finds duplicate custom_ids: the first runs.
+
+    Any exception but Redis's (waited out by the run) becomes the line's ``internal_error``
+    result: one line that breaks the checks must not crash its batch on every attempt.
+    """
+    try:
+        return await _check_line(raw, index, rec, settings, served, seen)
+    except (RedisError, OSError):
+        raise
+    except Exception as exc:
+        log.exception("batch_line_check_failed", batch_id=rec.id, line=index + 1)
+        return bad_line_result(rec.id, index, custom_id_of(raw), "internal_error",
+                               f"line {index + 1}: could not be checked "
+                               f"({type(exc).__name__}: {str(exc)[:200]})")
+
+
+async def _check_line(raw: bytes, index: int, rec: BatchRecord, settings: GatewaySettings,
+                      served: ServedModels,
+                      seen: dict[str, int] | None) -> LinePlan | LineResult | None:
     try:
         line = parse_line(raw, index, rec.endpoint, settings.max_body_bytes)
     except BadLine as exc:
         return bad_line_result(rec.id, index, custom_id_of(raw), exc.code, exc.message)
+    except APIError as exc:  # nested too deep to parse
+        return refused_result(rec.id, index, custom_id_of(raw), exc)
     if line is None:
         return None
     first = index if seen is None else seen.setdefault(line.custom_id, index)
@@ -188,12 +242,12 @@ def ended_result(batch_id: str, index: int, custom_id: str | None, code: str) ->
     return bad_line_result(batch_id, index, custom_id, code, ENDED_LINES[code])
 
 
-def refused_result(batch_id: str, line: BatchLine, error: APIError) -> LineResult:
+def refused_result(batch_id: str, index: int, custom_id: str | None,
+                   error: APIError) -> LineResult:
     """The error-file line of a body the endpoint refuses: its HTTP answer, as is."""
-    response = {"status_code": error.status, "request_id": line_request_id(batch_id, line.index),
+    response = {"status_code": error.status, "request_id": line_request_id(batch_id, index),
                 "body": error.body()}
-    return LineResult(line.index, False, _result(batch_id, line.index, line.custom_id,
-                                                 response, None))
+    return LineResult(index, False, _result(batch_id, index, custom_id, response, None))
 
 
 def finished_result(batch_id: str, plan: LinePlan,

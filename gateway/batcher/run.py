@@ -6,6 +6,11 @@ in Redis — the cursor ``fed``, the in-flight set, the results (``protocol/batc
 is kept in memory is only a cache of parsed lines. Lines are fed on the low lane, at most
 ``batch_max_in_flight`` at a time, as ordinary requests whose id is the line's own, and
 followed by ``gateway/batcher/inflight.py`` until each has its one result.
+
+A run that raises anything but a Redis outage or a lost lease counts the failure in the
+record (``failures``: every batcher and restart sees the same count) and tries again;
+after ``MAX_FAILURES`` the batch is given up (``give_up``), so a batch that breaks the
+batcher cannot come back on every scan and keep its slot forever.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ log = structlog.get_logger("ferry.batcher")
 
 CHUNK = 512  # lines read (and validated) per round trip
 WIND_DOWN_CODE = {"expired": "batch_expired", "failed": "file_not_found"}
+MAX_FAILURES = 3  # unexpected failures of a batch's run before it is given up
+OPEN = ("validating", "in_progress", "finalizing", "cancelling")  # statuses before the end
 
 
 class BatchRun:
@@ -63,12 +70,71 @@ class BatchRun:
                 except (RedisError, OSError) as exc:
                     log.warning("batch_redis_error", batch_id=self.batch_id, error=str(exc))
                     pause = min(2.0, pause * 2)  # Redis away: back off, then carry on
+                except LeaseLost:
+                    raise
+                except Exception as exc:
+                    if await self.failed(exc):
+                        return
+                    pause = min(2.0, pause * 2)
                 await asyncio.sleep(pause)
         except LeaseLost:
             log.warning("batch_lease_lost", batch_id=self.batch_id)
         finally:
             with contextlib.suppress(RedisError, OSError, asyncio.CancelledError):
                 await asyncio.shield(self.progress.release())
+
+    async def failed(self, exc: Exception) -> bool:
+        """Count an unexpected failure; past ``MAX_FAILURES``, give the batch up. True
+        once it has ended."""
+        failures = await self.progress.count_failure()
+        log.error("batch_run_failed", batch_id=self.batch_id, failures=failures,
+                  exc_info=exc)
+        if failures < MAX_FAILURES:
+            return False
+        await self.give_up(exc, failures)
+        return True
+
+    async def give_up(self, exc: Exception, failures: int) -> None:
+        """End a batch whose run keeps failing: ``cancelled`` if a cancel was asked, else
+        ``failed``, with an ``errors`` entry that says why. On the way, as far as it still
+        works: record what finished, cancel what runs, give every line without a result
+        the ending's error; ``total`` becomes the lines reported. A record that cannot be
+        read any more is just ended ``failed``."""
+        try:
+            rec = await self.ctx.store.get_batch(self.batch_id)
+        except (RedisError, OSError):
+            raise
+        except Exception:
+            rec = None
+        if rec is None:
+            ttl = self.settings.batch_ttl_s
+            await self.progress.finalize(OPEN, "failed", int(time.time()), ttl, ttl)
+            await self.ctx.store.deactivate(self.batch_id)
+            return
+        final = "cancelled" if rec.status == "cancelling" else "failed"
+        code = "batch_cancelled" if final == "cancelled" else "batch_failed"
+        for attempt in (self.inflight.collect, self.report_all):
+            try:
+                await attempt(rec, code)
+            except (RedisError, OSError, LeaseLost):
+                raise
+            except Exception as again:
+                log.warning("batch_give_up_step_failed", batch_id=self.batch_id,
+                            error=f"{type(again).__name__}: {again}")
+        await self.progress.update(errors=[{
+            "code": "batch_run_failed", "param": None, "line": None,
+            "message": f"the batcher failed on this batch {failures} times "
+                       f"({type(exc).__name__}: {str(exc)[:200]}), so it was stopped"}])
+        await self.progress.settle_total()
+        rec = await self.ctx.store.get_batch(self.batch_id) or rec
+        await self.finalize(rec, rec.status, final)
+
+    async def report_all(self, rec: BatchRecord, code: str) -> None:
+        """Error results (``code``) for every line of the input file without one."""
+        source = await self.ctx.store.get_file(rec.input_file_id)
+        lines = max(rec.lines, source.lines if source is not None else 0)
+        await self.progress.update(lines=lines)
+        await self.report(rec, code, 0, lines, None)
 
     async def step(self, rec: BatchRecord) -> None:
         if rec.status == "validating" or (rec.status == "cancelling" and rec.lines == 0):
@@ -180,18 +246,21 @@ class BatchRun:
             return  # cancelled lines are still ending
         rec = await self.ctx.store.get_batch(self.batch_id) or rec
         if not rec.settled:
-            await self.fill(rec, code)
+            left = rec.total - rec.completed - rec.failed
+            await self.report(rec, code, rec.fed, rec.lines, left)  # after the cursor
             return
         await self.finalize(rec, status, final)
 
-    async def fill(self, rec: BatchRecord, code: str) -> None:
-        """Error results (``code``) for the lines after the cursor that have none."""
-        left = rec.total - rec.completed - rec.failed
-        for start in range(rec.fed, rec.lines, CHUNK):
+    async def report(self, rec: BatchRecord, code: str, first: int, stop: int,
+                     left: int | None) -> None:
+        """Error results (``code``) for the non-blank lines ``first`` .. ``stop - 1`` that
+        have none: at most ``left`` (None: all)."""
+        left = stop if left is None else left
+        for start in range(first, stop, CHUNK):
             if left <= 0:
                 return
             await self.keep_lease()
-            count = min(CHUNK, rec.lines - start)
+            count = min(CHUNK, stop - start)
             raws = await self.read(rec, start, count) or [b"{}"] * count  # the file is gone
             recorded = await self.progress.recorded(range(start, start + len(raws)))
             results = []

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from gateway.batcher.lines import BadLine, bad_line_result, custom_id_of, parse_line
+from gateway.errors import APIError
 
 URL = "/v1/completions"
 
@@ -63,3 +64,14 @@ def test_a_lease_shorter_than_four_polls_is_refused() -> None:
     with pytest.raises(ValidationError, match="batch_lease_s"):
         GatewaySettings(batch_lease_s=0.5, batch_poll_interval_s=0.25)
     assert GatewaySettings(batch_lease_s=1.0, batch_poll_interval_s=0.25).batch_lease_s == 1.0
+
+
+def test_a_line_too_deep_to_parse_keeps_its_custom_id() -> None:
+    """Only a key of the line itself counts, not one in its body or inside a string."""
+    deep = "[" * 5000 + "]" * 5000
+    decoys = '"body": {"custom_id": "inner", "x": "\\"custom_id\\": \\"s\\"", "y": ' + deep
+    assert custom_id_of(f'{{{decoys}}}, "custom_id": "mine"}}'.encode()) == "mine"
+    assert custom_id_of(f'{{{decoys}}}}}'.encode()) is None
+    with pytest.raises(APIError, match=r"^body: nested too deep \(5001 levels"):
+        parse_line(_raw(body={"prompt": "x", "stop": "@"}).replace(b'"@"', deep.encode()), 0,
+                   URL, 1 << 20)
