@@ -6,6 +6,7 @@ queue is full, so the cheap local checks run before the Redis round-trip for the
 
 from __future__ import annotations
 
+import hmac
 import json
 from collections.abc import Mapping
 
@@ -16,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError, error_body
 from gateway.settings import GatewaySettings
-from gateway.tenancy.tenants import DEFAULT, TenantDirectory
+from gateway.tenancy.tenants import DEFAULT
 from protocol.aclient import AsyncFerryClient
 from protocol.models import GenerateRequest
 
@@ -61,17 +62,36 @@ async def check_queue(client: AsyncFerryClient, settings: GatewaySettings) -> No
 async def require_api_key(request: Request) -> None:
     """401 unless ``Authorization: Bearer <key>`` is a tenant's key (when keys exist);
     the tenant it names is kept on the request (``gateway.tenancy.principal``)."""
-    tenants: TenantDirectory = request.app.state.tenants
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if not tenants.authenticated:
+    if not request.app.state.tenants.authenticated:
         request.state.tenant = DEFAULT
         return
+    tenants = await request.app.state.queue.tenants.get()  # FERRY_API_KEYS' tenants named
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
     tenant = tenants.resolve(token.strip())
     if scheme.lower() != "bearer" or tenant is None:
         raise APIError(401, "authorization: missing or invalid API key",
                        param="authorization", headers={"WWW-Authenticate": "Bearer"})
     request.state.tenant = tenant
     structlog.contextvars.bind_contextvars(tenant=tenant.id)
+
+
+async def require_metrics_key(request: Request) -> None:
+    """``/metrics`` shows every tenant's traffic, so no tenant's key opens it. With
+    ``FERRY_METRICS_KEY`` it needs ``Authorization: Bearer <metrics key>`` (401 otherwise);
+    without one it is open on a gateway without keys (anyone can use that API anyway) and
+    refused (403) on a gateway with keys."""
+    settings: GatewaySettings = request.app.state.settings
+    if settings.metrics_key is None:
+        if request.app.state.tenants.authenticated:
+            raise APIError(403, "metrics: this gateway has API keys, so /metrics needs "
+                           "FERRY_METRICS_KEY, sent as a bearer token", param="authorization",
+                           type_="permission_error", code="metrics_key_required")
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), settings.metrics_key.encode()):
+        raise APIError(401, "authorization: missing or invalid metrics key",
+                       param="authorization", headers={"WWW-Authenticate": "Bearer"})
 
 
 class BodyLimitMiddleware:

@@ -19,7 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from gateway.app import create_app
-from gateway.settings import GatewaySettings
+from gateway.settings import GatewaySettings, checked_settings
 
 log = structlog.get_logger("ferry.gateway")
 
@@ -78,7 +78,7 @@ def serve(
     overrides = dict(opts)
     if redis_url is not None:
         overrides["redis_url"] = redis_url
-    settings = GatewaySettings.from_env(**overrides)
+    settings = checked_settings("ferry gateway", **overrides)
     from observability.logging import configure_logging
 
     configure_logging(level=log_level)  # structlog owns the handlers, uvicorn's too

@@ -1,4 +1,5 @@
-"""Prometheus metrics, one registry per app (tests build many apps in one process)."""
+"""Prometheus metrics, one registry per app (tests build many apps in one process); served
+on ``/metrics`` behind ``FERRY_METRICS_KEY`` (``gateway.admission.require_metrics_key``)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class Metrics:
             ["reason"], registry=reg,
         )
 
-        # per tenant (the tenant's id: a name from the tenants file, or a key's hash prefix)
+        # per tenant (its name: the tenants file's, or a key's HMAC under the deployment's
+        # secret, gateway.tenancy.naming): never derivable from a key alone
         self.tenant_requests = Counter(
             "ferry_gateway_tenant_requests", "Generation requests admitted, by tenant.",
             ["tenant"], registry=reg,

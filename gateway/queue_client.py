@@ -20,6 +20,7 @@ from gateway.admission import check_limits, check_queue
 from gateway.errors import APIError, unavailable
 from gateway.metrics import Metrics
 from gateway.settings import GatewaySettings
+from gateway.tenancy.naming import NamedTenants
 from gateway.tenancy.quotas import Quotas
 from gateway.tenancy.tenants import DEFAULT, Tenant, TenantDirectory
 from protocol.aclient import AsyncFerryClient, AsyncSubscription
@@ -43,7 +44,7 @@ class QueueClient:
         self.client = client
         self.settings = settings
         self.metrics = metrics
-        self.tenants = tenants or TenantDirectory()
+        self.tenants = NamedTenants(client, tenants or TenantDirectory())
         self.quotas = Quotas(client, settings.job_ttl_s, settings.retry_after_s)
 
     async def admit(self, requests: list[GenerateRequest], tenant: Tenant = DEFAULT) -> None:
@@ -72,14 +73,14 @@ class QueueClient:
         self.metrics.tenant_requests.labels(tenant.id).inc(len(requests))
 
     async def enqueue(self, request: GenerateRequest) -> None:
-        """Enqueue with the weight of the request's tenant; 409 for an id in use (and the
-        tenant's concurrency given back for anything not enqueued)."""
-        tenant = self.tenants.tenant(request.tenant)
+        """Enqueue with the weight of the request's tenant; 409 for an id in use (the
+        tenant's concurrency is given back for anything else not enqueued: an id in use
+        keeps its slot, which is the running job's)."""
+        tenant = self.tenants.directory.tenant(request.tenant)
         try:
             await self.client.enqueue(request, weight=tenant.weight)
         except DuplicateRequestError:
             self.metrics.enqueue_errors.labels("duplicate_id").inc()
-            await self.quotas.release(tenant, [request.request_id])
             mine = public_id(tenant.id, request.request_id)  # the caller's id, not Redis'
             raise APIError(409, f"request_id: {mine!r} is already in use",
                            param="request_id") from None

@@ -6,8 +6,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.tenancy.tenants import tenant_directory
 from protocol.cluster import Replication
 from protocol.cluster_keys import keys_for
 from protocol.keys import Keys
@@ -16,6 +17,17 @@ from protocol.store import Ttls
 
 _NONE_WORDS = frozenset({"", "none", "off", "null"})
 _LIST_FIELDS = frozenset({"api_keys", "allowed_origins"})  # comma-separated in FERRY_*
+
+
+def _api_keys(raw: str) -> tuple[str, ...]:
+    """``FERRY_API_KEYS``' keys (stray commas between keys are harmless). Empty: no keys,
+    no authentication; something that names no key (``" , ,, "``) is refused: it used to
+    turn authentication off without a word."""
+    keys = tuple(k.strip() for k in raw.split(",") if k.strip())
+    if raw.strip() and not keys:
+        raise ValueError(f"api_keys: FERRY_API_KEYS={raw!r} names no key; leave it empty to "
+                         "run without authentication")
+    return keys
 
 
 def _optional(name: str) -> bool:
@@ -41,7 +53,10 @@ class GatewaySettings(BaseModel):
     prefix: str = "ferry"
     api_keys: tuple[str, ...] = Field(
         default=(), description="Empty: no authentication (unless tenants_file); each key "
-        "is its own tenant.")
+        "is its own tenant. FERRY_API_KEYS=' , ' (no key) is refused, not read as empty.")
+    metrics_key: str | None = Field(
+        default=None, min_length=1, description="Bearer token /metrics requires; None: "
+        "/metrics is open without API keys and refused (403) with them.")
     tenants_file: str | None = Field(
         default=None, description="TOML file of tenants: their keys' SHA-256, weights and "
         "quotas (docs/tenants.md); replaces api_keys.")
@@ -121,6 +136,15 @@ class GatewaySettings(BaseModel):
         default=10.0, gt=0, description="A batch whose batcher died moves to another "
         "batcher after this long.")
 
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_are_keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
+        """A key nobody can send (blank, or with spaces a bearer header loses)."""
+        for key in keys:
+            if not key or key != key.strip():
+                raise ValueError("api_keys: a key is blank or has surrounding spaces")
+        return keys
+
     @model_validator(mode="after")
     def _lease_outlasts_polls(self) -> GatewaySettings:
         """A batcher renews its leases between ticks: a lease of fewer than four poll
@@ -155,7 +179,9 @@ class GatewaySettings(BaseModel):
             raw = env.get(f"FERRY_{name.upper()}")
             if raw is None:
                 continue
-            if name in _LIST_FIELDS:
+            if name == "api_keys":
+                values[name] = _api_keys(raw)
+            elif name in _LIST_FIELDS:
                 values[name] = tuple(k.strip() for k in raw.split(",") if k.strip())
             elif raw.strip().lower() in _NONE_WORDS and _optional(name):
                 values[name] = None
@@ -163,3 +189,15 @@ class GatewaySettings(BaseModel):
                 values[name] = raw
         values.update(overrides)
         return cls.model_validate(values)
+
+
+def checked_settings(command: str, **overrides: Any) -> GatewaySettings:
+    """``ferry gateway``'s and ``ferry batcher``'s settings: ``from_env`` with the tenants
+    checked too (``gateway.tenancy.tenants``). A bad value (a blank API key, a tenant's
+    weight out of range) exits with the message naming the field, before anything runs."""
+    try:
+        settings = GatewaySettings.from_env(**overrides)
+        tenant_directory(settings)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        raise SystemExit(f"{command}: {exc}") from None
+    return settings

@@ -39,6 +39,12 @@ from typing import Any
 from protocol.models import GenerateRequest
 from protocol.tenancy import DEFAULT_TENANT
 
+MIN_WEIGHT = 1e-3
+MAX_WEIGHT = 1e3
+"""The weights a tenant may have. A weight divides every charge: one near zero (``1e-320``)
+or infinite drove a counter, and from it the lane's floor, to infinity, where every tenant
+ties for good. The pull clamps a weight it finds outside this range (an older producer's)."""
+
 DIRECT_COST = 64
 """What an adopted (directly XADDed) entry is charged up front; corrected when it ends."""
 
@@ -79,6 +85,16 @@ def fair_keys(stream: str) -> list[str]:
     return [ready(stream), counters(stream), weights(stream), bell(stream)]
 
 
+def check_weight(weight: float) -> float:
+    """``weight`` as a float, or ValueError unless it is finite and within
+    [``MIN_WEIGHT``, ``MAX_WEIGHT``]."""
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not (
+            MIN_WEIGHT <= weight <= MAX_WEIGHT):  # NaN fails every comparison
+        raise ValueError(f"weight: {weight!r} must be a number from {MIN_WEIGHT:g} to "
+                         f"{MAX_WEIGHT:g}")
+    return float(weight)
+
+
 def prompt_hint(request: GenerateRequest) -> int:
     """The prompt's tokens, known before any tokenizer runs: its token ids, or about four
     characters a token. What the fair pull charges (the prompt is served at once, by the
@@ -98,13 +114,25 @@ def cost_hint(request: GenerateRequest) -> int:
     return prompt_hint(request) + request.params.max_tokens * request.params.num_candidates
 
 
-# Shared Lua: the lift rule, as a function of (ready, vtc, tenant).
-_LIFT = """
+# Shared Lua: a weight as the scripts use it (clamped: a bad one an older producer wrote
+# must not make a counter infinite), a counter that is not finite read as 0 (one an older
+# version let grow infinite heals when its tenant re-enters), and the lift rule.
+_LIFT = f"""
+local function finite(x)
+  if x == nil or x ~= x or x == math.huge or x == -math.huge then return 0 end
+  return x
+end
+local function weight_of(w, tenant)
+  local x = tonumber(redis.call('HGET', w, tenant) or '1')
+  if x == nil or x ~= x then return 1 end
+  return math.min(math.max(x, {MIN_WEIGHT!r}), {MAX_WEIGHT!r})
+end
+""" + """
 local function lift(ready, vtc, tenant)
   if redis.call('ZSCORE', ready, tenant) then return end
-  local c = tonumber(redis.call('HGET', vtc, tenant) or '0')
+  local c = finite(tonumber(redis.call('HGET', vtc, tenant) or '0'))
   local low = redis.call('ZRANGE', ready, 0, 0, 'WITHSCORES')
-  local floor = tonumber(low[2] or redis.call('HGET', vtc, ':floor') or '0')
+  local floor = finite(tonumber(low[2] or redis.call('HGET', vtc, ':floor') or '0'))
   -- just under the floor: an arriving tenant goes first among equals (a tie would go
   -- to the smaller id), for a thousandth of a token of credit
   if floor > c then c = floor - 0.001 end
@@ -134,7 +162,7 @@ def push_args(keys_stream: str, request: GenerateRequest, weight: float,
     """(KEYS, ARGV) of ``PUSH_LUA`` (or of ``push(a, b)`` inside a bigger script)."""
     tenant = request.tenant or DEFAULT_TENANT
     return ([*fair_keys(keys_stream), backlog(keys_stream, tenant)],
-            [tenant, repr(float(weight)), prompt_hint(request), payload])
+            [tenant, repr(check_weight(weight)), prompt_hint(request), payload])
 
 
 # KEYS: stream, ready, vtc, weights, bell. ARGV: group, consumer, count, direct cost,
@@ -180,7 +208,7 @@ for n = 1, tonumber(ARGV[3]) do
     out[#out + 1] = got[1][2][1][1]
     out[#out + 1] = got[1][2][1][2]
     taken = taken + 1
-    c = c + cost / tonumber(redis.call('HGET', w, tenant) or '1')
+    c = c + cost / weight_of(w, tenant)
     redis.call('HSET', vtc, tenant, c)
   end
   if redis.call('LLEN', prefix .. tenant) > 0 then
@@ -202,8 +230,8 @@ return out
 
 # KEYS: vtc, ready, weights. ARGV: tenant, tokens (may be negative). The correction once
 # a request ends: what it really used minus what the pull charged, divided by the weight.
-CHARGE_LUA = """
-local w = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '1')
+CHARGE_LUA = _LIFT + """
+local w = weight_of(KEYS[3], ARGV[1])
 local c = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') + tonumber(ARGV[2]) / w
 redis.call('HSET', KEYS[1], ARGV[1], c)
 if redis.call('ZSCORE', KEYS[2], ARGV[1]) then redis.call('ZADD', KEYS[2], c, ARGV[1]) end

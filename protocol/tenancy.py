@@ -17,7 +17,9 @@ DEFAULT_TENANT = "default"
 """The tenant of a request that names none: old producers, and a gateway without keys."""
 
 TENANT_PATTERN = r"^[A-Za-z0-9_-]{1,40}$"
-"""Tenant ids become part of Redis key names: short, key-safe, and never ``::``."""
+"""Tenant ids become part of Redis key names: short, key-safe, and never ``::``. Python
+checks it with ``fullmatch`` (``re.match`` lets ``$`` match before a final newline, and a
+name ending in one was accepted here but refused by the models' pattern)."""
 
 SEPARATOR = "::"
 _TENANT_RE = re.compile(TENANT_PATTERN)
@@ -25,7 +27,7 @@ _TENANT_RE = re.compile(TENANT_PATTERN)
 
 def check_tenant(tenant: str) -> str:
     """``tenant`` itself, or ValueError naming the rule it breaks."""
-    if not _TENANT_RE.match(tenant):
+    if not _TENANT_RE.fullmatch(tenant):
         raise ValueError(f"tenant: {tenant!r} must match {TENANT_PATTERN}")
     return tenant
 

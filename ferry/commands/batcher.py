@@ -40,10 +40,11 @@ def batcher(
     import asyncio
 
     from gateway.batcher.driver import run_batcher
-    from gateway.settings import GatewaySettings
+    from gateway.settings import checked_settings
     from observability.logging import configure_logging
 
     configure_logging(level=log_level)
     overrides = given(redis_url=redis_url, prefix=prefix, redis_cluster=redis_cluster,
                       stream_shards=stream_shards)
-    asyncio.run(run_batcher(GatewaySettings.from_env(**overrides), batcher_id, health_file))
+    settings = checked_settings("ferry batcher", **overrides)  # a bad tenants file: exit
+    asyncio.run(run_batcher(settings, batcher_id, health_file))

@@ -1,5 +1,5 @@
-"""Liveness, readiness, version and metrics: unauthenticated, for orchestrators, load
-generators and Prometheus.
+"""Liveness, readiness, version and metrics: for orchestrators, load generators and
+Prometheus, without an API key (``/metrics`` has its own, ``require_metrics_key``).
 
 * ``/healthz``: the process serves HTTP (a liveness probe: a restart would not help Redis).
 * ``/readyz`` and vLLM's ``/health`` (GET, HEAD) and ``/ping`` (GET, POST): 200 when a
@@ -17,11 +17,12 @@ import functools
 from importlib import metadata
 
 import structlog
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
+from gateway.admission import require_metrics_key
 from gateway.queue_client import QueueClient
 
 router = APIRouter()
@@ -88,7 +89,7 @@ def _version() -> str:
         return "unknown"
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(require_metrics_key)])
 async def metrics(request: Request) -> Response:
     queue: QueueClient = request.app.state.queue
     return Response(queue.metrics.render(), media_type=CONTENT_TYPE_LATEST)

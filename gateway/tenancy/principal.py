@@ -33,9 +33,10 @@ def principal(request: Request) -> str:
     return tenant(request).id
 
 
-def key_principal(api_key: str) -> str:
-    """The tenant id of a key given in ``FERRY_API_KEYS`` (``gateway.tenancy.tenants``)."""
-    return key_tenant_id(api_key)
+def key_principal(api_key: str, secret: bytes) -> str:
+    """The tenant id of a key given in ``FERRY_API_KEYS``, under the deployment's naming
+    secret (``gateway.tenancy.naming``)."""
+    return key_tenant_id(api_key, secret)
 
 
 def scoped(who: Tenant, requests: list[GenerateRequest]) -> list[GenerateRequest]:
@@ -52,7 +53,7 @@ def scoped(who: Tenant, requests: list[GenerateRequest]) -> list[GenerateRequest
 def job_id(who: Tenant, public: str) -> str | None:
     """The Redis id of ``who``'s job ``public``, or None if it cannot name one of its jobs
     (the route answers 404, as for an unknown id)."""
-    if not _ID_RE.match(public):
+    if not _ID_RE.fullmatch(public):
         return None
     try:
         return scoped_id(who.id, public)

@@ -6,11 +6,20 @@
   minute (``INCRBY`` under a script, so concurrent gateways cannot overshoot together);
 * ``max_concurrent``: requests admitted and not yet ended. A ZSET per tenant holds the
   request ids admitted, scored by when they expire at the latest; nobody has to remember
-  to decrement it: when it looks full, the members whose job has ended (or expired, or
-  whose worker died and the job was finished by another) are swept out by reading their
-  job hashes, so a crash, cancel or expiry anywhere frees the slot.
+  to decrement it: when it looks full, the gateway reads the members' job hashes and the
+  admission script drops those whose job has ended (or expired, or whose worker died and
+  the job was finished by another), so a crash, cancel or expiry anywhere frees the slot.
 
-Over a quota: 429 with ``Retry-After`` and a message naming the quota.
+Admission is one script per quota that cleans, counts and adds, so a burst on several
+gateways admits exactly the limit. A member admitted a moment ago has no job hash yet (it
+is enqueued after admission): it counts until ``ENQUEUE_GRACE_S`` after its admission
+(dropping it as "expired" let 40 simultaneous requests through a limit of 3 in 12), and
+the script drops a member only if its score is still the one read (re-admitted: kept).
+
+A request that exceeds a quota by itself (a ``priority`` the tenant may not use, more
+prompts than ``max_concurrent``, a budget over ``tokens_per_minute``) can never be
+admitted: 403 ``permission_error`` naming the parameter, never retried by SDKs. A
+request over what is left now: 429 with ``Retry-After``. Both name the quota.
 """
 
 from __future__ import annotations
@@ -25,24 +34,36 @@ from protocol.fair import cost_hint
 from protocol.keys import Keys
 from protocol.models import TERMINAL_STATES, GenerateRequest
 
+ENQUEUE_GRACE_S = 60.0
+"""How long an admitted request without a job hash still counts as in flight: it is being
+enqueued (a gateway that died in between frees its slot after this long)."""
+
 # KEYS: the minute's counter. ARGV: cost, limit, ttl. Returns the count before, or -1
 # when it was admitted.
 TPM_LUA = """
 local used = tonumber(redis.call('GET', KEYS[1]) or '0')
-if used + tonumber(ARGV[1]) > tonumber(ARGV[2]) and used > 0 then return used end
+if used + tonumber(ARGV[1]) > tonumber(ARGV[2]) then return used end
 redis.call('INCRBY', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 return -1
 """
 
-# KEYS: the in-flight ZSET. ARGV: now, limit, expiry, ids... Returns the count in flight,
-# or -1 when the ids were added.
+# KEYS: the in-flight ZSET. ARGV: now, limit, expiry, k, k ids, then (member, score) pairs
+# seen ended (dropped if their score is unchanged). Returns the count in flight, or -1
+# when the ids were added.
 CONCURRENT_LUA = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local now, k = tonumber(ARGV[1]), tonumber(ARGV[4])
+for i = 5 + k, #ARGV, 2 do
+  local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
+  if score and tonumber(score) == tonumber(ARGV[i + 1]) then
+    redis.call('ZREM', KEYS[1], ARGV[i])
+  end
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local n = redis.call('ZCARD', KEYS[1])
-if n + #ARGV - 3 > tonumber(ARGV[2]) then return n end
-for i = 4, #ARGV do redis.call('ZADD', KEYS[1], ARGV[3], ARGV[i]) end
-redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[3]) - tonumber(ARGV[1])) + 60)
+if n + k > tonumber(ARGV[2]) then return n end
+for i = 5, 4 + k do redis.call('ZADD', KEYS[1], ARGV[3], ARGV[i]) end
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[3]) - now) + 60)
 return -1
 """
 
@@ -62,6 +83,12 @@ def _over(quota: str, message: str, retry_after_s: int) -> APIError:
                     headers={"Retry-After": str(max(1, retry_after_s))})
 
 
+def _never(quota: str, param: str, message: str) -> APIError:
+    """A request this tenant may never make: retrying cannot help, so no 429."""
+    return APIError(403, f"quota {quota}: {message}", param=param, type_="permission_error",
+                    code=f"quota_{quota}")
+
+
 class Quotas:
     """The quota checks of one gateway, on its async client."""
 
@@ -72,15 +99,12 @@ class Quotas:
         self.retry_after_s = retry_after_s
 
     async def admit(self, tenant: Tenant, requests: list[GenerateRequest]) -> None:
-        """Raise 429 naming the first quota the requests would exceed; otherwise count
-        them (tokens and concurrency) as admitted."""
-        if tenant.max_priority is not None:
-            low = min(r.priority for r in requests)
-            if low < tenant.max_priority:
-                raise _over("max_priority", f"priority {low} is higher than this tenant may "
-                            f"use (lowest allowed: {tenant.max_priority})", self.retry_after_s)
+        """403 for requests no wait can admit, 429 naming the first quota they would exceed
+        now; otherwise count them (tokens and concurrency) as admitted."""
+        cost = sum(cost_hint(r) for r in requests)
+        _check_never(tenant, requests, cost)
         if tenant.tokens_per_minute is not None:
-            await self._tokens(tenant, sum(cost_hint(r) for r in requests))
+            await self._tokens(tenant, cost)
         if tenant.max_concurrent is not None:
             await self._concurrent(tenant, [r.request_id for r in requests])
 
@@ -102,35 +126,61 @@ class Quotas:
     async def _concurrent(self, tenant: Tenant, ids: list[str]) -> None:
         limit = tenant.max_concurrent or 0
         key = inflight_key(self.keys, tenant.id)
-        for attempt in range(2):
-            now = time.time()
-            found = int(await self._eval(CONCURRENT_LUA, [key],
-                                         [now, limit, now + self.job_ttl_s, *ids]))
-            if found < 0:
-                return
-            if attempt == 0:
-                await self._sweep(key)
-        raise _over("max_concurrent", f"{found} requests of this tenant are in flight "
-                    f"(limit {limit})", self.retry_after_s)
+        found = await self._add(key, limit, ids, [])
+        if found >= 0:  # looks full: drop what has ended, then try again
+            ended = await self._ended(key)
+            if ended:
+                found = await self._add(key, limit, ids, ended)
+        if found >= 0:
+            raise _over("max_concurrent", f"{found} requests of this tenant are in flight "
+                        f"(limit {limit})", self.retry_after_s)
 
-    async def _sweep(self, key: str) -> None:
-        """Drop the members whose job has ended or expired."""
+    async def _add(self, key: str, limit: int, ids: list[str], ended: list[Any]) -> int:
+        now = time.time()
+        return int(await self._eval(CONCURRENT_LUA, [key], [
+            repr(now), limit, repr(now + self.job_ttl_s), len(ids), *ids, *ended]))
+
+    async def _ended(self, key: str) -> list[Any]:
+        """(member, score) pairs, flat, of the members whose job has ended or expired; a
+        member without a job hash admitted under ``ENQUEUE_GRACE_S`` ago is being enqueued."""
         redis = self.client.redis
-        members = [m.decode() if isinstance(m, bytes) else str(m)
-                   for m in await redis.zrange(key, 0, -1)]
+        members = [(_text(m), float(score))
+                   for m, score in await redis.zrange(key, 0, -1, withscores=True)]
         if not members:
-            return
+            return []
         pipe = redis.pipeline(transaction=False)
-        for rid in members:
+        for rid, _score in members:
             pipe.hget(self.keys.job(rid), "state")
         states = await pipe.execute()
-        ended = [rid for rid, state in zip(members, states, strict=True)
-                 if state is None or _text(state) in TERMINAL_STATES]
-        if ended:
-            await redis.zrem(key, *ended)
+        now = time.time()
+        ended: list[Any] = []
+        for (rid, score), state in zip(members, states, strict=True):
+            admitted_at = score - self.job_ttl_s
+            if state is None and now - admitted_at < ENQUEUE_GRACE_S:
+                continue
+            if state is None or _text(state) in TERMINAL_STATES:
+                ended += [rid, repr(score)]
+        return ended
 
     async def _eval(self, script: str, keys: list[str], argv: list[Any]) -> Any:
         return await self.client.redis.eval(script, len(keys), *keys, *argv)  # type: ignore[misc]
+
+
+def _check_never(tenant: Tenant, requests: list[GenerateRequest], cost: int) -> None:
+    """403 for what no wait can admit: a lane the tenant may not use, more prompts than its
+    concurrency, a budget over its minute's tokens."""
+    if tenant.max_priority is not None:
+        low = min(r.priority for r in requests)
+        if low < tenant.max_priority:
+            raise _never("max_priority", "priority", f"priority {low} is higher than this "
+                         f"tenant may use (lowest allowed: {tenant.max_priority})")
+    if tenant.max_concurrent is not None and len(requests) > tenant.max_concurrent:
+        raise _never("max_concurrent", "prompt", f"{len(requests)} prompts in one request "
+                     f"exceed this tenant's {tenant.max_concurrent} requests in flight")
+    if tenant.tokens_per_minute is not None and cost > tenant.tokens_per_minute:
+        raise _never("tokens_per_minute", "max_tokens", f"this request may use {cost} "
+                     f"tokens (prompt and max_tokens x candidates), more than this tenant's "
+                     f"{tenant.tokens_per_minute} per minute")
 
 
 def _text(value: Any) -> str:

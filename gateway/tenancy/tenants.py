@@ -5,7 +5,10 @@ Three ways to configure them, decided once at startup:
 * no keys: one tenant, the default one (``protocol.tenancy.DEFAULT_TENANT``), no quotas:
   nothing changes for a gateway without authentication;
 * ``FERRY_API_KEYS=k1,k2``: each key is its own tenant, named ``key-`` and 16 hex digits
-  of the key's SHA-256 (stable across gateways, useless for recovering the key), weight 1;
+  of an HMAC-SHA256 of the key under the deployment's naming secret
+  (``gateway.tenancy.naming``, kept in Redis): the same on every gateway and across
+  restarts, and nothing a guessed key can be checked against (an unsalted hash of the key
+  was: a weak key fell to a word list). Weight 1;
 * ``FERRY_TENANTS_FILE``: a TOML file naming tenants with their keys' SHA-256 (never the
   keys), a weight and optional quotas (``docs/tenants.md``)::
 
@@ -16,7 +19,9 @@ Three ways to configure them, decided once at startup:
       tokens_per_minute = 200000
       max_priority = 0
 
-A bad file stops the gateway at startup with the tenant and field named.
+A bad file stops the gateway and ``ferry batcher`` at startup with the tenant and field
+named: weights must be finite and within ``protocol.fair``'s range, names printable
+characters of ``protocol.tenancy.TENANT_PATTERN``.
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tomllib
 
+from protocol.fair import check_weight
 from protocol.tenancy import DEFAULT_TENANT, TENANT_PATTERN
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -59,20 +65,39 @@ def key_sha256(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
-def key_tenant_id(api_key: str) -> str:
-    """``key-`` and 16 hex digits of the key's SHA-256."""
-    return "key-" + key_sha256(api_key)[:16]
+def key_tenant_id(api_key: str, secret: bytes) -> str:
+    """``key-`` and 16 hex digits of HMAC-SHA256(``secret``, the key): the tenant of a
+    ``FERRY_API_KEYS`` key. Without the secret, a label says nothing about the key."""
+    return "key-" + hmac.new(secret, api_key.encode(), hashlib.sha256).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
 class TenantDirectory:
-    """API key hash -> tenant; ``None`` table: no authentication, every caller is DEFAULT."""
+    """API key hash -> tenant; no table and no keys: no authentication, every caller is
+    DEFAULT. ``FERRY_API_KEYS`` keys wait in ``unnamed_keys`` until ``named`` gives their
+    tenants the names the deployment's secret derives (``needs_secret`` until then)."""
 
     by_hash: tuple[tuple[str, Tenant], ...] | None = None
+    unnamed_keys: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def authenticated(self) -> bool:
-        return self.by_hash is not None
+        return self.by_hash is not None or bool(self.unnamed_keys)
+
+    @property
+    def needs_secret(self) -> bool:
+        return bool(self.unnamed_keys)
+
+    def named(self, secret: bytes) -> TenantDirectory:
+        """The directory with every ``FERRY_API_KEYS`` key's tenant named (``key_tenant_id``);
+        two keys whose names collide (a 1 in 2^64 chance) are refused, not merged."""
+        if not self.unnamed_keys:
+            return self
+        keys = tuple(dict.fromkeys(self.unnamed_keys))
+        table = tuple((key_sha256(k), Tenant(key_tenant_id(k, secret))) for k in keys)
+        if len({t.id for _, t in table}) != len(table):
+            raise ValueError("api_keys: two keys got the same tenant name; replace one")
+        return TenantDirectory((*(self.by_hash or ()), *table))
 
     def tenant(self, tenant_id: str | None) -> Tenant:
         """The tenant named on a request (``None``, or an unknown id: weight 1, no quotas)."""
@@ -84,22 +109,23 @@ class TenantDirectory:
     def resolve(self, api_key: str | None) -> Tenant | None:
         """The tenant of ``api_key``; None if it is no tenant's key. Every stored hash is
         compared, in constant time, so timing reveals neither the key nor the match."""
-        if self.by_hash is None:
+        if not self.authenticated:
             return DEFAULT
+        if self.needs_secret:
+            raise RuntimeError("the FERRY_API_KEYS tenants are not named yet (named())")
         if not api_key:
             return None
         digest = key_sha256(api_key).encode()
         found = None
-        for stored, tenant in self.by_hash:
+        for stored, tenant in self.by_hash or ():
             if hmac.compare_digest(digest, stored.encode()):
                 found = tenant
         return found
 
     @classmethod
     def from_keys(cls, api_keys: tuple[str, ...]) -> TenantDirectory:
-        if not api_keys:
-            return cls(None)
-        return cls(tuple((key_sha256(k), Tenant(key_tenant_id(k))) for k in api_keys))
+        """``FERRY_API_KEYS``' directory, its tenants still to be ``named``."""
+        return cls(None, tuple(api_keys))
 
     @classmethod
     def from_file(cls, path: str | Path) -> TenantDirectory:
@@ -121,10 +147,10 @@ class TenantDirectory:
 
 
 def _parse_tenant(name: str, spec: Any) -> tuple[Tenant, list[str]]:
-    where = f"tenants_file: tenants.{name}"
-    if not re.match(TENANT_PATTERN, name) or name == DEFAULT_TENANT:
-        raise ValueError(f"{where}: the name must match {TENANT_PATTERN} and not be "
-                         f"{DEFAULT_TENANT!r}")
+    where = f"tenants_file: tenants.{name if name.isprintable() else repr(name)}"
+    if name == DEFAULT_TENANT or not re.fullmatch(TENANT_PATTERN, name):
+        raise ValueError(f"{where}: the name must be printable characters matching "
+                         f"{TENANT_PATTERN}, and not {DEFAULT_TENANT!r}")
     if not isinstance(spec, dict):
         raise ValueError(f"{where}: must be a table")
     unknown = set(spec) - _FIELDS
@@ -132,18 +158,19 @@ def _parse_tenant(name: str, spec: Any) -> tuple[Tenant, list[str]]:
         raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
     hashes = spec.get("keys_sha256")
     if not isinstance(hashes, list) or not hashes or not all(
-            isinstance(h, str) and _SHA256_RE.match(h) for h in hashes):
+            isinstance(h, str) and _SHA256_RE.fullmatch(h) for h in hashes):
         raise ValueError(f"{where}.keys_sha256: a non-empty list of lowercase hex SHA-256 "
                          "digests (64 characters each) of the tenant's API keys")
-    weight = spec.get("weight", 1)
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
-        raise ValueError(f"{where}.weight: must be a number > 0")
+    try:
+        weight = check_weight(spec.get("weight", 1))
+    except ValueError as exc:
+        raise ValueError(f"{where}.{exc}") from None
     quotas = {f: _positive_int(where, f, spec.get(f))
               for f in ("max_concurrent", "tokens_per_minute")}
     priority = spec.get("max_priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise ValueError(f"{where}.max_priority: must be an integer")
-    return Tenant(name, float(weight), quotas["max_concurrent"], quotas["tokens_per_minute"],
+    return Tenant(name, weight, quotas["max_concurrent"], quotas["tokens_per_minute"],
                   priority), hashes
 
 

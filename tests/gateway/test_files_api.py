@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from gateway.settings import GatewaySettings
+from gateway.tenancy.naming import secret_key
 from gateway.tenancy.principal import key_principal
 from protocol.keys import Keys
 from tests.gateway.server import GatewayServer
@@ -57,7 +58,8 @@ def test_upload_retrieve_content_list_delete(gateway: GatewayServer,
     assert alice.files.retrieve(made.id) == made
     assert alice.files.content(made.id).content == data
     stored = redis_client.hgetall(KEYS.file(made.id))
-    assert stored[b"owner"].decode() == key_principal("alice-key")
+    secret = redis_client.get(secret_key(KEYS))  # the key's tenant, named by the secret
+    assert stored[b"owner"].decode() == key_principal("alice-key", secret)
     assert int(stored[b"requests"]) == 7 and int(stored[b"lines"]) == 10
     assert 3500 < redis_client.ttl(KEYS.file_lines(made.id)) <= 3600
     assert made.id in [f.id for f in alice.files.list()]

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from gateway.settings import GatewaySettings
+from gateway.tenancy.naming import secret_key
 from gateway.tenancy.tenants import key_tenant_id
 from protocol import fair
 from protocol.keys import Keys
@@ -26,6 +27,13 @@ from tests.redis_server import RedisServer
 KEYS = Keys()
 A, B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
 HANG = Script(tokens=["x", "y", "z"], hang_after=1)  # one token, then waits for a cancel
+
+
+def _tenant(r: redis.Redis, api_key: str) -> str:
+    """The tenant a FERRY_API_KEYS key got (named with the deployment's secret)."""
+    secret = r.get(secret_key(KEYS))
+    assert secret is not None, "no authenticated request has named the tenants yet"
+    return key_tenant_id(api_key, secret)
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +61,15 @@ def test_another_tenants_job_is_not_found_on_every_route(
     assert own.status_code == 200 and own.json()["state"] == "queued"
     assert own.json()["id"] == own.json()["request_id"] == "only-a"
     # stored under a's namespace: the key names a's tenant, never the API key
-    stored = scoped_id(key_tenant_id("key-a"), "only-a")
+    stored = scoped_id(_tenant(redis_client, "key-a"), "only-a")
     assert redis_client.hget(KEYS.job(stored), "state") == b"queued"
     assert not redis_client.exists(KEYS.job("only-a"))
     assert httpx.delete(url, headers=A).status_code == 202
 
 
 def test_the_same_id_in_two_tenants_is_two_jobs(gateway: GatewayServer,
-                                                 redis_server: RedisServer) -> None:
+                                                 redis_server: RedisServer,
+                                                 redis_client: redis.Redis) -> None:
     """b cannot pre-claim a's id: both get 202 and their own job; a reuse within one
     tenant is still 409."""
     assert _job(gateway, B, "shared-1", "from b").status_code == 202
@@ -79,7 +88,7 @@ def test_the_same_id_in_two_tenants_is_two_jobs(gateway: GatewayServer,
     mine = [q for q in worker.seen if q.request_id.endswith("::shared-1")]
     assert sorted(q.prompt or "" for q in mine) == ["from a", "from b"]  # not "again"
     tenants = sorted(q.tenant or "" for q in mine)
-    assert tenants == sorted([key_tenant_id("key-a"), key_tenant_id("key-b")])
+    assert tenants == sorted([_tenant(redis_client, "key-a"), _tenant(redis_client, "key-b")])
 
 
 def test_cancel_reaches_only_the_owners_running_job(gateway: GatewayServer,
@@ -110,13 +119,13 @@ def test_openai_routes_use_the_callers_namespace(gateway: GatewayServer,
 
 
 def test_bad_keys_and_ids_are_refused_and_shared_routes_stay_shared(
-        gateway: GatewayServer) -> None:
+        gateway: GatewayServer, redis_client: redis.Redis) -> None:
     assert httpx.get(f"{gateway.url}/v1/jobs/x").status_code == 401
     wrong = httpx.get(f"{gateway.url}/v1/jobs/x", headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401
     scoped = _job(gateway, A, "evil::id", "x")  # the namespace separator
     assert scoped.status_code == 400 and scoped.json()["error"]["param"] == "request_id"
-    other = key_tenant_id("key-b") + "::only-b"  # naming b's namespace from a: not found
+    other = _tenant(redis_client, "key-b") + "::only-b"  # naming b's namespace from a: not found
     assert httpx.get(f"{gateway.url}/v1/jobs/{other}", headers=A).status_code == 404
     assert httpx.get(f"{gateway.url}/healthz").status_code == 200
     for who in (A, B):
@@ -136,6 +145,6 @@ def test_a_batch_runs_as_its_owners_tenant(redis_server: RedisServer,
         other = httpx.get(f"{gateway.url}/v1/batches/{batch.id}", headers=B)
     assert done.status == "completed" and other.status_code == 404
     [request] = [q for q in worker.seen if batch.id in q.request_id]
-    owner = key_tenant_id("key-a")
+    owner = _tenant(redis_client, "key-a")
     assert request.tenant == owner and request.request_id.startswith(owner + "::")
     assert redis_client.hget(fair.weights(KEYS.requests_band("low")), owner) == b"1.0"

@@ -239,6 +239,40 @@ def test_real_gateway_http_api_as_gateway_user(server: AclRedis) -> None:
         assert "ferry_gateway_requests_total" in metrics
 
 
+def test_tenants_and_quotas_as_gateway_user(server: AclRedis, tmp_path: Path) -> None:
+    """FERRY_API_KEYS tenants (the naming secret: GET/SET ``ferry:tenant:naming-secret``)
+    and a tenants file's quotas (the admission scripts, the in-flight sweep) as
+    ferry-gateway, with /metrics behind its key."""
+    import hashlib
+
+    import httpx
+
+    from gateway.settings import GatewaySettings
+    from tests.gateway.server import GatewayServer
+
+    url = server.url("ferry-gateway")
+    keyed = GatewaySettings(redis_url=url, api_keys=("k1",), metrics_key="m")
+    with GatewayServer(keyed) as gw:
+        reply = httpx.post(f"{gw.url}/v1/jobs", json={"prompt": "p"}, timeout=10,
+                           headers={"Authorization": "Bearer k1"})
+        assert reply.status_code == 202, reply.text
+        metrics = httpx.get(f"{gw.url}/metrics", headers={"Authorization": "Bearer m"})
+        assert 'ferry_gateway_tenant_requests_total{tenant="key-' in metrics.text
+    path = tmp_path / "tenants.toml"
+    path.write_text(f'[tenants.t]\nkeys_sha256 = ["{hashlib.sha256(b"k2").hexdigest()}"]\n'
+                    "max_concurrent = 1\ntokens_per_minute = 1000\n")
+    with GatewayServer(GatewaySettings(redis_url=url, tenants_file=str(path))) as gw:
+        who = {"Authorization": "Bearer k2"}
+        first = httpx.post(f"{gw.url}/v1/jobs", json={"prompt": "p"}, headers=who, timeout=10)
+        assert first.status_code == 202, first.text
+        full = httpx.post(f"{gw.url}/v1/jobs", json={"prompt": "p"}, headers=who, timeout=10)
+        assert full.status_code == 429 and "max_concurrent" in full.text  # after a sweep
+        job = first.json()["id"]
+        assert httpx.delete(f"{gw.url}/v1/jobs/{job}", headers=who).status_code == 202
+        again = httpx.post(f"{gw.url}/v1/jobs", json={"prompt": "p"}, headers=who, timeout=10)
+        assert again.status_code == 202, again.text  # the sweep dropped the cancelled job
+
+
 def test_batch_api_as_gateway_batcher_and_worker_users(server: AclRedis) -> None:
     """Files and batches over HTTP as ferry-gateway, a batcher as ferry-batcher, a worker as
     ferry-worker: upload, a batch run to its end (with a bad line), the output and error
