@@ -213,7 +213,7 @@ def decode_heartbeat(data: Any) -> WorkerHeartbeat:
 # The job hash is read by humans (redis-cli HGETALL) and by services in other languages, so
 # it holds plain strings: text fields as-is, numbers in decimal, lists/objects as JSON.
 
-_JSON_FIELDS = frozenset({"token_ids", "usage", "timings", "choices"})
+_JSON_FIELDS = frozenset({"token_ids", "usage", "timings", "choices", "stop_reason"})
 _FLOAT_FIELDS = frozenset({"created_at", "started_at", "finished_at"})
 
 

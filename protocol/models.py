@@ -10,22 +10,25 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from protocol.chat_template import check_template_kwargs
 from protocol.sampling import SamplingParams
 from protocol.tenancy import TENANT_PATTERN, check_scoped
 from protocol.values import first_path, out_of_int64, unencodable
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped on any incompatible change; decoders refuse versions they do not know. Version 2
 added fields (logit_bias, structured_output, n, best_of; per-choice events), version 3 more
 (prompt logprobs, echo, fit_to_context; the first event's prompt fields; error codes),
-version 4 the request's ``tenant`` and tenant-scoped request ids (``protocol.tenancy``):
-older messages are still read, and mean the same (the default tenant)."""
+version 4 the request's ``tenant`` and tenant-scoped request ids (``protocol.tenancy``),
+version 5 the prompt controls (chat template switches and kwargs, ``suffix``;
+``truncate_prompt_tokens``, ``bad_words``, ``allowed_token_ids``) and ``stop_reason``:
+older messages are still read, and mean the same."""
 
-SUPPORTED_VERSIONS = frozenset({1, 2, 3, PROTOCOL_VERSION})
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, PROTOCOL_VERSION})
 
 ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 """Request and worker ids become part of Redis key names: only key-safe characters."""
@@ -34,6 +37,9 @@ WIRE_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,200}$"
 """A request id on the wire: a plain id, or a tenant-scoped one (``{tenant}::{id}``, up to
 40 + 2 + 128 characters)."""
 
+StopReason = str | int
+"""What stopped a choice with ``finish_reason`` "stop" (vLLM's ``stop_reason``): the stop
+string that matched, or the stop token id; absent for EOS, a finished grammar or length."""
 FinishReason = Literal["stop", "length", "abort", "error", "timeout", "cancelled"]
 JobState = Literal["queued", "running", "done", "failed", "cancelled", "timeout"]
 ErrorKind = Literal["invalid_request", "internal", "unavailable"]
@@ -92,6 +98,14 @@ class GenerateRequest(_Wire):
     echo: bool = Field(
         default=False, description="Send the prompt's text on the first event (its "
         "``prompt_text``): for a prompt given as token ids, only the worker can decode it.")
+    # How the worker builds the prompt (vLLM's names): the chat template's switches and
+    # extra variables (``messages`` only), and fill-in-the-middle (``prompt`` only).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = Field(default=False, description=(
+        "Leave the last (assistant) message open: the model continues it."))
+    chat_template_kwargs: dict[str, Any] | None = None
+    suffix: str | None = Field(default=None, description=(
+        "The text after the completion (fill-in-the-middle; needs a model with FIM tokens)."))
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> GenerateRequest:
@@ -110,6 +124,7 @@ class GenerateRequest(_Wire):
             raise ValueError("prompt_token_ids: token ids must be >= 0")
         if self.messages is not None and not self.messages:
             raise ValueError("messages: at least one message is required")
+        self._check_prompt_controls()
         dumped = self.model_dump()
         too_big = first_path(dumped, out_of_int64)
         if too_big:
@@ -121,6 +136,26 @@ class GenerateRequest(_Wire):
             raise ValueError("stream: best_of > n cannot be streamed (the best n are chosen "
                              "once every candidate has finished)")
         return self
+
+
+    def _check_prompt_controls(self) -> None:
+        chat = self.messages is not None
+        for name in ("chat_template_kwargs", "continue_final_message"):
+            if getattr(self, name) and not chat:
+                raise ValueError(f"{name}: only for a request with messages")
+        if not self.add_generation_prompt and not chat:
+            raise ValueError("add_generation_prompt: only for a request with messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be used with "
+                             "add_generation_prompt (set it to false)")
+        if self.continue_final_message and self.messages and \
+                self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the last message must be the "
+                             "assistant's")
+        if self.chat_template_kwargs is not None:
+            check_template_kwargs(self.chat_template_kwargs)
+        if self.suffix is not None and self.prompt is None:
+            raise ValueError("suffix: only for a text prompt (fill-in-the-middle)")
 
 
 class Usage(_Wire):
@@ -173,6 +208,7 @@ class ChoiceResult(_Wire):
     token_ids: list[int] | None = None
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
+    stop_reason: StopReason | None = None
 
 
 class TokenEvent(_Wire):
@@ -198,6 +234,9 @@ class TokenEvent(_Wire):
     index: int = Field(default=0, ge=0)
     choice_finish_reason: FinishReason | None = None
     choices: list[ChoiceResult] | None = None
+    # With finish_reason (or choice_finish_reason) "stop": the stop string or stop token id
+    # that ended the request (the choice), vLLM's ``stop_reason``.
+    stop_reason: StopReason | None = None
     # On a request's first event: what is known once its prompt is built and prefilled.
     prompt_tokens: int | None = Field(default=None, ge=0)
     prompt_logprobs: list[PromptLogprob] | None = None  # params.prompt_logprobs
@@ -220,6 +259,7 @@ class JobStatus(_Wire):
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None
     error: str | None = None

@@ -24,6 +24,9 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024
 MAX_N = 128  # the wire's bound on n and best_of; the gateway's own limit is lower (16)
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 256
+MAX_ALLOWED_TOKEN_IDS = 2**18  # more than any vocabulary Ferry serves
 
 
 class SamplingParams(BaseModel):
@@ -79,6 +82,18 @@ class SamplingParams(BaseModel):
     @field_serializer("logit_bias")
     def _string_keys(self, value: dict[int, float] | None) -> dict[str, float] | None:
         return None if value is None else {str(k): v for k, v in value.items()}
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=-1, lt=2**31,
+        description="Keep only the prompt's last k tokens (k >= 1); -1: as many as the "
+        "model's context holds (vLLM's meaning). Applied by the worker after tokenizing.")
+    bad_words: list[str] | None = Field(
+        default=None, max_length=MAX_BAD_WORDS,
+        description="Words never generated: each word's tokens (with and without a leading "
+        "space) are banned, a multi-token word's last token only after the others (vLLM).")
+    allowed_token_ids: list[int] | None = Field(
+        default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
+        description="Only these tokens may be generated (ids checked against the vocabulary "
+        "by the worker).")
     # [structured output] the one constraint the text must follow (protocol/structured.py)
     structured_output: StructuredOutput | None = None
     n: int = Field(default=1, ge=1, le=MAX_N, description="Choices returned per request.")
@@ -94,6 +109,7 @@ class SamplingParams(BaseModel):
             raise ValueError("stop: stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: token ids must be >= 0")
+        self._check_prompt_and_token_fields()
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens: must not exceed max_tokens")
         if self.best_of is not None and self.best_of < self.n:
@@ -105,6 +121,16 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"logit_bias: bias {bias} for token {token} is outside "
                                  "[-100, 100]")
         return self
+
+    def _check_prompt_and_token_fields(self) -> None:
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens: must be an integer >= 1 or -1, got 0")
+        for i, word in enumerate(self.bad_words or []):
+            if not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"bad_words: word {i} must have 1 to {MAX_BAD_WORD_CHARS} "
+                                 "characters, not only spaces")
+        if any(t < 0 for t in self.allowed_token_ids or []):
+            raise ValueError("allowed_token_ids: token ids must be >= 0")
 
     @classmethod
     def coerce(cls, params: SamplingParams | dict[str, Any] | None) -> SamplingParams:

@@ -21,9 +21,16 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+FIM_TOKENS = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
+# Qwen3's switch, as its template reads it: thinking off closes an empty thought first
+THINKING_TEMPLATE = CHAT_TEMPLATE + (
+    "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+    "<|end|>{% endif %}"
+)
 
 
-def build_tokenizer(vocab_size: int = 384) -> Any:
+def build_tokenizer(vocab_size: int = 384, fim: bool = False) -> Any:
+    """``fim``: also FIM special tokens and a chat template with ``enable_thinking``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -32,14 +39,15 @@ def build_tokenizer(vocab_size: int = 384) -> Any:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"],
+        special_tokens=["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>",
+                        *(FIM_TOKENS if fim else [])],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([_CORPUS], trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = THINKING_TEMPLATE if fim else CHAT_TEMPLATE
     return fast
 
 
@@ -60,17 +68,18 @@ ARCHS: dict[str, dict[str, Any]] = {
 
 
 def build_checkpoint(arch: str, root: Path, *, seed: int = 0, layers: int = 2,
-                     hidden: int = 64, max_pos: int = 512) -> str:
-    """Write a random ``arch`` checkpoint plus tokenizer under ``root``; returns its path."""
+                     hidden: int = 64, max_pos: int = 512, fim: bool = False) -> str:
+    """Write a random ``arch`` checkpoint plus tokenizer under ``root``; returns its path.
+    ``fim``: a tokenizer with FIM tokens and a thinking switch (``build_tokenizer``)."""
     import torch
     import transformers
 
-    path = root / arch
+    path = root / (f"{arch}-fim" if fim else arch)
     if (path / "config.json").exists():
         return str(path)
     spec = dict(ARCHS[arch])
     cfg_cls = getattr(transformers, spec.pop("cls"))
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(fim=fim)
     config = cfg_cls(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
         num_hidden_layers=layers, max_position_embeddings=max_pos,

@@ -5,10 +5,12 @@ because it cannot change the output.
 The rule (docs/protocol.md §8): no field that changes the output is silently ignored. A
 field whose meaning Ferry cannot produce (tool calling, beam search, a request-supplied
 chat template, ...) is a 400 naming it, unless its value is one that asks for nothing
-(``tools: []``, ``use_beam_search: false``). A field that cannot change the text (billing,
-storage, tracing, a backend choice) is accepted and ignored. Fields Ferry honours are
-declared on the body models (``gateway/openai_api/schemas.py``); anything else is unknown and
-ignored with a log line, as OpenAI-compatible servers do. ``tests/gateway`` checks that
+(``tools: []``, ``use_beam_search: false``); so is a field honoured on one route only
+(``suffix`` on completions, the chat template's switches on chat) sent to the other. A
+field that cannot change the text (billing, storage, tracing, a backend choice) is
+accepted and ignored. Fields Ferry honours are declared on the body models
+(``gateway/openai_api/schemas.py``); anything else is unknown and ignored with a log line,
+as OpenAI-compatible servers do. ``tests/gateway`` checks that
 docs/protocol.md names every field listed here.
 """
 
@@ -32,14 +34,10 @@ REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "web_search_options": (None,),
     "reasoning_effort": (None,),
     "verbosity": (None,),
-    "suffix": (None, ""),
     # vLLM sampling and prompt extras
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
     "spaces_between_special_tokens": (None, True),
-    "truncate_prompt_tokens": (None,),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
     "logits_processors": (None, []),
     "return_token_ids": (None, False),
     "prompt_embeds": (None,),
@@ -47,14 +45,20 @@ REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "cache_salt": (None,),  # isolation the shared prefix cache cannot give: refuse it
     "kv_transfer_params": (None, {}),
     "vllm_xargs": (None, {}),
-    # vLLM chat template controls
-    "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
+    # vLLM chat template controls (the switches and kwargs are honoured: ROUTE_ONLY)
     "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "documents": (None, []),
     "mm_processor_kwargs": (None, {}),
 }
+# field -> (the one route that honours it, the values that ask for nothing): on the other
+# route the field means nothing, and is refused unless harmless
+ROUTE_ONLY: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "suffix": ("completions", (None, "")),  # fill-in-the-middle, where the model has FIM tokens
+    "add_generation_prompt": ("chat", (None, True)),
+    "continue_final_message": ("chat", (None, False)),
+    "chat_template_kwargs": ("chat", (None, {})),
+}
+_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # add_special_tokens: vLLM's default differs by route; only the default is possible
 ADD_SPECIAL_TOKENS_DEFAULT = {"completions": True, "chat": False}
 
@@ -78,12 +82,16 @@ def refuse_unsupported(extra: Mapping[str, Any], route: str) -> list[str]:
     for name, harmless in REFUSED_UNLESS.items():
         if name in extra and not any(_same(extra[name], h) for h in harmless):
             raise APIError(400, f"{name}: not supported by this server", param=name)
+    for name, (honoured, harmless) in ROUTE_ONLY.items():
+        if route != honoured and name in extra \
+                and not any(_same(extra[name], h) for h in harmless):
+            raise APIError(400, f"{name}: only for {_PATHS[honoured]}", param=name)
     if "add_special_tokens" in extra and not _same(
             extra["add_special_tokens"], ADD_SPECIAL_TOKENS_DEFAULT[route]):
         raise APIError(400, "add_special_tokens: only the default "
                        f"({str(ADD_SPECIAL_TOKENS_DEFAULT[route]).lower()}) is supported",
                        param="add_special_tokens")
-    known = REFUSED_UNLESS.keys() | IGNORED.keys() | {"add_special_tokens"}
+    known = REFUSED_UNLESS.keys() | ROUTE_ONLY.keys() | IGNORED.keys() | {"add_special_tokens"}
     return sorted(name for name in extra if name not in known)
 
 

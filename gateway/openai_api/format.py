@@ -24,7 +24,7 @@ from gateway.openai_api.logprobs import (
 )
 from gateway.openai_api.response_shape import ResponseShape
 from gateway.sse import json_bytes, sse
-from protocol.models import ChoiceResult, PromptLogprob, TokenEvent, Usage
+from protocol.models import ChoiceResult, PromptLogprob, StopReason, TokenEvent, Usage
 
 
 def usage_body(prompt: int, completion: int) -> dict[str, int]:
@@ -104,10 +104,11 @@ class Formatter:
             usage = final.usage or Usage()
             prompt_total += usage.prompt_tokens
             completion_total += usage.completion_tokens if self.shape.generate else 0
-            parts = [(c.index, *_choice_content(c, events), c.finish_reason)
+            parts = [(c.index, *_choice_content(c, events), (c.finish_reason, c.stop_reason))
                      for c in final.choices] if final.choices else \
-                [(0, "".join(e.text for e in events), list(events), final.finish_reason)]
-            choices += [self._choice(p, i, text, evs, reason) for i, text, evs, reason in parts]
+                [(0, "".join(e.text for e in events), list(events),
+                  (final.finish_reason, final.stop_reason))]
+            choices += [self._choice(p, i, text, evs, *end) for i, text, evs, end in parts]
         body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage_body(prompt_total, completion_total)
         if self.chat and self.shape.prompt_logprobs:
@@ -115,20 +116,20 @@ class Formatter:
         return body
 
     def _choice(self, p: int, i: int, text: str, events: Sequence[TokenEvent],
-                reason: str | None) -> dict[str, Any]:
+                reason: str | None, stop_reason: StopReason | None) -> dict[str, Any]:
         index = self.shape.index(p, i)
         echo = self._echo_text(p)
         if not self.shape.generate:
-            text, events, reason = "", [], "length"
+            text, events, reason, stop_reason = "", [], "length", None
         if self.chat:
             lp = chat_content(entries_of(events), self.shape.token_ids_as_text) \
                 if any(e.logprobs is not None for e in events) else None
             return {"index": index, "message": {"role": "assistant", "content": echo + text},
-                    "logprobs": lp, "finish_reason": reason}
+                    "logprobs": lp, "finish_reason": reason, "stop_reason": stop_reason}
         choice = {"index": index, "text": echo + text,
                   "logprobs": self._completion_logprobs(p, events, echo, CompletionLogprobs(
                       self.shape.token_ids_as_text)),
-                  "finish_reason": reason}
+                  "finish_reason": reason, "stop_reason": stop_reason}
         if self.shape.prompt_logprobs:
             choice["prompt_logprobs"] = self._vllm_prompt_logprobs(p)
         return choice
@@ -176,7 +177,8 @@ class Formatter:
             if (event.text or event.logprobs) and self.shape.generate:
                 parts.append(self._token_frame(p, index, event))
             if event.choice_finish_reason is not None:
-                parts.append(self.finish_frame(p, index, event.choice_finish_reason))
+                parts.append(self.finish_frame(p, index, event.choice_finish_reason,
+                                               event.stop_reason))
             if event.finish_reason is None:
                 continue
             error = failure(event)
@@ -227,13 +229,17 @@ class Formatter:
                                         if self.shape.generate else 0)
         return chunk
 
-    def finish_frame(self, p: int, index: int, reason: str | None) -> bytes:
-        """The chunk closing one choice (sent once per choice)."""
+    def finish_frame(self, p: int, index: int, reason: str | None,
+                     stop_reason: StopReason | None = None) -> bytes:
+        """The chunk closing one choice (sent once per choice), with vLLM's
+        ``stop_reason``: the stop string or stop token id, else null."""
         self._finished.add(index)
         if not self.shape.generate:
-            reason = "length"
+            reason, stop_reason = "length", None
         delta: dict[str, Any] | None = {} if self.chat else None
-        return sse(self._with_usage(p, self._chunk(index, delta, finish_reason=reason)))
+        chunk = self._chunk(index, delta, finish_reason=reason)
+        chunk["choices"][0]["stop_reason"] = stop_reason
+        return sse(self._with_usage(p, chunk))
 
     def _close_prompt(self, p: int, final: TokenEvent) -> list[bytes]:
         """At prompt ``p``'s terminal event: finish chunks for its choices still open."""
@@ -241,8 +247,9 @@ class Formatter:
         if final.usage is not None:
             state.prompt_tokens = final.usage.prompt_tokens or state.prompt_tokens
             state.completion_tokens = final.usage.completion_tokens
-        reasons = {c.index: c.finish_reason for c in final.choices or []}
-        return [self.finish_frame(p, self.shape.index(p, i), reasons.get(i, final.finish_reason))
+        ends = {c.index: (c.finish_reason, c.stop_reason) for c in final.choices or []}
+        return [self.finish_frame(p, self.shape.index(p, i),
+                                  *ends.get(i, (final.finish_reason, final.stop_reason)))
                 for i in range(self.shape.n) if self.shape.index(p, i) not in self._finished]
 
     def _chunk(self, index: int, delta: dict[str, Any] | None, text: str = "",

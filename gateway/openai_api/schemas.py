@@ -10,7 +10,7 @@ prompt ``p`` is returned as index ``p * n + i``, as OpenAI and vLLM do.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -30,7 +30,9 @@ _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "ignore_eos", "min_tokens", "stop_token_ids",
     "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "prompt_logprobs",
+    "truncate_prompt_tokens", "bad_words", "allowed_token_ids",
 )
+ChatRole = Literal["system", "user", "assistant", "tool", "developer", "function"]  # OpenAI's
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
 
@@ -68,6 +70,9 @@ class _OpenAIBase(StructuredFields):  # [structured output] response_format, gui
     include_stop_str_in_output: bool | None = None
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool | None = None
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
     # Ferry extras
@@ -136,6 +141,7 @@ class CompletionRequest(_OpenAIBase):
     max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = None
     best_of: int | None = None
+    suffix: str | None = None  # fill-in-the-middle: the worker refuses it without FIM tokens
 
     def to_generate_requests(
         self, settings: GatewaySettings
@@ -160,11 +166,14 @@ class CompletionRequest(_OpenAIBase):
             prompt=p if isinstance(p, str) else None,
             prompt_token_ids=p if isinstance(p, list) else None, priority=self.priority,
             timeout_s=self.timeout_s, model=self.model, stream=self.stream,
-            echo=self.echo or None,
+            echo=self.echo or None, suffix=self.suffix or None,
         ) for i, p in enumerate(prompts)]
+        # a truncated prompt's echo is what the worker kept (its prompt_text)
+        kept = params.truncate_prompt_tokens is None
         shape = self._shape(False, request_id=base, echo=self.echo, generate=generate,
                             prompts=len(prompts),
-                            echo_texts=[p if isinstance(p, str) else None for p in prompts])
+                            echo_texts=[p if isinstance(p, str) and kept else None
+                                        for p in prompts])
         return requests, shape
 
 
@@ -189,7 +198,7 @@ class TextPart(BaseModel):
 
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: str = Field(min_length=1, max_length=64)
+    role: ChatRole  # anything else: a 400 naming messages.<i>.role
     content: str | list[TextPart] | None = None
 
     def to_protocol(self, index: int) -> ChatMessage:
@@ -211,6 +220,11 @@ class ChatCompletionRequest(_OpenAIBase):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's chat template controls; add_generation_prompt left out: true, or false when
+    # continuing the final message
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def to_generate_requests(
         self, settings: GatewaySettings
@@ -227,10 +241,14 @@ class ChatCompletionRequest(_OpenAIBase):
         params = self._sampling(given or default, given is None, logprobs)
         messages = [m.to_protocol(i) for i, m in enumerate(self.messages)]
         last = messages[-1]
+        generation_prompt = self.add_generation_prompt
         request = _build(
             request_id=self.request_id, messages=messages, params=params,
             priority=self.priority, timeout_s=self.timeout_s, model=self.model,
-            stream=self.stream,
+            stream=self.stream, continue_final_message=self.continue_final_message,
+            add_generation_prompt=not self.continue_final_message
+            if generation_prompt is None else generation_prompt,
+            chat_template_kwargs=self.chat_template_kwargs or None,
         )
         echo = last.content if self.echo and last.role == "assistant" else None
         return [request], self._shape(True, request_id=request.request_id, chat_echo=echo)
@@ -251,6 +269,10 @@ class JobCreate(BaseModel):
     model: str | None = Field(default=None, max_length=256)
     stream: bool = True
     echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    suffix: str | None = None
 
     def to_generate_request(self) -> GenerateRequest:
         check_params(self.params)  # [structured output] 400 if the grammar cannot compile

@@ -3,6 +3,7 @@ Redis, the official SDK pointed at it, raw posts."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,3 +44,11 @@ def post(gw: GatewayServer, path: str, body: Any, **kw: Any) -> httpx.Response:
 def raw(gw: GatewayServer, path: str, text: str) -> httpx.Response:
     return httpx.post(f"{gw.url}{path}", content=text.encode(), timeout=15,
                       headers={"content-type": "application/json"})
+
+
+def raw_stream(gw: GatewayServer, path: str, body: Any) -> list[dict[str, Any]]:
+    """The JSON chunks of a streamed response, as sent (``[DONE]`` left out)."""
+    with httpx.stream("POST", f"{gw.url}{path}", json=body, timeout=15) as reply:
+        assert reply.status_code == 200, reply.read()
+        return [json.loads(line[6:]) for line in reply.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]

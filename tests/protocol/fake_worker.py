@@ -45,6 +45,7 @@ class Script:
     hang_after: int | None = None  # emit this many tokens, then wait for a cancel
     error_code: str | None = None
     error_param: str | None = None
+    stop_reason: str | int | None = None  # on the terminal event, with finish_reason "stop"
 
 
 def _logprobs(request: GenerateRequest, token_id: int, text: str) -> list[TokenLogprob] | None:
@@ -176,6 +177,7 @@ class FakeWorker(threading.Thread):
             error_kind=script.error_kind if reason == "error" else None,
             error_code=script.error_code if reason == "error" else None,
             error_param=script.error_param if reason == "error" else None,
+            stop_reason=script.stop_reason if reason == "stop" else None,
             timings=Timings(queued_s=0.0, ttft_s=0.01, total_s=0.02),
         )
         status = JobStatus(

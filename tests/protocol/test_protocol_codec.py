@@ -31,6 +31,7 @@ from protocol.models import (
     SUPPORTED_VERSIONS,
     Cancel,
     ChatMessage,
+    ChoiceResult,
     GenerateRequest,
     JobStatus,
     Timings,
@@ -72,7 +73,7 @@ def test_request_round_trip(request_: GenerateRequest) -> None:
 def test_request_defaults() -> None:
     a, b = GenerateRequest(prompt="x"), GenerateRequest(prompt="x")
     assert a.request_id != b.request_id and len(a.request_id) == 32
-    assert a.version == PROTOCOL_VERSION == 4 and a.tenant is None
+    assert a.version == PROTOCOL_VERSION == 5 and a.tenant is None
     assert a.created_at > 1.6e9 and a.priority == 0
 
 
@@ -81,6 +82,32 @@ def test_version_1_messages_are_still_read() -> None:
     old = decode_request(msgpack.packb({"version": 1, "prompt": "x", "priority": 3,
                                         "params": {"max_tokens": 5}}, use_bin_type=True))
     assert old.version == 1 and old.params.max_tokens == 5 and old.params.n == 1
+
+
+def test_version_5_fields_round_trip_and_older_messages_mean_the_same() -> None:
+    """Version 5 added the prompt controls, the token bans and ``stop_reason``: they
+    round-trip (a stop reason keeps its type, string or token id, in the job hash too),
+    and a version-4 request without them means what it meant."""
+    request = GenerateRequest(
+        messages=[ChatMessage(role="user", content="hi"),
+                  ChatMessage(role="assistant", content="Well")],
+        add_generation_prompt=False, continue_final_message=True,
+        chat_template_kwargs={"enable_thinking": False, "tags": ["a", 1]},
+        params=SamplingParams(truncate_prompt_tokens=-1, bad_words=["x y"],
+                              allowed_token_ids=[3, 4]))
+    assert decode_request(encode_request(request)) == request
+    fim = GenerateRequest(prompt="def f(", suffix="  return 1")
+    assert decode_request(encode_request(fim)).suffix == "  return 1"
+    old = decode_request(msgpack.packb({"version": 4, "messages": [
+        {"role": "user", "content": "x"}]}, use_bin_type=True))
+    assert old.add_generation_prompt and not old.continue_final_message
+    assert old.chat_template_kwargs is None and old.params.bad_words is None
+    for reason in ("\n\n", 7):
+        event = TokenEvent(request_id="r", seq=1, finish_reason="stop", stop_reason=reason,
+                           choices=[ChoiceResult(index=0, stop_reason=reason)])
+        assert decode_event(encode_event(event)) == event
+        status = JobStatus(request_id="r", state="done", stop_reason=reason)
+        assert status_from_hash(status_to_hash(status)).stop_reason == reason
 
 
 def test_event_status_cancel_heartbeat_round_trip() -> None:

@@ -20,6 +20,7 @@ _WINDOW = 6  # tokens of left context when decoding a new token
 class DetokenizerResult:
     text_delta: str
     stopped: bool  # a stop string matched: the request must finish now
+    stop_str: str | None = None  # which one (vLLM's stop_reason)
 
 
 class IncrementalDetokenizer:
@@ -74,12 +75,12 @@ class IncrementalDetokenizer:
         if self._stop:
             match = self._find_stop(len(new_text))
             if match is not None:
-                start, stop_len = match
-                end = start + stop_len if self._include_stop else start
+                start, stop = match
+                end = start + len(stop) if self._include_stop else start
                 self.text = self.text[:end]
                 delta = self.text[self._emitted :]
                 self._emitted = len(self.text)
-                return DetokenizerResult(delta, True)
+                return DetokenizerResult(delta, True, stop)
         limit = len(self.text) - self._held_back()
         delta = self.text[self._emitted : limit] if limit > self._emitted else ""
         self._emitted = max(self._emitted, limit)
@@ -91,13 +92,14 @@ class IncrementalDetokenizer:
         self._emitted = len(self.text)
         return delta
 
-    def _find_stop(self, num_new_chars: int) -> tuple[int, int] | None:
-        best: tuple[int, int] | None = None
+    def _find_stop(self, num_new_chars: int) -> tuple[int, str] | None:
+        """(position, stop string) of the earliest match in the new text."""
+        best: tuple[int, str] | None = None
         for stop in self._stop:
             lo = max(0, min(self._emitted, len(self.text) - num_new_chars) - len(stop) + 1)
             pos = self.text.find(stop, lo)
             if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, len(stop))
+                best = (pos, stop)
         return best
 
     def _held_back(self) -> int:

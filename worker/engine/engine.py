@@ -21,7 +21,7 @@ from worker.engine.inflight import InflightStep, needs_known_tokens, without_fin
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, StepOutput
 from worker.engine.prompt_logprobs import PromptScoring, take
-from worker.engine.prompts import PromptBuilder, PromptLimits
+from worker.engine.prompts import PromptBuilder, PromptLimits, PromptOptions
 from worker.engine.request import FinishReason, Request
 from worker.engine.sampler import Sampler, SamplingRow
 from worker.engine.scheduler import Scheduler, SchedulerOutput
@@ -65,7 +65,7 @@ class Engine:
         self, request_id: str, prompt: str | list[int] | None = None,
         params: SamplingParams | dict[str, Any] | None = None, *,
         messages: list[dict[str, Any]] | None = None, priority: int = 0,
-        prior_output_ids: list[int] | None = None,
+        prior_output_ids: list[int] | None = None, options: PromptOptions | None = None,
     ) -> Request:
         """Tokenize, validate and queue a request; raises ValueError naming the problem.
 
@@ -77,6 +77,7 @@ class Engine:
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=prompt if isinstance(prompt, list) else None,
             messages=messages, params=params, prior_output_ids=prior_output_ids,
+            options=options,
         )
         return self.add_tokens(request_id, ids, params, priority=priority,
                                prior_output_ids=prior_output_ids)
@@ -123,7 +124,7 @@ class Engine:
         request = Request(
             request_id, prompt_token_ids, params,
             eos_token_ids=self.runner.loaded.eos_token_ids, priority=priority,
-            output_token_ids=prior,
+            output_token_ids=prior, bad_words_ids=self.prompts.bad_words_ids(params),
         )
         self.structured.attach(request)  # [structured output] compile starts off the loop
         self.scoring.add(request)
@@ -237,6 +238,7 @@ class Engine:
             self._tokens_generated += 1
             result = self._detok[request.request_id].step(token)
             if result.stopped and not request.is_finished:
+                request.stop_reason = result.stop_str
                 self.scheduler.finish(request, FinishReason.STOP)
             grammar_end = self.structured.advance(request)  # [structured output]
             if grammar_end is not None:
@@ -271,6 +273,7 @@ class Engine:
         return StepOutput(
             request.public_id, tokens, text, finished=True,
             finish_reason=str(request.finish_reason), error=request.error,
+            stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             logprobs=[lp] if lp is not None else None, error_kind=error_kind,

@@ -10,7 +10,8 @@ so no step waits for the previous one's read-back. A request that ends at step N
 stop string, cancel) may already be in step N+1: that token is computed and dropped.
 
 Steps whose sampling needs earlier tokens' values on the host (a grammar's mask,
-repetition/presence/frequency penalties) read the previous step back first.
+repetition/presence/frequency penalties, a multi-token bad word) read the previous step
+back first.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def needs_known_tokens(sched: SchedulerOutput) -> bool:
             continue
         p = item.request.params
         if item.request.grammar is not None or p.repetition_penalty != 1.0 \
-                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 \
+                or item.request.bans_follow_output:
             return True
     return False
 

@@ -81,6 +81,7 @@ class LLM:
                     choice.logprobs = (choice.logprobs or []) + out.logprobs
                 if out.finished:
                     choice.finish_reason = out.finish_reason
+                    choice.stop_reason = out.stop_reason
                     choice.cumulative_logprob = out.cumulative_logprob
                     if out.error is not None:
                         results[out.request_id].error = out.error
@@ -101,3 +102,4 @@ def _settle(result: CompletionOutput, choices: list[ChoiceOutput], params: Sampl
     first = choices[0]
     result.token_ids, result.text = first.token_ids, first.text
     result.finish_reason, result.logprobs = first.finish_reason, first.logprobs
+    result.stop_reason = first.stop_reason

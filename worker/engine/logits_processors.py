@@ -19,6 +19,7 @@ from protocol.sampling import SamplingParams
 from worker.engine.transfer import host_to_device, to_device
 
 PROMPT_MASK = "prompt_mask"  # SamplingRow.cache key: [V] bool, the prompt's tokens
+ALLOWED_MASK = "allowed_mask"  # SamplingRow.cache key: [V] bool, its allowed_token_ids
 
 
 class SamplingRow(Protocol):
@@ -28,6 +29,7 @@ class SamplingRow(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: Sequence[int]
     cache: dict[str, Any]
+    bad_words_ids: tuple[tuple[int, ...], ...]
 
 
 def wants_penalties(params: Any) -> bool:
@@ -98,6 +100,65 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
         to_device(values, logits.dtype, device), accumulate=True,
     )
     return logits
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """-inf for every token outside each row's ``allowed_token_ids`` (vLLM's mask), in the
+    rows that have one. logits: [B, V]; a row's [V] mask is built on the device once."""
+    targets = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if not targets:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    allowed = torch.stack([_allowed_mask(rows[i], vocab, device) for i in targets])  # [A, V]
+    index = to_device(targets, torch.long, device)
+    sub = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))  # [A, V]
+    return logits.index_copy(0, index, sub)
+
+
+def _allowed_mask(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:
+    mask = row.cache.get(ALLOWED_MASK)
+    if mask is None:
+        ids = [t for t in row.params.allowed_token_ids or () if 0 <= t < vocab]
+        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        if ids:
+            mask[to_device(ids, torch.long, device)] = True
+        row.cache[ALLOWED_MASK] = mask
+    return mask  # type: ignore[no-any-return]
+
+
+def apply_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """-inf for the last token of each banned sequence whose other tokens end the row's
+    output so far (vLLM's rule: a one-token word always, a longer one only as its
+    completion). logits: [B, V].
+
+    One entry per (row, sequence): the host lays out the E sequences' prefixes
+    right-aligned in ``[E, P]`` (P: the longest prefix; -1 where there is nothing to
+    match) and each banning row's last P output tokens once (-2 where the output is
+    shorter, which no token equals); the device compares them all at once and adds -inf
+    (or 0) at each entry's last token in one ``index_put``."""
+    entries = [(i, seq) for i, r in enumerate(rows) for seq in r.bad_words_ids]
+    if not entries:
+        return logits
+    device = logits.device
+    width = max(len(seq) for _, seq in entries) - 1
+    penalty = torch.full((len(entries),), float("-inf"), device=device)  # [E]
+    if width > 0:
+        line_of: dict[int, int] = {}
+        tails: list[list[int]] = []
+        for i, _ in entries:
+            if i not in line_of:
+                line_of[i] = len(tails)
+                out = list(rows[i].output_token_ids[-width:])
+                tails.append([-2] * (width - len(out)) + out)
+        prefix = to_device([[-1] * (width + 1 - len(seq)) + list(seq[:-1]) for _, seq in entries],
+                           torch.long, device)  # [E, P]
+        lines = to_device([line_of[i] for i, _ in entries], torch.long, device)  # [E]
+        tail = to_device(tails, torch.long, device).index_select(0, lines)  # [E, P]
+        hit = ((prefix == tail) | (prefix < 0)).all(dim=1)  # [E]
+        penalty = torch.where(hit, penalty, torch.zeros_like(penalty))
+    index = (to_device([i for i, _ in entries], torch.long, device),
+             to_device([seq[-1] for _, seq in entries], torch.long, device))
+    return logits.index_put(index, penalty.to(logits.dtype), accumulate=True)
 
 
 def apply_token_bitmask(

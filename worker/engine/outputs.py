@@ -14,6 +14,7 @@ class StepOutput:
     text: str  # UTF-8-safe text delta
     finished: bool = False
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # with "stop": the stop string or stop token id
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -39,6 +40,7 @@ class ChoiceOutput:
     finish_reason: str | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -54,6 +56,7 @@ class CompletionOutput:
     error: str | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     choices: list[ChoiceOutput] = field(default_factory=list)
+    stop_reason: str | int | None = None
 
 
 @dataclass

@@ -10,18 +10,31 @@ A prompt that is certainly too long is refused before it is tokenized at all: no
 this tokenizer is longer than ``max_token_chars`` characters, so a text of ``n`` characters
 has at least ``n / max_token_chars`` tokens. Far over the context (4x), that lower bound is
 reported instead of an exact count; closer to it, the exact count is reported.
+
+Beyond the text, a request shapes its prompt as vLLM's do (``PromptOptions``): the chat
+template's switches and extra variables, fill-in-the-middle around a ``suffix`` (only for a
+tokenizer with FIM tokens; anything else is a refusal naming ``suffix``), and
+``truncate_prompt_tokens`` (the last k tokens, whatever the prompt was given as).
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from protocol.sampling import SamplingParams
+from worker.engine.bad_words import BadWords
 
 _BOUND_MARGIN = 4  # refuse by the cheap bound only when it exceeds the context this much
+FIM_TOKENS = (  # (prefix, suffix, middle): prefix-suffix-middle order, as these models train
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, CodeGemma
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2, SantaCoder
+    ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>",
+     "<\uff5cfim\u2581end\uff5c>"),  # DeepSeek-Coder
+)
 
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code
@@ -64,6 +77,16 @@ def context_error(field: str, context: int, prompt: int, max_tokens: int | None,
 
 
 @dataclass(frozen=True)
+class PromptOptions:
+    """How a request's prompt is built beyond its text (GenerateRequest's prompt controls)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    suffix: str | None = None  # fill-in-the-middle: the text after the completion
+
+
+@dataclass(frozen=True)
 class PromptLimits:
     """What a prompt must fit: the model's vocabulary and context, and the KV pool."""
 
@@ -83,6 +106,9 @@ class PromptBuilder:
         self._local.tokenizer = tokenizer  # the constructing thread uses the original
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.max_token_chars = max((len(t) for t in vocab), default=0) or 0
+        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        self.fim = next((t for t in FIM_TOKENS if all(x in added for x in t)), None)
+        self.bad_words = BadWords(limits.vocab_size)
 
     def _tokenizer(self) -> Any:
         tok = getattr(self._local, "tokenizer", None)
@@ -93,61 +119,99 @@ class PromptBuilder:
     def build(
         self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
         messages: list[dict[str, Any]] | None = None, params: SamplingParams | None = None,
-        prior_output_ids: list[int] | None = None,
+        prior_output_ids: list[int] | None = None, options: PromptOptions | None = None,
     ) -> list[int]:
-        """Tokenize (or chat-template) and validate; raises ``PromptError`` naming the field."""
+        """Tokenize (or chat-template), truncate and validate; raises ``PromptError``
+        naming the field."""
         given = [x is not None for x in (prompt, prompt_token_ids, messages)]
         if sum(given) != 1:
             raise PromptError("prompt: give exactly one of prompt, prompt_token_ids, messages")
         params = params or SamplingParams()
+        options = options or PromptOptions()
         field = "messages" if messages is not None else \
             "prompt" if prompt is not None else "prompt_token_ids"
+        if options.suffix and prompt is None:
+            raise PromptError("suffix: only for a text prompt (fill-in-the-middle)")
         if prompt_token_ids is not None:
             ids = list(prompt_token_ids)
         else:
-            self._refuse_by_bound(prompt, messages, params)
-            ids = self.tokenize(prompt, messages)
+            if params.truncate_prompt_tokens is None:  # else cut, not refused
+                self._refuse_by_bound(prompt, messages, params, options.suffix)
+            ids = self.tokenize(prompt, messages, options)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            ids = ids[-(self.limits.max_model_len if keep == -1 else keep):]
         self.validate(ids, list(prior_output_ids or []), params, field)
+        try:  # validated here, off the loop; the engine finds them cached
+            self.bad_words.token_ids(self._tokenizer(), params.bad_words)
+        except ValueError as exc:
+            raise PromptError(str(exc), len(ids)) from None
         return ids
+
+    def bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """The token sequences ``params.bad_words`` bans (``bad_words.py``)."""
+        return self.bad_words.token_ids(self._tokenizer(), params.bad_words)
 
     def decode(self, ids: list[int]) -> str:
         """The text of ``ids`` as the model's tokenizer writes it (``echo``)."""
         return str(self._tokenizer().decode(ids))
 
-    def tokenize(
-        self, prompt: str | None, messages: list[dict[str, Any]] | None, *,
-        add_special_tokens: bool | None = None, add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-    ) -> list[int]:
-        """The prompt's ids, or the chat template's rendering of ``messages`` (generation
-        uses the defaults; ``/tokenize`` may ask for others, as vLLM's does).
-        ``add_special_tokens`` None: a prompt gets them, a chat only what its template
-        writes; true on a chat adds them on top of the template's."""
+    def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                 options: PromptOptions | None = None, *,
+                 add_special_tokens: bool | None = None) -> list[int]:
+        """The prompt's ids, or the chat template's rendering of ``messages``.
+        ``add_special_tokens`` (``/tokenize`` may ask, as vLLM's does) None: a prompt gets
+        them, a chat only what its template writes; true on a chat adds them on top."""
         tok = self._tokenizer()
-        if messages is None:
-            special = True if add_special_tokens is None else add_special_tokens
-            return list(tok(prompt, add_special_tokens=special, verbose=False)["input_ids"])
-        if not getattr(tok, "chat_template", None):
-            raise PromptError("messages: this model has no chat template")
-        options = {"add_generation_prompt": add_generation_prompt}
-        if continue_final_message:
-            options["continue_final_message"] = True
-        if add_special_tokens:
-            text = tok.apply_chat_template(messages, tokenize=False, **options)
-            return list(tok(text, add_special_tokens=True, verbose=False)["input_ids"])
-        ids = tok.apply_chat_template(messages, tokenize=True, return_dict=False, **options)
-        return list(ids)
+        options = options or PromptOptions()
+        if messages is not None:
+            return self._render_chat(tok, messages, options, bool(add_special_tokens))
+        if options.suffix:
+            prompt = self._fill_in_the_middle(str(prompt), options.suffix)
+        special = True if add_special_tokens is None else add_special_tokens
+        return list(tok(prompt, add_special_tokens=special, verbose=False)["input_ids"])
 
     def token_strs(self, ids: list[int]) -> list[str]:
         """Each id's token as the vocabulary spells it (vLLM's ``return_token_strs``)."""
         return [str(t) for t in self._tokenizer().convert_ids_to_tokens(ids)]
 
+    def _render_chat(self, tok: Any, messages: list[dict[str, Any]],
+                     options: PromptOptions, add_special_tokens: bool = False) -> list[int]:
+        """The model's chat template, with the request's switches and variables; a
+        template that refuses them (``raise_exception``, a bad variable) is their fault."""
+        import jinja2
+
+        if not getattr(tok, "chat_template", None):
+            raise PromptError("messages: this model has no chat template")
+        try:
+            rendered = tok.apply_chat_template(
+                messages, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                tokenize=not add_special_tokens, return_dict=False,
+                **dict(options.chat_template_kwargs or {}))
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+            raise PromptError(f"messages: the chat template refused them "
+                              f"({type(exc).__name__}: {exc})") from None
+        if add_special_tokens:  # the template's text, tokenized with special tokens on top
+            return list(tok(rendered, add_special_tokens=True, verbose=False)["input_ids"])
+        return list(rendered)
+
+    def _fill_in_the_middle(self, prompt: str, suffix: str) -> str:
+        """The prompt in prefix-suffix-middle order around the model's FIM tokens."""
+        if self.fim is None:
+            raise PromptError("suffix: this model has no fill-in-the-middle tokens (such as "
+                              "<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>), so it cannot "
+                              "complete text before a suffix")
+        prefix_token, suffix_token, middle_token = self.fim
+        return f"{prefix_token}{prompt}{suffix_token}{suffix}{middle_token}"
+
     def _refuse_by_bound(
-        self, prompt: str | None, messages: list[dict[str, Any]] | None, params: SamplingParams
+        self, prompt: str | None, messages: list[dict[str, Any]] | None, params: SamplingParams,
+        suffix: str | None = None,
     ) -> None:
         if self.max_token_chars <= 0:
             return
-        chars = len(prompt) if prompt is not None else sum(
+        chars = len(prompt) + len(suffix or "") if prompt is not None else sum(
             len(str(m.get("content") or "")) for m in messages or [])
         at_least = -(-chars // self.max_token_chars)
         room = self.limits.max_model_len - (1 if params.fit_to_context else params.max_tokens)
@@ -180,10 +244,12 @@ class PromptBuilder:
         if bad is not None:
             raise PromptError(
                 f"prompt_token_ids: token id {bad} outside [0, {limits.vocab_size})", len(ids))
-        bias = next((t for t in params.logit_bias or {} if t >= limits.vocab_size), None)
-        if bias is not None:
-            raise PromptError(
-                f"logit_bias: token id {bias} outside [0, {limits.vocab_size})", len(ids))
+        for name, tokens in (("logit_bias", params.logit_bias or {}),
+                             ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = next((t for t in tokens if t >= limits.vocab_size), None)
+            if bad is not None:
+                raise PromptError(
+                    f"{name}: token id {bad} outside [0, {limits.vocab_size})", len(ids))
         if params.fit_to_context and len(ids) < self.capacity:
             params = self.fit(params, len(ids))
         total = len(ids) + params.max_tokens

@@ -55,6 +55,9 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    # With STOP: the stop string or stop token id that ended it (vLLM's stop_reason);
+    # None for EOS or a finished grammar.
+    stop_reason: str | int | None = None
     error: str | None = None
     num_preemptions: int = 0
     # Output tokens that existed when the request was (re)submitted, e.g. tokens already
@@ -81,11 +84,15 @@ class Request:
     # (worker/engine/prompt_logprobs.py), handed out once with the first output.
     prompt_logprobs: list[Any] | None = None
     prompt_logprobs_sent: bool = False
+    # params.bad_words as token sequences (worker/engine/bad_words.py)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.num_prior_output_tokens = len(self.output_token_ids)
         self.stop_token_ids = frozenset(self.params.stop_token_ids)
+        # a multi-token bad word is banned after its first tokens: sampling reads outputs
+        self.bans_follow_output = any(len(seq) > 1 for seq in self.bad_words_ids)
 
     @property
     def public_id(self) -> str:
@@ -149,12 +156,14 @@ class Request:
 
     def check_token_stop(self, token_id: int, max_model_len: int) -> FinishReason | None:
         """Finish reason implied by ``token_id``, the newest known token (stop strings
-        aside); counts are of known tokens: later placeholders do not count."""
+        aside); counts are of known tokens: later placeholders do not count. A stop token
+        id (not EOS) is kept as the ``stop_reason``."""
         known_outputs = self.num_output_tokens - self.num_pending
         if known_outputs >= self.params.min_tokens:
             if not self.params.ignore_eos and token_id in self.eos_token_ids:
                 return FinishReason.STOP
             if token_id in self.stop_token_ids:
+                self.stop_reason = token_id
                 return FinishReason.STOP
         if known_outputs >= self.params.max_tokens or \
                 self.num_known_tokens >= max_model_len:

@@ -25,6 +25,8 @@ import torch
 
 from protocol.sampling import SamplingParams
 from worker.engine.logits_processors import (
+    apply_allowed_token_ids,
+    apply_bad_words,
     apply_logit_bias,
     apply_penalties,
     apply_token_bitmask,
@@ -50,15 +52,18 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # known output tokens; only penalties read them
     # Per request, kept across its steps: device tensors built once (the prompt's mask)
     cache: dict[str, Any] = field(default_factory=dict)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # banned token sequences
 
     @classmethod
     def of(cls, request: Request) -> SamplingRow:
         """The row of a request about to sample: its output index counts the tokens of
-        steps still in flight; its output tokens are copied only for penalties."""
+        steps still in flight; its output tokens are copied only for penalties and
+        multi-token bad words."""
         params = request.params
-        outputs = request.known_output_ids if wants_penalties(params) else ()
+        outputs = request.known_output_ids \
+            if wants_penalties(params) or request.bans_follow_output else ()
         return cls(params, request.num_output_tokens, request.prompt_token_ids, outputs,
-                   request.sampler_cache)
+                   request.sampler_cache, request.bad_words_ids)
 
 
 @dataclass
@@ -104,11 +109,13 @@ class Sampler:
         """logits: [num_rows, vocab] (any float dtype, any device).
 
         ``grammar_mask``: (constrained row indices, their int32 bitmask), see
-        ``apply_token_bitmask``; reported logprobs are the model's, before the mask.
+        ``apply_token_bitmask``; reported logprobs are the model's, before the masks
+        (the grammar's, ``allowed_token_ids``, ``bad_words``).
         """
         logits = apply_logit_bias(apply_penalties(logits.float(), rows), rows)
         asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         model_logprobs = torch.log_softmax(_rows_of(logits, asked), dim=-1) if asked else None
+        logits = apply_bad_words(apply_allowed_token_ids(logits, rows), rows)
         if grammar_mask is not None:  # [structured output]
             logits = apply_token_bitmask(logits, *grammar_mask)
         tokens = logits.argmax(dim=-1)  # [B]; the answer of greedy rows

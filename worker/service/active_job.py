@@ -48,7 +48,13 @@ class ChoiceProgress:
     held_text: list[str] = field(default_factory=list)
     held_lp: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # with "stop": the stop string or stop token id
     cumulative_logprob: float | None = None
+
+    def end(self, out: StepOutput) -> None:
+        """The engine finished this candidate."""
+        self.finish_reason = out.finish_reason
+        self.stop_reason = out.stop_reason if out.finish_reason == "stop" else None
 
     def add(self, out: StepOutput, lp: list[dict[str, Any]] | None, hold: bool) -> None:
         self.token_ids.extend(out.new_token_ids)
@@ -72,7 +78,7 @@ class ChoiceProgress:
             text="".join(self.text_parts) if with_content else None,
             token_ids=list(self.token_ids) if with_content else None,
             logprobs=(self.logprobs or None) if with_content else None,  # type: ignore[arg-type]
-            cumulative_logprob=self.cumulative_logprob,
+            cumulative_logprob=self.cumulative_logprob, stop_reason=self.stop_reason,
         )
 
 
@@ -96,6 +102,7 @@ class ActiveJob:
             self.choices[i].text_parts = [text] if text else []
         for i, reason in admission.finished_choices.items():
             self.choices[i].finish_reason = reason
+            self.choices[i].stop_reason = admission.stop_reasons.get(i)
         self.started_at = time.time()
         self.first_token_at: float | None = None
         self.last_token_mono: float | None = None
@@ -144,20 +151,21 @@ class ActiveJob:
         streamed. The terminal event follows once ``done``."""
         self._record(out, token_text)
         choice = self.choices[out.index]
+        choice.end(out)
         choice.finish_reason = out.finish_reason or "stop"
         choice.cumulative_logprob = out.cumulative_logprob
         if self._hold:
             return None
         item = self._event(out.index, list(out.new_token_ids), out.text,
                            convert_logprobs(out.logprobs, out.new_token_ids, token_text))
-        item.choice_finish_reason = choice.finish_reason
+        item.choice_finish_reason, item.stop_reason = choice.finish_reason, choice.stop_reason
         return item
 
     def absorb(self, out: StepOutput) -> None:
         """Record an output without sending it (a candidate aborted with its request)."""
         self._record(out, str)
         if out.finished:
-            self.choices[out.index].finish_reason = out.finish_reason
+            self.choices[out.index].end(out)
 
     def _event(self, index: int, ids: list[int], text: str,
                lp: list[dict[str, Any]] | None) -> Outgoing:
@@ -185,7 +193,7 @@ class ActiveJob:
         logprobs: list[dict[str, Any]] = []
         if out is not None:
             self._record(out, token_text or str)
-            self.choices[out.index].finish_reason = out.finish_reason
+            self.choices[out.index].end(out)
         if not self.multi:
             ids, delta, logprobs = self.choices[0].take_held()
             if not self._hold and out is not None:  # streamed: only this step's delta
@@ -216,18 +224,21 @@ class ActiveJob:
         )
         chosen = self._chosen()
         choices = [c.result(i, self._hold) for i, c in chosen] if self.multi else None
+        first = chosen[0][1]
+        stop_reason = first.stop_reason if reason == "stop" else None
         event = TokenEvent(
             request_id=self.request_id, seq=self.next_seq, token_ids=ids, text=delta,
             logprobs=logprobs or None,  # type: ignore[arg-type]  # validated into models
             finish_reason=reason, error=error, error_kind=error_kind,
+            stop_reason=None if self.multi else stop_reason,
             usage=usage, timings=timings, worker_id=self.worker_id, choices=choices,
             error_code=self.error_code, error_param=self.error_param,
             **(self._take_prompt() or {}),
         )
-        first = chosen[0][1]
         status = JobStatus(
             request_id=self.request_id, state=state_for_finish(reason),
             text="".join(first.text_parts), token_ids=first.token_ids, finish_reason=reason,
+            stop_reason=stop_reason,
             usage=usage, timings=timings, error=error, error_kind=error_kind,
             error_code=self.error_code, error_param=self.error_param,
             worker_id=self.worker_id, model=self.request.model, created_at=created,

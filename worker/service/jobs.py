@@ -30,6 +30,7 @@ class Admission:
     prior: dict[int, list[int]] = field(default_factory=dict)
     prior_text: dict[int, str] = field(default_factory=dict)
     finished_choices: dict[int, str] = field(default_factory=dict)
+    stop_reasons: dict[int, str | int] = field(default_factory=dict)  # of finished choices
     next_seq: int = 0
     charged: int = DIRECT_COST  # tokens the fair pull charged its tenant (protocol.fair)
     # Filled off the engine loop (``prompt_pool``): the prompt's token ids, or why not;
@@ -71,6 +72,7 @@ class Outgoing:
     emitted_at: float = 0.0  # wall clock when the engine loop produced it
     index: int = 0  # the choice these tokens belong to (n > 1)
     choice_finish_reason: str | None = None  # set on the event that ends a choice (n > 1)
+    stop_reason: str | int | None = None  # ...and the stop string / token id that did it
     # The first event's prompt fields (prompt_tokens, prompt_logprobs, prompt_text).
     prompt: dict[str, Any] | None = None
     # Terminal only: also record ``entry`` as the job's entry in the hash (a dead-lettered
@@ -118,6 +120,8 @@ def replayed(entry: Entry, request: GenerateRequest, events: list[TokenEvent]) -
                 admission.prior_text.get(event.index, "") + event.text
         if event.choice_finish_reason is not None:
             admission.finished_choices[event.index] = event.choice_finish_reason
+        if event.stop_reason is not None:
+            admission.stop_reasons[event.index] = event.stop_reason
     if request.params.num_candidates == 1:
         admission.prior.setdefault(0, [])
     return admission

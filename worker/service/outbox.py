@@ -58,6 +58,8 @@ def encode_outgoing(out: Outgoing) -> bytes:
         payload["index"] = out.index
     if out.choice_finish_reason is not None:
         payload["choice_finish_reason"] = out.choice_finish_reason
+    if out.stop_reason is not None:
+        payload["stop_reason"] = out.stop_reason
     if out.prompt is not None:
         payload.update(out.prompt)
     return msgpack.packb(payload, use_bin_type=True)  # type: ignore[no-any-return]

@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 
 from protocol.models import GenerateRequest
-from worker.engine.prompts import PromptError
+from worker.engine.prompts import PromptError, PromptOptions
 from worker.service.jobs import Admission
 
 log = structlog.get_logger("ferry.worker.prompts")
@@ -54,7 +54,10 @@ class PromptPool:
         try:
             request = admission.request
             admission.prompt_token_ids = self._build(request, admission.prior_token_ids)
-            if request.echo and request.prompt_token_ids is not None and self._decode:
+            # echo of ids, or of a prompt cut to its last tokens: only the worker knows it
+            decoded = request.prompt_token_ids is not None \
+                or request.params.truncate_prompt_tokens is not None
+            if request.echo and decoded and self._decode:
                 admission.prompt_text = self._decode(admission.prompt_token_ids)
         except PromptError as exc:
             admission.error = exc
@@ -77,9 +80,14 @@ def build_with(prompts: Any) -> BuildPrompt:
 
     def build(request: GenerateRequest, prior: list[int]) -> list[int]:
         messages = [m.model_dump() for m in request.messages] if request.messages else None
+        options = PromptOptions(
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs, suffix=request.suffix)
         return list(prompts.build(
             prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
             messages=messages, params=request.params, prior_output_ids=prior,
+            options=options,
         ))
 
     return build

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from protocol.tokenizer import TokenizerReply, TokenizerRequest
-from worker.engine.prompts import PromptBuilder, PromptError
+from worker.engine.prompts import PromptBuilder, PromptError, PromptOptions
 
 _PRIVATE_CONFIG = frozenset({
     "vocab_file", "merges_file", "tokenizer_file", "name_or_path", "is_local",
@@ -42,9 +42,10 @@ def _tokenize(request: TokenizerRequest, prompts: PromptBuilder) -> dict[str, An
     messages = None if request.messages is None else [
         m.model_dump() for m in request.messages]
     ids = prompts.tokenize(
-        request.prompt, messages, add_special_tokens=request.add_special_tokens,
-        add_generation_prompt=request.add_generation_prompt,
-        continue_final_message=request.continue_final_message)
+        request.prompt, messages, PromptOptions(
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message),
+        add_special_tokens=request.add_special_tokens)
     body: dict[str, Any] = {"count": len(ids), "max_model_len": prompts.limits.max_model_len,
                             "tokens": ids}
     if request.return_token_strs:

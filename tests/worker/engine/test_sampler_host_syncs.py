@@ -62,7 +62,8 @@ class SyncCounter:
 
 
 def _busy_rows(n: int, vocab: int) -> list[SamplingRow]:
-    """Every feature at once: penalties, logprobs, seeds, top-k/p, min-p, bias, greedy."""
+    """Every feature at once: penalties, logprobs, seeds, top-k/p, min-p, bias, greedy,
+    allowed token ids, bad words."""
     rows = []
     for i in range(n):
         rows.append(row(
@@ -70,7 +71,10 @@ def _busy_rows(n: int, vocab: int) -> list[SamplingRow]:
             temperature=0 if i % 5 == 0 else 0.8, top_k=(0, 5, 20)[i % 3],
             top_p=(1.0, 0.9)[i % 2], min_p=0.05 if i % 4 == 0 else 0.0,
             repetition_penalty=1.1 if i % 3 == 0 else 1.0, frequency_penalty=0.2 * (i % 2),
-            logprobs=(None, 0, 3)[i % 3], logit_bias={3: 2.0} if i % 6 == 0 else None))
+            logprobs=(None, 0, 3)[i % 3], logit_bias={3: 2.0} if i % 6 == 0 else None,
+            allowed_token_ids=list(range(0, vocab, 3)) if i % 5 == 1 else None))
+        if i % 4 == 1:  # bad words: one token, and one that follows the output
+            rows[-1].bad_words_ids = ((4,), (i % 7 - 1, 6) if i % 7 else (2, 6))
     return rows
 
 

@@ -135,9 +135,9 @@ def test_refusals_report_prompt_tokens_and_huge_prompts_skip_the_tokenizer(
     calls: list[int] = []
     original = engine.prompts.tokenize
 
-    def spy(prompt: Any, messages: Any) -> Any:
+    def spy(prompt: Any, messages: Any, *rest: Any) -> Any:
         calls.append(len(prompt or ""))
-        return original(prompt, messages)
+        return original(prompt, messages, *rest)
 
     engine.prompts.tokenize = spy
     try:
