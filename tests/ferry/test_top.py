@@ -49,7 +49,8 @@ def live(server: RedisServer) -> Iterator[redis.Redis]:
     beat = WorkerHeartbeat(worker_id="gpu-0", model="/models/Qwen2.5-0.5B",
                            started_at=now - 60, updated_at=now, stats=STATS)
     pipe = r.pipeline()
-    write_heartbeat(pipe, KEYS, beat, Ttls())
+    # a long TTL: the installed CLI may take seconds to start on a loaded machine
+    write_heartbeat(pipe, KEYS, beat, Ttls(heartbeat_s=300.0))
     pipe.sadd(KEYS.workers, "gone-worker")  # its heartbeat key has expired
     pipe.execute()
     yield r
@@ -123,7 +124,8 @@ def test_a_degraded_worker_is_marked(live: redis.Redis) -> None:
                            updated_at=now, stats=STATS | {
                                "degraded": "decode_graphs_unavailable", "decode_graphs": 0})
     pipe = live.pipeline()
-    write_heartbeat(pipe, KEYS, beat, Ttls())
+    # a long TTL: the installed CLI may take seconds to start on a loaded machine
+    write_heartbeat(pipe, KEYS, beat, Ttls(heartbeat_s=300.0))
     pipe.execute()
     text = _text(top_cmd.render(top_cmd.collect(live, KEYS)))
     marked = [line for line in text.splitlines() if "DEGRADED" in line]
