@@ -99,8 +99,10 @@ CANCEL_LUA_CLUSTER = _cancel_lua("SPUBLISH")
 # the entry's ``origin`` ('' if none: the id it had before the fair pull adopted it).
 # 'duplicate': the job belongs to another stream entry (or finished before entries were
 #   recorded): this entry must not touch it; dead-letter the entry.
-# 'skip': already finished (e.g. reclaimed after its worker wrote the result): just XACK.
-# 'cancel': cancelled while queued/running: emit a terminal 'cancelled' event, then XACK.
+# 'skip': already finished (e.g. reclaimed after its worker wrote the result), or
+#   cancelled before any worker took it (CANCEL_LUA ended it, terminal event included, and
+#   no entry was ever named: the fair backlog still held it): just XACK, no dead letter.
+# 'cancel': cancelled while running: emit a terminal 'cancelled' event, then XACK.
 # An entry with no job hash (a producer that XADDed directly) claims the id here.
 START_JOB_LUA = f"""
 local owner = redis.call('HMGET', KEYS[1], 'entry_id', 'stream')
@@ -109,7 +111,7 @@ if owner[1] and owner[1] ~= ARGV[7] and (owner[1] ~= ARGV[5] or owner[2] ~= ARGV
   return 'duplicate'
 end
 if {_TERMINAL_LUA} then
-  if owner[1] then return 'skip' end
+  if owner[1] or state == 'cancelled' then return 'skip' end
   return 'duplicate'
 end
 redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'entry_id', ARGV[5], 'stream', ARGV[6],
@@ -121,6 +123,28 @@ return 'run'
 """
 # (``worker_id`` names whoever took the entry last, also on 'cancel': on a cluster that
 # field is the write fence, ``worker/service/cluster_push.py``.)
+
+@dataclass(frozen=True)
+class DeadLetterBounds:
+    """How much a dead-letter stream may hold: by count (exact MAXLEN), by age (exact MINID:
+    entries older than ``max_age_s`` go at the next dead letter) and by size (a payload over
+    ``max_payload_bytes`` is kept as its first bytes, ``data_head``, and its length,
+    ``data_bytes``, instead of ``data``). Dead letters are rare, so exact trimming costs
+    little; what matters is that a flood of them (a broken producer) cannot fill Redis."""
+
+    max_len: int = 10_000
+    max_age_s: float = 7 * 24 * 3600.0
+    max_payload_bytes: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_len < 1:
+            raise ValueError(f"dead_letter_max_len: {self.max_len} must be >= 1")
+        if self.max_age_s <= 0:
+            raise ValueError(f"dead_letter_max_age_s: {self.max_age_s} must be > 0")
+        if self.max_payload_bytes < 0:
+            raise ValueError(
+                f"dead_letter_max_payload_bytes: {self.max_payload_bytes} must be >= 0")
+
 
 class DuplicateRequestError(ValueError):
     """The request id is already in use (its job hash has not expired)."""
@@ -216,19 +240,32 @@ def finish(
 
 def dead_letter(
     pipe: Any, keys: Keys, entry_id: str | bytes, fields: dict[Any, Any], reason: str,
-    stream: str | None = None,
+    stream: str | None = None, *, request_id: str | None = None,
+    bounds: DeadLetterBounds = DeadLetterBounds(), now: float | None = None,
 ) -> None:
     """Queue moving an entry no worker can run to the dead-letter stream (one for every
-    lane of a shard; ``stream`` names where it came from), then XACK it."""
+    lane of a shard; ``stream`` names where it came from), trimming that stream to
+    ``bounds``, then XACK it. ``request_id``: the id the payload names, if one was read."""
     stream = stream or keys.requests
     raw = fields.get(REQUEST_FIELD.encode(), fields.get(REQUEST_FIELD, b""))
+    raw = raw.encode() if isinstance(raw, str) else bytes(raw)
     origin = as_str(fields.get(b"origin", fields.get("origin", b"")))
     # an entry the fair pull adopted is named by the id its producer got from XADD
-    entry = {"entry_id": origin or as_str(entry_id), "stream": stream, "reason": reason[:2000],
-             REQUEST_FIELD: raw}
+    entry: dict[str, Any] = {"entry_id": origin or as_str(entry_id), "stream": stream,
+                             "reason": reason[:2000]}
+    if request_id:
+        entry["request_id"] = request_id
+    if len(raw) > bounds.max_payload_bytes:  # keep the head and the size, not the whole
+        entry["data_head"] = raw[:bounds.max_payload_bytes]
+        entry["data_bytes"] = len(raw)
+    else:
+        entry[REQUEST_FIELD] = raw
     if origin:
         entry["pulled_as"] = as_str(entry_id)
-    pipe.xadd(keys.dead_letter_for(stream), entry, maxlen=100_000, approximate=True)
+    dead = keys.dead_letter_for(stream)
+    oldest_ms = max(0, int(((time.time() if now is None else now) - bounds.max_age_s) * 1000))
+    pipe.xadd(dead, entry, maxlen=bounds.max_len, approximate=False)
+    pipe.xtrim(dead, minid=f"{oldest_ms}-0", approximate=False)
     ack(pipe, keys, entry_id, stream)
 
 

@@ -12,8 +12,10 @@ always read last), and BLOCKs briefly on one shard at a time (a blocking read ca
 slots). Each pass first runs the reaper: XAUTOCLAIM of entries
 idle past the lease (their worker died or stalled), which are resumed from their replay
 log. Entries that cannot be decoded, were delivered too often, or reuse another job's
-request id go to the dead-letter stream; the worker keeps going. Started jobs get their
-prompt tokenized on the ``PromptPool`` before they reach the engine loop.
+request id go to the dead-letter stream; the worker keeps going. An entry cancelled before
+any worker took it is simply acknowledged and dropped (its ``cancelled`` event was sent by
+the cancel itself). Started jobs get their prompt tokenized on the ``PromptPool`` before
+they reach the engine loop.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from redis.exceptions import ResponseError
 from protocol import fair
 from protocol.codec import ProtocolError, decode_entry, request_fields
 from protocol.keys import PRIORITY_BANDS
-from protocol.models import GenerateRequest
+from protocol.models import GenerateRequest, TokenEvent
 from protocol.store import START_JOB_LUA, ensure_group
 from protocol.streaming import decode_log
+from protocol.tenancy import DEFAULT_TENANT
 from worker.service.active_job import ActiveJob
 from worker.service.deadletter import DeadLetters
 from worker.service.fair_ledger import FairLedger, fair_fields
@@ -266,6 +269,8 @@ class Intake(threading.Thread):
         if decision == "skip" or (events and events[-1].is_final):
             self.held.discard(entry)
             stream, entry_id = entry
+            if cancelled_in_queue(events):  # served nothing: give its tenant the charge back
+                self.ledger.note(stream, request.tenant or DEFAULT_TENANT, 0, charged)
             pipe = self.redis.pipeline(transaction=False)
             pipe.xack(stream, self.keys.group, entry_id)
             pipe.xdel(stream, entry_id)
@@ -282,3 +287,10 @@ class Intake(threading.Thread):
             self.slots.take()
             self.prompts.submit(admission)
 
+
+
+def cancelled_in_queue(events: list[TokenEvent]) -> bool:
+    """The replay log of a request cancelled before any worker took it: the one terminal
+    event the cancel script wrote (no worker's id on it)."""
+    return (len(events) == 1 and events[0].finish_reason == "cancelled"
+            and events[0].worker_id is None)

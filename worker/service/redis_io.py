@@ -36,7 +36,7 @@ from protocol.cluster_keys import keys_for
 from protocol.keys import Keys
 from protocol.models import ID_PATTERN
 from protocol.shard_slots import DEFAULT_SHARDS
-from protocol.store import Ttls
+from protocol.store import DeadLetterBounds, Ttls
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = TRANSIENT_CLUSTER_ERRORS
 """Errors that mean "Redis is unreachable right now" (refused connections, timeouts; on a
@@ -73,6 +73,7 @@ class WorkerSettings:
     idle_block_ms: int = 1000  # ... and while it is empty
     max_outbox_events: int = 100_000  # buffered while Redis is away; then the loop waits
     ttls: Ttls = field(default_factory=Ttls)
+    dead_letters: DeadLetterBounds = field(default_factory=DeadLetterBounds)
     # Redis Cluster: the URL names any node; the request streams are split into shards,
     # and a terminal event is on a replica (WAIT) before its entry is acknowledged.
     redis_cluster: bool = False
