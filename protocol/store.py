@@ -14,13 +14,13 @@ service in another language can run the very same scripts.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from redis.exceptions import ResponseError
 
 from protocol.codec import (
-    REQUEST_FIELD,
     encode_cancel,
     encode_event,
     encode_heartbeat,
@@ -124,28 +124,6 @@ return 'run'
 # (``worker_id`` names whoever took the entry last, also on 'cancel': on a cluster that
 # field is the write fence, ``worker/service/cluster_push.py``.)
 
-@dataclass(frozen=True)
-class DeadLetterBounds:
-    """How much a dead-letter stream may hold: by count (exact MAXLEN), by age (exact MINID:
-    entries older than ``max_age_s`` go at the next dead letter) and by size (a payload over
-    ``max_payload_bytes`` is kept as its first bytes, ``data_head``, and its length,
-    ``data_bytes``, instead of ``data``). Dead letters are rare, so exact trimming costs
-    little; what matters is that a flood of them (a broken producer) cannot fill Redis."""
-
-    max_len: int = 10_000
-    max_age_s: float = 7 * 24 * 3600.0
-    max_payload_bytes: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.max_len < 1:
-            raise ValueError(f"dead_letter_max_len: {self.max_len} must be >= 1")
-        if self.max_age_s <= 0:
-            raise ValueError(f"dead_letter_max_age_s: {self.max_age_s} must be > 0")
-        if self.max_payload_bytes < 0:
-            raise ValueError(
-                f"dead_letter_max_payload_bytes: {self.max_payload_bytes} must be >= 0")
-
-
 class DuplicateRequestError(ValueError):
     """The request id is already in use (its job hash has not expired)."""
 
@@ -238,37 +216,6 @@ def finish(
     ack(pipe, keys, entry_id, stream)
 
 
-def dead_letter(
-    pipe: Any, keys: Keys, entry_id: str | bytes, fields: dict[Any, Any], reason: str,
-    stream: str | None = None, *, request_id: str | None = None,
-    bounds: DeadLetterBounds = DeadLetterBounds(), now: float | None = None,
-) -> None:
-    """Queue moving an entry no worker can run to the dead-letter stream (one for every
-    lane of a shard; ``stream`` names where it came from), trimming that stream to
-    ``bounds``, then XACK it. ``request_id``: the id the payload names, if one was read."""
-    stream = stream or keys.requests
-    raw = fields.get(REQUEST_FIELD.encode(), fields.get(REQUEST_FIELD, b""))
-    raw = raw.encode() if isinstance(raw, str) else bytes(raw)
-    origin = as_str(fields.get(b"origin", fields.get("origin", b"")))
-    # an entry the fair pull adopted is named by the id its producer got from XADD
-    entry: dict[str, Any] = {"entry_id": origin or as_str(entry_id), "stream": stream,
-                             "reason": reason[:2000]}
-    if request_id:
-        entry["request_id"] = request_id
-    if len(raw) > bounds.max_payload_bytes:  # keep the head and the size, not the whole
-        entry["data_head"] = raw[:bounds.max_payload_bytes]
-        entry["data_bytes"] = len(raw)
-    else:
-        entry[REQUEST_FIELD] = raw
-    if origin:
-        entry["pulled_as"] = as_str(entry_id)
-    dead = keys.dead_letter_for(stream)
-    oldest_ms = max(0, int(((time.time() if now is None else now) - bounds.max_age_s) * 1000))
-    pipe.xadd(dead, entry, maxlen=bounds.max_len, approximate=False)
-    pipe.xtrim(dead, minid=f"{oldest_ms}-0", approximate=False)
-    ack(pipe, keys, entry_id, stream)
-
-
 def write_heartbeat(pipe: Any, keys: Keys, heartbeat: WorkerHeartbeat, ttls: Ttls) -> None:
     """Queue SET of the heartbeat key with its TTL and registration in the workers set."""
     pipe.set(keys.worker(heartbeat.worker_id), encode_heartbeat(heartbeat),
@@ -282,9 +229,10 @@ def remove_heartbeat(pipe: Any, keys: Keys, worker_id: str) -> None:
     pipe.srem(keys.workers, worker_id)
 
 
-def ensure_group(r: Any, keys: Keys) -> None:
-    """Create every lane's stream and consumer group if missing (sync client). Idempotent."""
-    for stream in keys.request_streams:
+def ensure_group(r: Any, keys: Keys, streams: Sequence[str] | None = None) -> None:
+    """Create every lane's stream (or ``streams``') and consumer group if missing (sync
+    client). Idempotent."""
+    for stream in keys.request_streams if streams is None else streams:
         try:
             r.xgroup_create(stream, keys.group, id="0", mkstream=True)
         except ResponseError as exc:
@@ -304,21 +252,23 @@ def group_lag(depth: int, groups: list[dict[Any, Any]] | Exception, group: str) 
     return depth
 
 
-def queue_commands(pipe: Any, keys: Keys) -> None:
-    """Queue XLEN + XINFO GROUPS of every lane, and the depth of its fair backlog (read
-    the replies with ``queue_lags``)."""
-    for stream in keys.request_streams:
+def queue_commands(pipe: Any, keys: Keys, streams: Sequence[str] | None = None) -> None:
+    """Queue XLEN + XINFO GROUPS of every lane (or of ``streams``: one shard's, say), and
+    the depth of its fair backlog (read the replies with ``queue_lags``)."""
+    for stream in keys.request_streams if streams is None else streams:
         pipe.xlen(stream)
         pipe.xinfo_groups(stream)
         pipe.xlen(fair_bell(stream))
 
 
-def queue_lags(replies: list[Any], keys: Keys) -> dict[str, tuple[int, int]]:
-    """Per lane stream: (length, undelivered), from the replies of ``queue_commands``
-    executed with ``raise_on_error=False``. Undelivered counts the requests waiting in the
-    lane's fair backlog too (``protocol.fair``): they are queued work like any other."""
+def queue_lags(replies: list[Any], keys: Keys, streams: Sequence[str] | None = None
+               ) -> dict[str, tuple[int, int]]:
+    """Per lane stream: (length, undelivered), from the replies of ``queue_commands`` (for
+    the same ``streams``) executed with ``raise_on_error=False``. Undelivered counts the
+    requests waiting in the lane's fair backlog too (``protocol.fair``): they are queued
+    work like any other."""
     out = {}
-    for i, stream in enumerate(keys.request_streams):
+    for i, stream in enumerate(keys.request_streams if streams is None else streams):
         depth, groups, waiting = replies[3 * i: 3 * i + 3]
         depth = 0 if isinstance(depth, Exception) else int(depth)
         waiting = 0 if isinstance(waiting, Exception) else int(waiting)

@@ -93,7 +93,8 @@ def worker(
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
     from protocol.cluster import Replication
-    from protocol.store import DeadLetterBounds, Ttls
+    from protocol.dead_letters import DeadLetterBounds
+    from protocol.store import Ttls
     from worker.service.main import engine_config, run_worker
     from worker.service.redis_io import WorkerSettings, default_worker_id
 

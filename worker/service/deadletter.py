@@ -8,7 +8,7 @@ terminal error event and the job hash says ``failed``, so nobody waits forever.
 
 A cancelled request is not one of them: an entry cancelled before any worker took it is
 acknowledged and dropped by the intake (``START_JOB_LUA`` says ``skip``). The stream is
-bounded by count, age and payload size (``protocol.store.DeadLetterBounds``, the
+bounded by count, age and payload size (``protocol.dead_letters.DeadLetterBounds``, the
 worker's ``dead_letters`` setting), so a flood of bad entries cannot fill Redis.
 """
 
@@ -26,6 +26,7 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from protocol.codec import REQUEST_FIELD, request_fields
+from protocol.dead_letters import dead_letter
 from protocol.models import (
     ID_PATTERN,
     TERMINAL_STATES,
@@ -35,7 +36,6 @@ from protocol.models import (
     TokenEvent,
     Usage,
 )
-from protocol.store import dead_letter
 from worker.service.cluster_push import ClusterPusher
 from worker.service.jobs import Outgoing
 from worker.service.leases import SCRIPTS, Entry
