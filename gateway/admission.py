@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import structlog
 from fastapi import Request
@@ -20,6 +20,7 @@ from gateway.settings import GatewaySettings
 from gateway.tenancy.tenants import DEFAULT
 from protocol.aclient import AsyncFerryClient
 from protocol.models import GenerateRequest
+from protocol.shard_health import ShardDownError
 
 
 def check_limits(request: GenerateRequest, settings: GatewaySettings) -> None:
@@ -47,14 +48,29 @@ def check_limits(request: GenerateRequest, settings: GatewaySettings) -> None:
                            f"{settings.max_prompt_chars}", param="messages")
 
 
-async def check_queue(client: AsyncFerryClient, settings: GatewaySettings) -> None:
-    """429 with Retry-After while more than ``max_queue_lag`` requests wait for a worker."""
-    if settings.max_queue_lag is None:
-        return
-    lag = await client.queue_lag()
-    if lag >= settings.max_queue_lag:
+async def check_queue(client: AsyncFerryClient, settings: GatewaySettings,
+                      requests: Sequence[GenerateRequest] = ()) -> None:
+    """429 with Retry-After while more than ``max_queue_lag`` requests wait for a worker.
+
+    On a Redis Cluster the lag is read shard by shard, each read bounded, and a shard that
+    does not answer is left out and marked lost (``protocol/shard_health.py``): the others
+    keep admitting, and a request whose id hashes to a lost shard gets its 503 here, at
+    once, naming the shard (its master and replicas are away; nothing would serve it)."""
+    limit = settings.max_queue_lag
+    if limit is None:  # no read of the shards here: ask the requests' own
+        lag = 0
+        await client.confirm_shards([request.request_id for request in requests])
+    else:
+        lag = await client.queue_lag()
+    for request in requests:
+        try:
+            client.check_shard(request.request_id)
+        except ShardDownError as exc:
+            raise APIError(503, f"{exc}; retry later", code="shard_unavailable",
+                           headers={"Retry-After": str(settings.retry_after_s)}) from None
+    if limit is not None and lag >= limit:
         raise APIError(
-            429, f"queue is full: {lag} requests waiting (limit {settings.max_queue_lag})",
+            429, f"queue is full: {lag} requests waiting (limit {limit})",
             headers={"Retry-After": str(settings.retry_after_s)},
         )
 

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 from protocol.cluster import NotReplicatedError
 from protocol.codec import ProtocolError, describe_errors
 from protocol.models import TokenEvent
+from protocol.shard_health import ShardDownError
 
 log = structlog.get_logger("ferry.gateway")
 
@@ -83,9 +84,11 @@ def unavailable(exc: Exception, retry_after_s: int) -> APIError:
     message holds its host and port, which is no business of an unauthenticated caller
     (the log has it)."""
     log.warning("queue_unavailable", error=f"{type(exc).__name__}: {exc}")
-    # Ferry's own "no replica confirmed" names the request and the WAIT, no address: the
-    # caller should learn why its request was not accepted (docs/operations.md).
-    why = str(exc) if isinstance(exc, NotReplicatedError) else type(exc).__name__
+    # Ferry's own "no replica confirmed" names the request and the WAIT, and "stream shard
+    # k is unreachable" the shard, no address: the caller should learn why its request was
+    # not accepted (docs/operations.md).
+    why = str(exc) if isinstance(exc, (NotReplicatedError, ShardDownError)) \
+        else type(exc).__name__
     return APIError(503, f"queue unavailable ({why}); retry later",
                     headers={"Retry-After": str(retry_after_s)})
 

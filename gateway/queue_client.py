@@ -58,7 +58,7 @@ class QueueClient:
             self.metrics.rejections.labels("limits").inc()
             raise
         try:
-            await check_queue(self.client, self.settings)
+            await check_queue(self.client, self.settings, requests)
         except APIError:
             self.metrics.rejections.labels("queue_full").inc()
             raise

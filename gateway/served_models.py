@@ -20,6 +20,7 @@ import time
 from gateway.errors import APIError
 from protocol.aclient import AsyncFerryClient
 from protocol.models import WorkerHeartbeat
+from protocol.shard_health import ShardDownError
 
 FALLBACK_NAME = "default"
 """Answered when nothing is configured and no worker is live (the embedded model's name)."""
@@ -36,7 +37,10 @@ class ServedModels:
     async def workers(self, fresh: bool = False) -> list[WorkerHeartbeat]:
         stale = time.monotonic() - self._read_at > self.ttl_s or not self._workers
         if fresh or stale:
-            self._workers = await self.client.live_workers()
+            try:
+                self._workers = await self.client.live_workers()
+            except ShardDownError:  # the heartbeats' shard is lost: go on with the last seen
+                return self._workers
             self._read_at = time.monotonic()
         return self._workers
 

@@ -2,7 +2,10 @@
 
 Same operations and the same guarantees; see ``protocol.client`` for the streaming
 algorithm. It also has the read-only queries the gateway needs for admission and
-readiness: queue lag and live workers.
+readiness: queue lag, live workers and, on a Redis Cluster, the stream shards it cannot
+reach (``protocol/shard_health.py``): every read of a shard is bounded, a shard that fails
+one is skipped from then on (its requests get ``ShardDownError`` at once) until a probe
+finds it back, so one lost master cannot stall the gateway's work on the others.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from protocol.codec import (
 from protocol.keys import Keys
 from protocol.models import GenerateRequest, JobStatus, TokenEvent, WorkerHeartbeat
 from protocol.pubsub_hub import PubSubHub
+from protocol.shard_health import LostShard, ShardHealth
+from protocol.shard_reads import SHARD_TIMEOUT_S, AsyncShards
 from protocol.shard_slots import DEFAULT_SHARDS
 from protocol.sharded_hub import ShardedPubSubHub
 from protocol.store import (
@@ -56,6 +61,7 @@ class AsyncFerryClient:
         poll_interval_s: float = 1.0,
         reconnect_timeout_s: float = 10.0,
         replication: Replication | None = None,
+        shard_timeout_s: float = SHARD_TIMEOUT_S,
     ) -> None:
         self.redis = client
         self.keys = keys or Keys()
@@ -63,6 +69,8 @@ class AsyncFerryClient:
         self.poll_interval_s = poll_interval_s
         self.reconnect_timeout_s = reconnect_timeout_s
         self.replication = replication or Replication()  # cluster only: WAIT after enqueue
+        self.shard_timeout_s = shard_timeout_s
+        self.shards = AsyncShards(client, self.keys, shard_timeout_s)  # cluster only
         self._hub: PubSubHub | None = None
 
     @property
@@ -82,6 +90,7 @@ class AsyncFerryClient:
         return cls(client, keys=keys_for(prefix, cluster, shards), **kwargs)
 
     async def aclose(self) -> None:
+        self.shards.aclose()
         if self._hub is not None:
             await self._hub.aclose()
         await self.redis.aclose()
@@ -100,8 +109,11 @@ class AsyncFerryClient:
         the tenant's share, ``protocol.fair``); returns the request id. On a cluster it is
         accepted once replicated (``NotReplicatedError`` otherwise)."""
         if self.keys.cluster:
-            await aenqueue(self.redis, EnqueuePlan(self.keys, request, self.ttls,
-                                                   self.replication, weight))
+            # each step may WAIT for a replica; past all that, the shard is not answering
+            bound = 2 * (self.replication.timeout_ms / 1000 + self.shard_timeout_s)
+            plan = EnqueuePlan(self.keys, request, self.ttls, self.replication, weight)
+            await self.shards.run(self.keys.shard_of(request.request_id),
+                                  aenqueue(self.redis, plan), bound)
             return request.request_id
         script, keys, argv = enqueue_script(self.keys, request, self.ttls, weight)
         if await self.redis.eval(script, len(keys), *keys, *argv) is None:  # type: ignore[misc]
@@ -133,6 +145,7 @@ class AsyncFerryClient:
 
     async def result(self, request_id: str) -> JobStatus | None:
         """The job hash as a JobStatus, or None if unknown or expired."""
+        self.check_shard(request_id)
         fields = await self.redis.hgetall(self.keys.job(request_id))  # type: ignore[misc]
         return status_from_hash(fields) if fields else None
 
@@ -146,19 +159,46 @@ class AsyncFerryClient:
 
     async def replay(self, request_id: str) -> list[TokenEvent]:
         """The job's whole replay log, in ``seq`` order (empty once it expired)."""
+        self.check_shard(request_id)
         raw = await self.redis.lrange(self.keys.events(request_id), 0, -1)  # type: ignore[misc]
         return decode_all(raw)
 
     async def cancel(self, request_id: str, reason: str = "cancelled by client") -> str:
         """Cancel; returns the state found (see ``FerryClient.cancel``)."""
+        self.check_shard(request_id)
         script, keys, argv = cancel_script(self.keys, request_id, reason, self.ttls)
         return as_str(await self.redis.eval(script, len(keys), *keys, *argv))  # type: ignore[misc]
 
     async def ping(self) -> bool:
+        """Redis answers (on a cluster: the master of every shard not lost, each bounded;
+        the lost ones are in ``lost_shards``)."""
+        if self.keys.cluster:
+            return len(await self.shards.lost()) < self.keys.shards
         return bool(await self.redis.ping())  # type: ignore[misc]
 
+    def check_shard(self, request_id: str) -> None:
+        """Cluster: ``ShardDownError`` at once for a request whose stream shard is lost."""
+        if self.keys.cluster:
+            self.shards.check(request_id)
+
+    async def confirm_shards(self, request_ids: list[str]) -> None:
+        """Cluster: ask the masters of these requests' shards (``AsyncShards.confirm``)."""
+        if self.keys.cluster:
+            await self.shards.confirm(request_ids)
+
+    async def lost_shards(self) -> dict[int, LostShard]:
+        """Cluster: the shards this client cannot reach (``AsyncShards.lost``)."""
+        return await self.shards.lost() if self.keys.cluster else {}
+
+    @property
+    def shard_health(self) -> ShardHealth:
+        return self.shards.health
+
     async def queue_lag(self) -> int:
-        """Entries not yet delivered to any worker, summed over the priority lanes."""
+        """Entries not yet delivered to any worker, summed over the priority lanes (on a
+        cluster: over the shards it can reach; see ``AsyncShards.lags``)."""
+        if self.keys.cluster:
+            return sum((await self.shards.lags()).values())
         pipe = self.redis.pipeline(transaction=False)
         queue_commands(pipe, self.keys)
         replies = await pipe.execute(raise_on_error=False)
@@ -168,7 +208,15 @@ class AsyncFerryClient:
         return sum(lag for _depth, lag in queue_lags(replies, self.keys).values())
 
     async def live_workers(self) -> list[WorkerHeartbeat]:
-        """Heartbeats of workers whose key has not expired; prunes dead ids from the set."""
+        """Heartbeats of workers whose key has not expired; prunes dead ids from the set.
+        On a cluster, bounded like a shard's read (the heartbeats share the slot of the tag
+        ``{prefix}``, on the master of the shard ``keys.shard_of(prefix)``)."""
+        if self.keys.cluster:
+            return await self.shards.run(self.keys.shard_of(self.keys.prefix),
+                                         self._live_workers())
+        return await self._live_workers()
+
+    async def _live_workers(self) -> list[WorkerHeartbeat]:
         ids = sorted(as_str(i) for i in await self.redis.smembers(self.keys.workers))  # type: ignore[misc]
         if not ids:
             return []

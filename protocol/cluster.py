@@ -86,14 +86,28 @@ def check_cluster_url(url: str) -> None:
 
 
 def cluster_client(url: str, **kwargs: Any) -> RedisCluster:
-    """A sync cluster client; the topology is discovered from the node ``url`` names."""
+    """A sync cluster client; the topology is discovered from the node ``url`` names.
+
+    It accepts a topology where some slots have no master (``require_full_coverage``
+    off, as the cluster's own setting should be): with a master and its replicas lost,
+    redis-py's default refuses *every* topology it reads, so a client stops working for
+    all shards instead of one (``protocol/shard_health.py``). A ``retry`` applies once
+    the client is made: making it asks a *default node* for the command table, and only
+    the default retries try another when that node does not answer."""
     check_cluster_url(url)
-    return RedisCluster.from_url(url, **kwargs)
+    kwargs.setdefault("require_full_coverage", False)
+    retry = kwargs.pop("retry", None)
+    client = RedisCluster.from_url(url, **kwargs)
+    if retry is not None:
+        client.set_retry(retry)
+    return client
 
 
 def async_cluster_client(url: str, **kwargs: Any) -> acluster.RedisCluster:
-    """An asyncio cluster client; the topology is discovered from the node ``url`` names."""
+    """An asyncio cluster client; the topology is discovered from the node ``url`` names
+    (partial coverage accepted, as for :func:`cluster_client`)."""
     check_cluster_url(url)
+    kwargs.setdefault("require_full_coverage", False)
     return acluster.RedisCluster.from_url(url, **kwargs)
 
 
@@ -122,6 +136,34 @@ def run_on_master(rc: RedisCluster, key: str, commands: list[tuple[Any, ...]],
             refresh_topology(rc)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+
+def node_pipeline(r: Any, key: str) -> Any:
+    """A pipeline (no transaction) on the one node holding ``key``'s slot: on a cluster,
+    that master's own connection, which neither retries nor falls back (after a timeout a
+    cluster pipeline resends every command alone, each waiting out its own timeout and
+    re-reading the topology: one unreachable master would cost a minute); on one Redis,
+    the client's own. Every key of it must share that slot (one shard's lanes, say); read
+    the replies with :func:`raise_moved`."""
+    return node_client(r, key).pipeline(transaction=False)
+
+
+def node_client(r: Any, key: str) -> Any:
+    """The client of the node holding ``key``'s slot (see :func:`node_pipeline`); ``r``
+    itself on one Redis."""
+    if not hasattr(r, "nodes_manager"):
+        return r
+    return r.get_redis_connection(r.get_node_from_key(key))
+
+
+def raise_moved(replies: list[Any]) -> list[Any]:
+    """``replies`` of a :func:`node_pipeline` run with ``raise_on_error=False``; a slot
+    that moved away (``MOVED``/``ASK``: a failover, a resharding) is raised, so the caller
+    re-reads the topology and tries again, instead of taking the error for an answer."""
+    for reply in replies:
+        if isinstance(reply, (MovedError, AskError)):
+            raise reply
+    return replies
 
 
 async def arefresh_topology(rc: acluster.RedisCluster) -> None:

@@ -14,13 +14,13 @@ service in another language can run the very same scripts.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from redis.exceptions import ResponseError
 
 from protocol.codec import (
-    REQUEST_FIELD,
     encode_cancel,
     encode_event,
     encode_heartbeat,
@@ -99,8 +99,10 @@ CANCEL_LUA_CLUSTER = _cancel_lua("SPUBLISH")
 # the entry's ``origin`` ('' if none: the id it had before the fair pull adopted it).
 # 'duplicate': the job belongs to another stream entry (or finished before entries were
 #   recorded): this entry must not touch it; dead-letter the entry.
-# 'skip': already finished (e.g. reclaimed after its worker wrote the result): just XACK.
-# 'cancel': cancelled while queued/running: emit a terminal 'cancelled' event, then XACK.
+# 'skip': already finished (e.g. reclaimed after its worker wrote the result), or
+#   cancelled before any worker took it (CANCEL_LUA ended it, terminal event included, and
+#   no entry was ever named: the fair backlog still held it): just XACK, no dead letter.
+# 'cancel': cancelled while running: emit a terminal 'cancelled' event, then XACK.
 # An entry with no job hash (a producer that XADDed directly) claims the id here.
 START_JOB_LUA = f"""
 local owner = redis.call('HMGET', KEYS[1], 'entry_id', 'stream')
@@ -109,7 +111,7 @@ if owner[1] and owner[1] ~= ARGV[7] and (owner[1] ~= ARGV[5] or owner[2] ~= ARGV
   return 'duplicate'
 end
 if {_TERMINAL_LUA} then
-  if owner[1] then return 'skip' end
+  if owner[1] or state == 'cancelled' then return 'skip' end
   return 'duplicate'
 end
 redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'entry_id', ARGV[5], 'stream', ARGV[6],
@@ -214,24 +216,6 @@ def finish(
     ack(pipe, keys, entry_id, stream)
 
 
-def dead_letter(
-    pipe: Any, keys: Keys, entry_id: str | bytes, fields: dict[Any, Any], reason: str,
-    stream: str | None = None,
-) -> None:
-    """Queue moving an entry no worker can run to the dead-letter stream (one for every
-    lane of a shard; ``stream`` names where it came from), then XACK it."""
-    stream = stream or keys.requests
-    raw = fields.get(REQUEST_FIELD.encode(), fields.get(REQUEST_FIELD, b""))
-    origin = as_str(fields.get(b"origin", fields.get("origin", b"")))
-    # an entry the fair pull adopted is named by the id its producer got from XADD
-    entry = {"entry_id": origin or as_str(entry_id), "stream": stream, "reason": reason[:2000],
-             REQUEST_FIELD: raw}
-    if origin:
-        entry["pulled_as"] = as_str(entry_id)
-    pipe.xadd(keys.dead_letter_for(stream), entry, maxlen=100_000, approximate=True)
-    ack(pipe, keys, entry_id, stream)
-
-
 def write_heartbeat(pipe: Any, keys: Keys, heartbeat: WorkerHeartbeat, ttls: Ttls) -> None:
     """Queue SET of the heartbeat key with its TTL and registration in the workers set."""
     pipe.set(keys.worker(heartbeat.worker_id), encode_heartbeat(heartbeat),
@@ -245,9 +229,10 @@ def remove_heartbeat(pipe: Any, keys: Keys, worker_id: str) -> None:
     pipe.srem(keys.workers, worker_id)
 
 
-def ensure_group(r: Any, keys: Keys) -> None:
-    """Create every lane's stream and consumer group if missing (sync client). Idempotent."""
-    for stream in keys.request_streams:
+def ensure_group(r: Any, keys: Keys, streams: Sequence[str] | None = None) -> None:
+    """Create every lane's stream (or ``streams``') and consumer group if missing (sync
+    client). Idempotent."""
+    for stream in keys.request_streams if streams is None else streams:
         try:
             r.xgroup_create(stream, keys.group, id="0", mkstream=True)
         except ResponseError as exc:
@@ -267,21 +252,23 @@ def group_lag(depth: int, groups: list[dict[Any, Any]] | Exception, group: str) 
     return depth
 
 
-def queue_commands(pipe: Any, keys: Keys) -> None:
-    """Queue XLEN + XINFO GROUPS of every lane, and the depth of its fair backlog (read
-    the replies with ``queue_lags``)."""
-    for stream in keys.request_streams:
+def queue_commands(pipe: Any, keys: Keys, streams: Sequence[str] | None = None) -> None:
+    """Queue XLEN + XINFO GROUPS of every lane (or of ``streams``: one shard's, say), and
+    the depth of its fair backlog (read the replies with ``queue_lags``)."""
+    for stream in keys.request_streams if streams is None else streams:
         pipe.xlen(stream)
         pipe.xinfo_groups(stream)
         pipe.xlen(fair_bell(stream))
 
 
-def queue_lags(replies: list[Any], keys: Keys) -> dict[str, tuple[int, int]]:
-    """Per lane stream: (length, undelivered), from the replies of ``queue_commands``
-    executed with ``raise_on_error=False``. Undelivered counts the requests waiting in the
-    lane's fair backlog too (``protocol.fair``): they are queued work like any other."""
+def queue_lags(replies: list[Any], keys: Keys, streams: Sequence[str] | None = None
+               ) -> dict[str, tuple[int, int]]:
+    """Per lane stream: (length, undelivered), from the replies of ``queue_commands`` (for
+    the same ``streams``) executed with ``raise_on_error=False``. Undelivered counts the
+    requests waiting in the lane's fair backlog too (``protocol.fair``): they are queued
+    work like any other."""
     out = {}
-    for i, stream in enumerate(keys.request_streams):
+    for i, stream in enumerate(keys.request_streams if streams is None else streams):
         depth, groups, waiting = replies[3 * i: 3 * i + 3]
         depth = 0 if isinstance(depth, Exception) else int(depth)
         waiting = 0 if isinstance(waiting, Exception) else int(waiting)

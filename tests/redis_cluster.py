@@ -49,7 +49,8 @@ def _kill_leftovers() -> None:
 
 
 class LocalCluster:
-    """Cluster nodes on 127.0.0.1, each restartable on its port with its data dir."""
+    """Cluster nodes on 127.0.0.1, each restartable on its port with its data dir, or
+    frozen (SIGSTOP) and thawed."""
 
     def __init__(self, layout: ClusterLayout = TEST_LAYOUT) -> None:
         self.layout = layout
@@ -117,6 +118,27 @@ class LocalCluster:
         if proc is not None:
             _LIVE.discard(proc)
 
+    def freeze(self, port: int) -> None:
+        """SIGSTOP of one node: it keeps its sockets but answers nothing (a hung host, a
+        network partition), so clients wait out their timeouts instead of being refused."""
+        self.procs[port].send_signal(signal.SIGSTOP)
+
+    def thaw(self, port: int) -> None:
+        """SIGCONT of a frozen node."""
+        proc = self.procs.get(port)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+
+    def replicas_of(self, master: int) -> list[int]:
+        """Ports of the replicas of the master on ``master`` (``CLUSTER NODES``)."""
+        with contextlib.closing(self.node(master)) as r:
+            me = r.execute_command("CLUSTER", "MYID")
+            me = me.decode() if isinstance(me, bytes) else str(me)
+            nodes = r.execute_command("CLUSTER", "NODES")
+        lines = (nodes.decode() if isinstance(nodes, bytes) else str(nodes)).splitlines()
+        return [int(f[1].split("@")[0].rsplit(":", 1)[1]) for f in map(str.split, lines)
+                if len(f) > 3 and f[3] == me]
+
     def restart(self, port: int) -> None:
         """Start a killed node again on its port and wait until the cluster is whole."""
         self.kill(port)
@@ -145,6 +167,7 @@ class LocalCluster:
     def close(self) -> None:
         for port in list(self.procs):
             proc = self.procs[port]
+            self.thaw(port)  # a stopped node would not act on SIGTERM
             if proc.poll() is None:
                 proc.terminate()
                 try:

@@ -135,12 +135,17 @@ def _queue_line(snapshot: Snapshot) -> Text:
 
 
 def _shards_line(snapshot: Snapshot) -> Text | None:
-    """``shards  0 @127.0.0.1:7000 depth 3 lag 1  1 @...``; None on one Redis."""
+    """``shards  0 @127.0.0.1:7000 depth 3 lag 1  1 @... LOST 12 s``; None on one Redis."""
     if not snapshot.shards:
         return None
     line = Text("shards ", style="bold")
     for s in snapshot.shards:
-        line.append(f" {s.shard} @{s.node} depth {s.depth} lag {s.lag} ")
+        if s.lost is not None:
+            line.append(f" {s.shard} @{s.node} LOST {s.lost_for_s:.0f} s ", style="bold red")
+        else:
+            line.append(f" {s.shard} @{s.node} depth {s.depth} lag {s.lag} ")
+    if snapshot.heartbeats_lost:
+        line.append(f" ({snapshot.heartbeats_lost})", style="bold red")
     return line
 
 
@@ -210,21 +215,28 @@ def top(
 ) -> None:
     """Live dashboard of the workers: batch, KV use, tokens/s, queue lag, reclaims."""
     import redis as redis_lib
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
     from rich.live import Live
 
     from protocol.cluster import cluster_client
+    from protocol.shard_health import ShardHealth
 
-    connect = cluster_client if redis_cluster else redis_lib.Redis.from_url
-    client = connect(redis_url, socket_timeout=5, socket_connect_timeout=5)
+    client: Any
+    if redis_cluster:  # a lost shard costs one short wait per frame, not ten long ones
+        client = cluster_client(redis_url, socket_timeout=2, socket_connect_timeout=2,
+                                retry=Retry(NoBackoff(), 0))
+    else:
+        client = redis_lib.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
     keys = keys_for(prefix, redis_cluster, stream_shards)
-    history, console = History(), Console()
+    history, console, health = History(), Console(), ShardHealth(keys.shards)
     try:
         if once:
-            console.print(render(collect(client, keys, history)))
+            console.print(render(collect(client, keys, history, health)))
             return
         with Live(console=console, auto_refresh=False, screen=False) as live:
             while True:
-                live.update(render(collect(client, keys, history)), refresh=True)
+                live.update(render(collect(client, keys, history, health)), refresh=True)
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass

@@ -41,6 +41,13 @@ LeaseS = Annotated[float, _opt("FERRY_LEASE_S", "Idle seconds before others may 
                                "an entry.")]
 MaxDeliveries = Annotated[int, _opt("FERRY_MAX_DELIVERIES", "Deliveries before an entry is "
                                     "dead-lettered.")]
+DeadMaxLen = Annotated[int, _opt("FERRY_DEAD_LETTER_MAX_LEN", "Dead letters kept per stream "
+                                 "(the oldest go first).")]
+DeadMaxAgeS = Annotated[float, _opt("FERRY_DEAD_LETTER_MAX_AGE_S", "Seconds a dead letter is "
+                                    "kept.")]
+DeadMaxPayload = Annotated[int, _opt(
+    "FERRY_DEAD_LETTER_MAX_PAYLOAD_BYTES", "A dead letter's payload over this is kept as "
+    "its first bytes and its size.")]
 DrainS = Annotated[float, _opt("FERRY_DRAIN_TIMEOUT_S", "SIGTERM: seconds to finish "
                                "in-flight requests before handing them back.")]
 HeartbeatS = Annotated[float, _opt("FERRY_HEARTBEAT_INTERVAL_S")]
@@ -75,6 +82,8 @@ def worker(
     max_num_seqs: MaxNumSeqs = None,
     kv_cache_blocks: KvBlocks = None, device: Device = None, lease_s: LeaseS = 30.0,
     max_deliveries: MaxDeliveries = 3, drain_timeout_s: DrainS = 30.0,
+    dead_letter_max_len: DeadMaxLen = 10_000, dead_letter_max_age_s: DeadMaxAgeS = 604800.0,
+    dead_letter_max_payload_bytes: DeadMaxPayload = 8192,
     heartbeat_interval_s: HeartbeatS = 1.0, heartbeat_ttl_s: HeartbeatTtlS = 4.0,
     prefetch: Prefetch = 4, health_file: HealthFile = None,
     torch_threads: TorchThreads = None,
@@ -84,6 +93,7 @@ def worker(
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
     from protocol.cluster import Replication
+    from protocol.dead_letters import DeadLetterBounds
     from protocol.store import Ttls
     from worker.service.main import engine_config, run_worker
     from worker.service.redis_io import WorkerSettings, default_worker_id
@@ -102,6 +112,8 @@ def worker(
             redis_cluster=redis_cluster, stream_shards=stream_shards,
             replication=Replication(redis_wait_replicas, redis_wait_timeout_ms),
             metrics_host=metrics_host,
+            dead_letters=DeadLetterBounds(dead_letter_max_len, dead_letter_max_age_s,
+                                          dead_letter_max_payload_bytes),
         )
     except ValueError as exc:  # pydantic's ValidationError is a ValueError too
         raise typer.BadParameter(str(exc)) from exc

@@ -15,6 +15,7 @@ import redis
 
 from protocol import fair
 from protocol.codec import ProtocolError, decode_entry
+from protocol.dead_letters import dead_letter
 from protocol.keys import Keys
 from protocol.models import (
     ErrorKind,
@@ -29,7 +30,7 @@ from protocol.models import (
     WorkerHeartbeat,
     state_for_finish,
 )
-from protocol.store import Ttls, dead_letter, ensure_group, finish, push_event, start_job
+from protocol.store import Ttls, ensure_group, finish, push_event, start_job
 from protocol.store import write_heartbeat as queue_heartbeat
 
 

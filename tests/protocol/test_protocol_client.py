@@ -156,6 +156,20 @@ def test_cancel_queued_finishes_it_at_once(client: FerryClient, redis_client: re
     control.close()
 
 
+def test_cancelled_before_pull_is_skipped_not_a_duplicate(
+    client: FerryClient, redis_client: redis.Redis
+) -> None:
+    """A request cancelled in its fair backlog is still pulled; START_JOB tells its worker
+    to acknowledge and drop it ('skip'), not to dead-letter it as a duplicate."""
+    client.enqueue(GenerateRequest(prompt="x", request_id="c0"))
+    assert client.cancel("c0") == "cancelled"
+    ensure_group(redis_client, KEYS)
+    [(entry, _fields)], _marks = fair.pull(redis_client, KEYS.requests, KEYS.group, "w1", 5)
+    assert start_job(redis_client, KEYS, "c0", "w1", TTLS, entry_id=entry) == "skip"
+    assert redis_client.hget(KEYS.job("c0"), "state") == b"cancelled"
+    assert redis_client.llen(KEYS.events("c0")) == 1  # the cancel's event, and no other
+
+
 def test_cancel_running_and_finished(client: FerryClient, redis_client: redis.Redis) -> None:
     client.enqueue(GenerateRequest(prompt="x", request_id="c2"))
     assert redis_client.hget(KEYS.job("c2"), "entry_id") is None  # named by its worker

@@ -5,7 +5,9 @@ a cluster a request's keys live in its own slot, so the step is grouped by maste
 ``FENCED_PUSH_NODE`` call carrying, in order, the events of every request that master
 holds, in one pipeline closed by ``WAIT`` when one of them is a terminal event. Masters
 are independent: one that is failing over keeps its requests pending (refresh the
-topology, back off, resend) while the others' events go out.
+topology, back off, resend) while the others' events go out; its requests' shard counts as
+lost (``shard_gate.py``) until the shard watch finds its master answering again, so a
+master that stays away costs one timeout, not one per step.
 
 The fence moves with the keys. The stream entry, and so the PEL, is in another slot, so
 the script cannot ask XPENDING who owns the entry; instead the job hash's ``worker_id``,
@@ -51,6 +53,7 @@ from worker.service.redis_io import (
     execute_scripts,
     text,
 )
+from worker.service.shard_gate import ShardGate
 
 log = structlog.get_logger("ferry.worker.outbox")
 TOPOLOGY_RECHECK_S = 5.0  # how often a slot short of replicas has its topology re-read
@@ -74,10 +77,12 @@ class ClusterPusher:
     of that master; the other masters' requests keep streaming through a failover."""
 
     def __init__(self, settings: WorkerSettings, redis: Any,
-                 encode: Callable[[Outgoing], bytes], holds: Callable[[str], bool]) -> None:
+                 encode: Callable[[Outgoing], bytes], holds: Callable[[str], bool],
+                 gate: ShardGate | None = None) -> None:
         self.settings = settings
         self.redis = redis
         self.keys = settings.keys
+        self.gate = gate or ShardGate(settings)
         self.encode = encode
         self.holds = holds  # whether the worker still holds a request (else forget its events)
         self.sent: dict[str, dict[int, bytes]] = {}  # request id -> seq -> payload
@@ -138,6 +143,9 @@ class ClusterPusher:
         retry: list[_Group] = []
         now = time.monotonic()
         for group in groups:
+            if not self.gate.usable(self.keys.shard_of(group.request_id)):
+                retry.append(group)  # its shard is lost: parked until the watch sees it back
+                continue
             try:
                 node = self.redis.get_node_from_key(self.keys.job(group.request_id))
             except TRANSIENT_ERRORS:
@@ -152,10 +160,14 @@ class ClusterPusher:
                 replies = self._node_round(node, batch, payloads, node_groups, claim)
             except TRANSIENT_ERRORS as exc:
                 self._failed(node.name, exc, len(node_groups))
+                for shard in {self.keys.shard_of(g.request_id) for g in node_groups}:
+                    self.gate.lost(shard, exc, self.redis)
                 retry += node_groups
                 continue
             self._retry_at.pop(node.name, None)
             self._backoffs.pop(node.name, None)
+            for shard in {self.keys.shard_of(g.request_id) for g in node_groups}:
+                self.gate.ok(shard)
             acks = replies[len(node_groups)] if len(replies) > len(node_groups) else None
             for group, reply in zip(node_groups, replies, strict=False):
                 if self._settle(group, reply, batch, payloads, outcomes):

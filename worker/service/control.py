@@ -19,12 +19,13 @@ from typing import Any
 
 import structlog
 
+from protocol.cluster import node_client, node_pipeline, raise_moved
 from protocol.codec import ProtocolError, decode_cancel
 from protocol.keys import Keys
 from protocol.models import WorkerHeartbeat
 from protocol.store import queue_commands, queue_lags, remove_heartbeat, write_heartbeat
 from worker.service.jobs import Command
-from worker.service.leases import RENEW, SCRIPTS, HeldEntries, by_stream, lost_ids
+from worker.service.leases import RENEW, SCRIPTS, Entry, HeldEntries, by_stream, lost_ids
 from worker.service.redis_io import (
     TRANSIENT_ERRORS,
     Backoff,
@@ -33,6 +34,7 @@ from worker.service.redis_io import (
     recover,
     text,
 )
+from worker.service.shard_gate import ShardGate
 
 log = structlog.get_logger("ferry.worker.control")
 
@@ -42,7 +44,7 @@ StatsFn = Callable[[], dict[str, float | int | str]]
 class Control(threading.Thread):
     def __init__(
         self, settings: WorkerSettings, held: HeldEntries, mailbox: queue.Queue[Any],
-        stats: StatsFn,
+        stats: StatsFn, gate: ShardGate | None = None,
     ) -> None:
         super().__init__(name="ferry-control", daemon=True)
         self.settings = settings
@@ -50,7 +52,11 @@ class Control(threading.Thread):
         self.held = held
         self.mailbox = mailbox
         self.stats = stats
-        self.redis = settings.connect()
+        self.gate = gate or ShardGate(settings)
+        # on a cluster one shard may stop answering: a read of it must not outlast the
+        # heartbeat's TTL, or this worker looks dead while it serves the other shards
+        self.redis = settings.connect(socket_timeout=min(5.0, settings.ttls.heartbeat_s / 2)
+                                      if settings.redis_cluster else 5.0)
         self.started_at = time.time()
         self.stopped = threading.Event()
         self.queue_lag = 0
@@ -111,54 +117,81 @@ class Control(threading.Thread):
             self.mailbox.put(Command("cancel", cancel.request_id, cancel.reason))
 
     def renew(self) -> None:
-        """Extend the lease on every held entry; report lost ones and cancel marks."""
+        """Extend the lease on every held entry; report lost ones and cancel marks. Shard by
+        shard on a cluster: the entries of a lost shard wait for it (their leases may run
+        out meanwhile; their fenced writes then say so)."""
         held = self.held.snapshot()
-        if not held:
-            return
+        shards: dict[int, dict[Entry, str]] = {}
+        for entry, request_id in held.items():
+            shards.setdefault(self.gate.shard_of_stream(entry[0]), {})[entry] = request_id
+        for shard, entries in shards.items():
+            self.gate.run(shard, self._renew, entries, default=None, redis=self.redis)
+
+    def _renew(self, held: dict[Entry, str]) -> None:
+        """One shard's entries: RENEW on its master (its lanes share one slot), then the
+        cancel marks (in the requests' own slots)."""
         keys, entries = self.keys, list(held)
         streams = by_stream(entries)
 
         def build(pipe: Any) -> None:
             for stream, ids in streams.items():
                 RENEW.queue(pipe, [stream], [keys.group, self.settings.worker_id, *ids])
-            for entry in entries:
-                pipe.get(keys.cancelled(held[entry]))
 
-        replies = execute_scripts(self.redis, build, SCRIPTS)
+        replies = execute_scripts(node_client(self.redis, entries[0][0]), build, SCRIPTS)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        for stream, reply in zip(streams, replies, strict=False):
+        pipe = self.redis.pipeline(transaction=False)
+        for entry in entries:
+            pipe.get(keys.cancelled(held[entry]))
+        reasons = pipe.execute()
+        for stream, reply in zip(streams, replies, strict=True):
             for entry_id in lost_ids(reply):
                 request_id = self.held.discard((stream, entry_id))
                 if request_id is not None:
                     log.warning("lease_lost", request_id=request_id, entry_id=entry_id,
                                 stream=stream)
                     self.mailbox.put(Command("lost", request_id))
-        for entry, reason in zip(entries, replies[len(streams):], strict=True):
+        for entry, reason in zip(entries, reasons, strict=True):
             if reason is not None and entry in self.held:
                 self.mailbox.put(Command("cancel", held[entry], text(reason)))
 
     def beat(self) -> None:
-        self.queue_depth, self.queue_lag = _queue(self.redis, self.keys)
+        """The queue numbers (shard by shard, the lost ones left out), then the heartbeat,
+        unless the shard holding the fleet's keys is lost (nothing to write it to: the
+        health file is touched all the same while other shards are served)."""
+        depth = lag = 0
+        for k in range(self.keys.shards):
+            d, n = self.gate.run(k, _queue, self.redis, self.keys, self.keys.shard_streams(k),
+                                 default=(0, 0), redis=self.redis)
+            depth, lag = depth + d, lag + n
+        self.queue_depth, self.queue_lag = depth, lag
         now = time.time()
         beat = WorkerHeartbeat(
             worker_id=self.settings.worker_id, model=self.settings.model_name,
             started_at=self.started_at, updated_at=now, stats=self.stats(),
         )
-        pipe = self.redis.pipeline()
-        write_heartbeat(pipe, self.keys, beat, self.settings.ttls)
-        pipe.execute()
-        self.beats += 1
+        if self.gate.run(self.gate.fleet_shard, self._write, beat, default=False,
+                         redis=self.redis):
+            self.beats += 1
+        elif not any(self.gate.usable(k) for k in range(self.keys.shards)):
+            return
         if self.settings.health_file:
             Path(self.settings.health_file).touch()
 
+    def _write(self, beat: WorkerHeartbeat) -> bool:
+        pipe = self.redis.pipeline()
+        write_heartbeat(pipe, self.keys, beat, self.settings.ttls)
+        pipe.execute()
+        return True
 
-def _queue(r: Any, keys: Keys) -> tuple[int, int]:
-    """(entries in every lane, entries not yet delivered to any worker), summed over lanes."""
-    pipe = r.pipeline(transaction=False)
-    queue_commands(pipe, keys)
-    lanes = queue_lags(pipe.execute(raise_on_error=False), keys)
+
+def _queue(r: Any, keys: Keys, streams: tuple[str, ...]) -> tuple[int, int]:
+    """(entries in one shard's ``streams``, entries not yet delivered to any worker)."""
+    pipe = node_pipeline(r, streams[0])
+    queue_commands(pipe, keys, streams)
+    replies = raise_moved(pipe.execute(raise_on_error=False))
+    lanes = queue_lags(replies, keys, streams)
     return sum(d for d, _ in lanes.values()), sum(lag for _, lag in lanes.values())
 
 

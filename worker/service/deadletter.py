@@ -5,6 +5,11 @@ errors) and entries delivered more than ``max_deliveries`` times (every worker t
 them died: a poison request). Both are copied to ``{prefix}:requests:dead`` with the
 reason and acknowledged. When a request id can be recovered, its client also gets a
 terminal error event and the job hash says ``failed``, so nobody waits forever.
+
+A cancelled request is not one of them: an entry cancelled before any worker took it is
+acknowledged and dropped by the intake (``START_JOB_LUA`` says ``skip``). The stream is
+bounded by count, age and payload size (``protocol.dead_letters.DeadLetterBounds``, the
+worker's ``dead_letters`` setting), so a flood of bad entries cannot fill Redis.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from protocol.codec import REQUEST_FIELD, request_fields
+from protocol.dead_letters import dead_letter
 from protocol.models import (
     ID_PATTERN,
     TERMINAL_STATES,
@@ -30,7 +36,6 @@ from protocol.models import (
     TokenEvent,
     Usage,
 )
-from protocol.store import dead_letter
 from worker.service.cluster_push import ClusterPusher
 from worker.service.jobs import Outgoing
 from worker.service.leases import SCRIPTS, Entry
@@ -100,6 +105,7 @@ class DeadLetters:
         log.warning("entry_dead_lettered", entry_id=entry_id, stream=stream, request_id=rid,
                     reason=reason)
         keys = self.settings.keys
+        named = rid or recover_request_id(fields)  # kept in the record, even without an event
         out = None
         if rid is not None and not self._ended(r, rid):
             out = self._terminal(rid, entry, int(r.llen(keys.events(rid))), error, kind)
@@ -114,7 +120,8 @@ class DeadLetters:
         def build(pipe: Any) -> None:
             if out is not None:  # event + failed job hash + XACK, fenced like any other
                 queue_push(pipe, self.settings, [out])
-            dead_letter(pipe, keys, entry_id, fields, reason, stream)
+            dead_letter(pipe, keys, entry_id, fields, reason, stream, request_id=named,
+                        bounds=self.settings.dead_letters)
             pipe.xdel(stream, entry_id)
 
         replies = execute_scripts(r, build, SCRIPTS, preload=out is not None)
@@ -163,7 +170,8 @@ def dead_letter_on_cluster(
         outcome = settled[0][1]
     stream, entry_id = entry
     pipe = r.pipeline(transaction=False)
-    dead_letter(pipe, settings.keys, entry_id, fields, reason, stream)
+    dead_letter(pipe, settings.keys, entry_id, fields, reason, stream,
+                request_id=recover_request_id(fields), bounds=settings.dead_letters)
     pipe.xdel(stream, entry_id)
     pipe.execute()
     return outcome

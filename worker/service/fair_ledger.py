@@ -12,9 +12,11 @@ so far, as every tenant's does in proportion to its running requests).
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 from typing import Any
 
 from protocol import fair
+from protocol.cluster import node_pipeline
 
 
 class FairLedger:
@@ -33,15 +35,22 @@ class FairLedger:
             key = (stream, tenant)
             self._owed[key] = self._owed.get(key, 0) + used - charged
 
-    def settle(self, r: Any) -> int:
-        """Intake thread: charge every correction noted so far (one pipeline); returns how
-        many counters changed. On a Redis error the corrections are kept for next time."""
+    def settle(self, r: Any, streams: Collection[str] | None = None) -> int:
+        """Intake thread: charge every correction noted so far (for the lanes ``streams``,
+        one shard's say; None: all) in one pipeline; returns how many counters changed. On
+        a Redis error the corrections are kept for next time."""
         with self._lock:
-            owed, self._owed = self._owed, {}
+            if streams is None:
+                owed, self._owed = self._owed, {}
+            else:
+                owed = {key: n for key, n in self._owed.items() if key[0] in streams}
+                for key in owed:
+                    del self._owed[key]
         if not owed:
             return 0
-        try:
-            pipe = r.pipeline(transaction=False)
+        try:  # one shard's lanes share a slot: one node's pipeline
+            pipe = r.pipeline(transaction=False) if streams is None \
+                else node_pipeline(r, next(iter(owed))[0])
             for (stream, tenant), tokens in owed.items():
                 fair.queue_charge(pipe, stream, tenant, tokens)
             pipe.execute()

@@ -9,11 +9,14 @@ real cost of finished requests (``fair_ledger.py``) before each pass's pulls. On
 Cluster each lane has a stream per shard: a pass reads the high lane of every shard before
 any normal lane, starting each lane at a shard that moves on every pass (so no shard is
 always read last), and BLOCKs briefly on one shard at a time (a blocking read cannot span
-slots). Each pass first runs the reaper: XAUTOCLAIM of entries
-idle past the lease (their worker died or stalled), which are resumed from their replay
-log. Entries that cannot be decoded, were delivered too often, or reuse another job's
-request id go to the dead-letter stream; the worker keeps going. Started jobs get their
-prompt tokenized on the ``PromptPool`` before they reach the engine loop.
+slots); a shard that cannot be reached is skipped, the others served, until it answers
+again (``shard_gate.py``). Each pass first runs the reaper (``reaper.py``): XAUTOCLAIM
+of entries idle past the lease (their worker died or stalled), which are resumed from
+their replay log. Entries that cannot be decoded, were delivered too often, or reuse another job's
+request id go to the dead-letter stream; the worker keeps going. An entry cancelled before
+any worker took it is simply acknowledged and dropped (its ``cancelled`` event was sent by
+the cancel itself). Started jobs get their prompt tokenized on the ``PromptPool`` before
+they reach the engine loop.
 """
 
 from __future__ import annotations
@@ -28,20 +31,24 @@ import structlog
 from redis.exceptions import ResponseError
 
 from protocol import fair
+from protocol.cluster import node_client
 from protocol.codec import ProtocolError, decode_entry, request_fields
 from protocol.keys import PRIORITY_BANDS
-from protocol.models import GenerateRequest
+from protocol.models import GenerateRequest, TokenEvent
 from protocol.store import START_JOB_LUA, ensure_group
 from protocol.streaming import decode_log
+from protocol.tenancy import DEFAULT_TENANT
 from worker.service.active_job import ActiveJob
 from worker.service.deadletter import DeadLetters
 from worker.service.fair_ledger import FairLedger, fair_fields
 from worker.service.fair_reader import FairReader
 from worker.service.jobs import replayed
-from worker.service.leases import Entry, HeldEntries, dead_consumers, hand_back_consumer
+from worker.service.leases import Entry, HeldEntries
 from worker.service.outbox import Outbox
 from worker.service.prompt_pool import PromptPool
+from worker.service.reaper import Reaper
 from worker.service.redis_io import TRANSIENT_ERRORS, Backoff, WorkerSettings, recover, text
+from worker.service.shard_gate import ShardGate
 from worker.service.slots import Slots
 
 log = structlog.get_logger("ferry.worker.intake")
@@ -52,6 +59,7 @@ class Intake(threading.Thread):
         self, settings: WorkerSettings, held: HeldEntries, slots: Slots,
         mailbox: queue.Queue[Any], outbox: Outbox, busy: Callable[[], bool],
         dead: DeadLetters, prompts: PromptPool, ledger: FairLedger,
+        gate: ShardGate | None = None,
     ) -> None:
         super().__init__(name="ferry-intake", daemon=True)
         self.settings = settings
@@ -63,21 +71,26 @@ class Intake(threading.Thread):
         self.busy = busy
         self.dead = dead
         self.prompts = prompts
-        self.streams = self.keys.request_streams  # highest priority first (lane-major)
         self._urgent = set(self.keys.lane_streams("high"))
-        # BLOCK must end well before the socket timeout, or a quiet stream looks dead.
-        self.redis = settings.connect(socket_timeout=settings.idle_block_ms / 1000 + 5)
+        # BLOCK must end well before the socket timeout, or a quiet stream looks dead. On a
+        # cluster it blocks briefly (busy_block_ms), and a shard that stops answering should
+        # cost one short wait: what a dead letter's WAIT for a replica may take, and a bit.
+        self.gate = gate or ShardGate(settings)
+        self.redis = settings.connect(socket_timeout=(
+            settings.replication.timeout_ms / 1000 + 2 if settings.redis_cluster
+            else settings.idle_block_ms / 1000 + 5))
         self.stopped = threading.Event()
-        self.reclaimed = 0
-        self._cursors = {stream: "0-0" for stream in self.streams}
-        self._next_reap = 0.0
-        self._next_rescue = 0.0
+        self.reaper = Reaper(settings, self.redis, self.gate, self._process)
         self._turn = 0  # the shard each lane is read from first, this pass
         # per entry taken: its id before the fair pull adopted it (or ''), and its charge
         self._fair: dict[Entry, tuple[str, int]] = {}
         self.ledger = ledger
-        self.reader = FairReader(settings, self.redis)
+        self.reader = FairReader(settings, self.redis, self.gate)
         self._lanes = {band: set(self.keys.lane_streams(band)) for band in PRIORITY_BANDS}
+
+    @property
+    def reclaimed(self) -> int:
+        return self.reaper.reclaimed
 
     def stop(self) -> None:
         self.stopped.set()
@@ -96,7 +109,10 @@ class Intake(threading.Thread):
             except ResponseError as exc:
                 if "NOGROUP" in str(exc):
                     log.warning("consumer_group_missing_recreating")
-                    ensure_group(self.redis, self.keys)
+                    for k in range(self.keys.shards):  # a lost shard's, once it is back
+                        self.gate.run(k, ensure_group, self.redis, self.keys,
+                                      self.keys.shard_streams(k), default=None,
+                                      redis=self.redis)
                 else:
                     log.error("intake_redis_error", error=str(exc))
                     backoff.wait(self.stopped)
@@ -105,17 +121,19 @@ class Intake(threading.Thread):
                 backoff.wait(self.stopped)
         self.redis.close()
 
-    def _in_turn(self) -> tuple[list[str], int]:
+    def _in_turn(self) -> tuple[list[str], int | None]:
         """Every stream in this pass's reading order, and the shard read first: lanes
-        highest first, each lane's shards from a starting shard that moves every pass."""
+        highest first, each lane's shards from a starting shard that moves every pass;
+        the shards that are lost left out (None: every one is)."""
         shards = self.keys.shards
         start = self._turn % shards
         self._turn += 1
+        rotation = [k for k in [*range(start, shards), *range(start)] if self.gate.usable(k)]
         order: list[str] = []
         for band in PRIORITY_BANDS:
             lane = self.keys.lane_streams(band)
-            order += lane[start:] + lane[:start]
-        return order, start
+            order += [lane[k] for k in rotation]
+        return order, rotation[0] if rotation else None
 
     def _rooms(self, order: list[str]) -> dict[str, int]:
         """Entries each stream may deliver now (the urgent lane ignores batch room)."""
@@ -125,67 +143,22 @@ class Intake(threading.Thread):
 
     def _tick(self) -> None:
         order, first_shard = self._in_turn()
+        if first_shard is None:  # every shard is lost: wait for the watch to see one back
+            self.stopped.wait(0.2)
+            return
         rooms = self._rooms(order)
         if max(rooms.values()) <= 0 or self.stopped.is_set():
             return
-        taken = 0
-        if time.monotonic() >= self._next_rescue:
-            self._rescue_dead_workers()
-        if time.monotonic() >= self._next_reap:
-            taken += self._reap(max(rooms.values()))
-        self.ledger.settle(self.redis)  # finished requests' real cost, before picking
+        taken = self.reaper.run(max(rooms.values()))
+        for k in range(self.keys.shards):  # finished requests' real cost, before picking
+            self.gate.run(k, self.ledger.settle, self.redis, set(self.keys.shard_streams(k)),
+                          default=0, redis=self.redis)
         for band in PRIORITY_BANDS:  # highest lane first, without blocking
             lane = [stream for stream in order if stream in self._lanes[band]]
             taken += self.reader.pull_lane(lane, rooms, taken,
                                            lambda stream, got: self._process(stream, got, {}))
         if not taken:
             self.reader.wait(first_shard, rooms, self.busy())
-
-    def _rescue_dead_workers(self) -> None:
-        """Hand back the entries of workers that died without draining (kill -9, OOM, a
-        lost node), so the reaper takes them now instead of after the lease: a dead
-        container's requests move within about one heartbeat TTL. Checked once per beat
-        interval, only while this worker has room to take them."""
-        self._next_rescue = time.monotonic() + self.settings.heartbeat_interval_s
-        for consumer in dead_consumers(self.redis, self.keys, self.settings.worker_id,
-                                       self.settings.liveness_ms):
-            handed = hand_back_consumer(self.redis, self.keys, consumer)
-            log.warning("dead_worker_entries_handed_back", consumer=consumer, entries=handed)
-            self._next_reap = 0.0
-
-    def _reap(self, limit: int) -> int:
-        """Claim up to ``limit`` entries idle past the lease, highest lane first."""
-        total = 0
-        wrapped = True
-        for stream in self.streams:
-            if total >= limit:
-                wrapped = False
-                break
-            next_id, claimed, *_ = self.redis.xautoclaim(
-                stream, self.keys.group, self.settings.worker_id,
-                min_idle_time=self.settings.lease_ms, start_id=self._cursors[stream],
-                count=limit - total,
-            )
-            self._cursors[stream] = text(next_id)
-            wrapped = wrapped and self._cursors[stream] == "0-0"
-            if claimed:
-                total += len(claimed)
-                self._process(stream, claimed, self._deliveries(stream, claimed))
-        # A partial scan continues on the next pass; a full one waits for the interval.
-        self._next_reap = time.monotonic() + (self.settings.reap_interval_s if wrapped else 0)
-        return total
-
-    def _deliveries(self, stream: str, claimed: list[Any]) -> dict[str, int]:
-        pipe = self.redis.pipeline(transaction=False)
-        for entry_id, _fields in claimed:
-            pipe.xpending_range(stream, self.keys.group, entry_id, entry_id, 1)
-        deliveries = {}
-        for (entry_id, _fields), rows in zip(claimed, pipe.execute(), strict=True):
-            deliveries[text(entry_id)] = int(rows[0]["times_delivered"]) if rows else 1
-        self.reclaimed += len(claimed)
-        log.info("entries_reclaimed", count=len(claimed), stream=stream,
-                 ids=list(deliveries)[:8])
-        return deliveries
 
     def _process(self, stream: str, entries: list[Any], deliveries: dict[str, int]) -> None:
         """Decode, dead-letter the bad, then start the good ones in one round trip."""
@@ -216,25 +189,15 @@ class Intake(threading.Thread):
             self._start(good)
 
     def _start(self, good: list[tuple[Entry, GenerateRequest]]) -> None:
-        """start_job + replay log + cancel mark for every entry, in one round trip.
+        """start_job + replay log + cancel mark for every entry, in one round trip (on a
+        cluster one per master holding their keys: usually one, their shard's).
 
         If Redis fails midway, the entries not dispatched are released (no longer renewed),
         so a reaper — maybe ours — reclaims them once the lease runs out.
         """
-        keys, now = self.keys, repr(time.time())
         done = 0
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            for (stream, entry_id), request in good:
-                rid = request.request_id
-                origin, _cost = self._fair.get((stream, entry_id), ("", 0))
-                # EVAL by name: a cluster pipeline has no eval() (it routes by the keys)
-                pipe.execute_command("EVAL", START_JOB_LUA, 2, keys.job(rid), keys.cancelled(rid),
-                                     rid, self.settings.worker_id, now,
-                                     self.settings.ttls.job_s, entry_id, stream, origin)
-                pipe.lrange(keys.events(rid), 0, -1)
-                pipe.get(keys.cancelled(rid))
-            replies = pipe.execute()
+            replies = self._start_replies(good)
             for i, (entry, request) in enumerate(good):
                 decision, log_items, reason = replies[3 * i: 3 * i + 3]
                 self._dispatch(entry, request, text(decision), log_items, reason)
@@ -243,6 +206,31 @@ class Intake(threading.Thread):
             for entry, _request in good[done:]:
                 self.held.discard(entry)
                 self._fair.pop(entry, None)
+
+    def _start_replies(self, good: list[tuple[Entry, GenerateRequest]]) -> list[Any]:
+        """The three replies of each entry, in order. Node by node, not a cluster pipeline:
+        redis-py would ask its default node for an EVAL's keys first, and that node may be
+        the master of a lost shard."""
+        keys, now = self.keys, repr(time.time())
+        nodes: dict[int, tuple[Any, list[int]]] = {}
+        for i, (_entry, request) in enumerate(good):
+            client = node_client(self.redis, keys.job(request.request_id))
+            nodes.setdefault(id(client), (client, []))[1].append(i)
+        replies: list[Any] = [None] * (3 * len(good))
+        for client, positions in nodes.values():
+            pipe = client.pipeline(transaction=False)
+            for i in positions:
+                (stream, entry_id), rid = good[i][0], good[i][1].request_id
+                origin, _cost = self._fair.get((stream, entry_id), ("", 0))
+                pipe.execute_command("EVAL", START_JOB_LUA, 2, keys.job(rid), keys.cancelled(rid),
+                                     rid, self.settings.worker_id, now,
+                                     self.settings.ttls.job_s, entry_id, stream, origin)
+                pipe.lrange(keys.events(rid), 0, -1)
+                pipe.get(keys.cancelled(rid))
+            got = pipe.execute()
+            for j, i in enumerate(positions):
+                replies[3 * i: 3 * i + 3] = got[3 * j: 3 * j + 3]
+        return replies
 
     def _dispatch(
         self, entry: Entry, request: GenerateRequest, decision: str, log_items: list[Any],
@@ -266,6 +254,8 @@ class Intake(threading.Thread):
         if decision == "skip" or (events and events[-1].is_final):
             self.held.discard(entry)
             stream, entry_id = entry
+            if cancelled_in_queue(events):  # served nothing: give its tenant the charge back
+                self.ledger.note(stream, request.tenant or DEFAULT_TENANT, 0, charged)
             pipe = self.redis.pipeline(transaction=False)
             pipe.xack(stream, self.keys.group, entry_id)
             pipe.xdel(stream, entry_id)
@@ -282,3 +272,10 @@ class Intake(threading.Thread):
             self.slots.take()
             self.prompts.submit(admission)
 
+
+
+def cancelled_in_queue(events: list[TokenEvent]) -> bool:
+    """The replay log of a request cancelled before any worker took it: the one terminal
+    event the cancel script wrote (no worker's id on it)."""
+    return (len(events) == 1 and events[0].finish_reason == "cancelled"
+            and events[0].worker_id is None)

@@ -20,10 +20,12 @@ without counting a delivery), applied only to entries still owned.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
 
+from protocol.cluster import node_pipeline, raise_moved
 from protocol.keys import Keys
 from worker.service.redis_io import TRANSIENT_ERRORS, LuaScript, WorkerSettings, text
 
@@ -167,20 +169,22 @@ def hand_back(settings: WorkerSettings, entries: list[Entry]) -> int:
         return 0
     keys = settings.keys
     r = settings.connect()
+    handed = 0
     try:
-        handed = 0
-        for stream, ids in by_stream(entries).items():
+        for stream, ids in by_stream(entries).items():  # one unreachable shard skips only its own
             args = [keys.group, settings.worker_id, HAND_BACK_IDLE_MS, *ids]
-            handed += int(HAND_BACK.run(r, [stream], args))
+            try:
+                handed += int(HAND_BACK.run(r, [stream], args))
+            except TRANSIENT_ERRORS as exc:
+                log.warning("hand_back_failed", error=str(exc), stream=stream,
+                            entries=len(ids))
         return handed
-    except TRANSIENT_ERRORS as exc:
-        log.warning("hand_back_failed", error=str(exc), entries=len(entries))
-        return 0
     finally:
         r.close()
 
 
-def hand_back_consumer(r: Any, keys: Keys, consumer: str, page: int = 1000) -> int:
+def hand_back_consumer(r: Any, keys: Keys, consumer: str, page: int = 1000,
+                       streams: Sequence[str] | None = None) -> int:
     """Hand back every entry ``consumer`` still owns, in every lane, now instead of after
     the lease.
 
@@ -190,7 +194,7 @@ def hand_back_consumer(r: Any, keys: Keys, consumer: str, page: int = 1000) -> i
     consumer). Were the consumer alive after all, nothing breaks: its fenced writes would
     fail as ``lost`` once a reaper claimed the entries; only its work would be wasted."""
     total = 0
-    for stream in keys.request_streams:
+    for stream in keys.request_streams if streams is None else streams:
         start = "-"
         while True:
             rows = r.xpending_range(stream, keys.group, start, "+", page, consumername=consumer)
@@ -214,20 +218,31 @@ def dead_consumers(r: Any, keys: Keys, me: str, min_idle_ms: int) -> list[str]:
     dead at once: the restored keys may have expired during the outage, but the group's
     idle clocks restart, and live workers beat again long before they run out. A consumer
     wrongly judged dead loses only work: its fenced writes come back ``lost``."""
-    pipe = r.pipeline(transaction=False)
-    for stream in keys.request_streams:
+    return without_heartbeat(r, keys, sorted(idle_consumers(r, keys, me, min_idle_ms)))
+
+
+def idle_consumers(r: Any, keys: Keys, me: str, min_idle_ms: int,
+                   streams: Sequence[str] | None = None) -> set[str]:
+    """Consumers other than ``me`` holding entries of the lanes (or of ``streams``: one
+    shard's, say) and idle on them for ``min_idle_ms``: the suspects of ``dead_consumers``."""
+    pipe = r.pipeline(transaction=False) if streams is None else node_pipeline(r, streams[0])
+    for stream in keys.request_streams if streams is None else streams:
         pipe.xinfo_consumers(stream, keys.group)
     suspects: set[str] = set()
-    for reply in pipe.execute(raise_on_error=False):
+    for reply in raise_moved(pipe.execute(raise_on_error=False)):
         if isinstance(reply, Exception):  # NOGROUP: the intake recreates the group
             continue
         for row in reply:
             name = text(row["name"])
             if name != me and int(row["pending"]) > 0 and int(row["idle"]) >= min_idle_ms:
                 suspects.add(name)
-    if not suspects:
+    return suspects
+
+
+def without_heartbeat(r: Any, keys: Keys, names: list[str]) -> list[str]:
+    """The ``names`` whose heartbeat key has expired (their workers are gone)."""
+    if not names:
         return []
-    names = sorted(suspects)
     pipe = r.pipeline(transaction=False)
     for name in names:
         pipe.exists(keys.worker(name))

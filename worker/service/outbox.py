@@ -36,6 +36,7 @@ from worker.service.redis_io import (
     recover,
     text,
 )
+from worker.service.shard_gate import ShardGate
 
 log = structlog.get_logger("ferry.worker.outbox")
 
@@ -88,7 +89,7 @@ class Outbox(threading.Thread):
 
     def __init__(
         self, settings: WorkerSettings, held: HeldEntries, mailbox: queue.Queue[Any],
-        observer: Observer | None = None,
+        observer: Observer | None = None, gate: ShardGate | None = None,
     ) -> None:
         super().__init__(name="ferry-outbox", daemon=True)
         self.settings = settings
@@ -96,8 +97,8 @@ class Outbox(threading.Thread):
         self.mailbox = mailbox
         self.observer = observer
         self.redis = settings.connect()
-        self.pusher = ClusterPusher(settings, self.redis, encode_outgoing,
-                                    held.holds_request) if settings.redis_cluster else None
+        self.pusher = ClusterPusher(settings, self.redis, encode_outgoing, held.holds_request,
+                                    gate) if settings.redis_cluster else None
         self._cond = threading.Condition()
         self._pending: deque[Outgoing] = deque()
         self._inflight = 0

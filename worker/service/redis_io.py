@@ -9,6 +9,7 @@ command retried after a reply was lost is never applied twice.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -33,6 +34,7 @@ from protocol.cluster import (
     refresh_topology,
 )
 from protocol.cluster_keys import keys_for
+from protocol.dead_letters import DeadLetterBounds
 from protocol.keys import Keys
 from protocol.models import ID_PATTERN
 from protocol.shard_slots import DEFAULT_SHARDS
@@ -73,6 +75,7 @@ class WorkerSettings:
     idle_block_ms: int = 1000  # ... and while it is empty
     max_outbox_events: int = 100_000  # buffered while Redis is away; then the loop waits
     ttls: Ttls = field(default_factory=Ttls)
+    dead_letters: DeadLetterBounds = field(default_factory=DeadLetterBounds)
     # Redis Cluster: the URL names any node; the request streams are split into shards,
     # and a terminal event is on a replica (WAIT) before its entry is acknowledged.
     redis_cluster: bool = False
@@ -104,11 +107,15 @@ class WorkerSettings:
         return keys_for(self.prefix, self.redis_cluster, self.stream_shards)
 
     def connect(self, socket_timeout: float = 5.0) -> Any:
-        """A client for one thread: ``connect`` below, or a cluster client."""
+        """A client for one thread: ``connect`` below, or a cluster client. The cluster
+        client does not retry a command itself (redis-py's default tries ten times, each
+        after re-reading the topology from every node): the threads' own loops retry, and
+        a shard that stays away is skipped (``worker/service/shard_gate.py``)."""
         if self.redis_cluster:
             return LazyClusterClient(lambda: cluster_client(
-                self.redis_url, socket_timeout=socket_timeout, socket_connect_timeout=2.0,
-                socket_keepalive=True))
+                self.redis_url, socket_timeout=socket_timeout,
+                socket_connect_timeout=min(2.0, socket_timeout), socket_keepalive=True,
+                retry=Retry(NoBackoff(), 0)))
         return connect(self.redis_url, socket_timeout)
 
     @property
@@ -167,6 +174,13 @@ class LazyClusterClient:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._get(), name)
+
+    def warm(self) -> None:
+        """Make the client now, if the cluster answers: it then knows every node, and
+        finds the cluster later through any of them, not only through the URL's (which
+        may be the one that is down by then)."""
+        with contextlib.suppress(RedisConnectionError):
+            self._get()
 
     def refresh(self) -> None:
         if self._client is not None:

@@ -14,9 +14,11 @@ import functools
 import queue
 import threading
 import time
+from typing import Any
 
 import structlog
 
+from protocol.keys import Keys
 from protocol.store import ensure_group
 from worker.engine.engine import Engine
 from worker.engine.health import DeviceFault
@@ -30,7 +32,14 @@ from worker.service.leases import HeldEntries, hand_back
 from worker.service.metrics import WorkerMetrics
 from worker.service.outbox import Observer, Outbox
 from worker.service.prompt_pool import PromptPool, build_with
-from worker.service.redis_io import TRANSIENT_ERRORS, Backoff, WorkerSettings, recover
+from worker.service.redis_io import (
+    TRANSIENT_ERRORS,
+    Backoff,
+    LazyClusterClient,
+    WorkerSettings,
+    recover,
+)
+from worker.service.shard_gate import ShardGate, ShardWatch
 from worker.service.slots import Slots
 from worker.service.stats import ServiceCounters, StatsBook
 from worker.service.tokenizer_responder import TokenizerResponder
@@ -55,15 +64,18 @@ class WorkerService:
         self.held = HeldEntries()
         self.slots = Slots(engine.config.scheduler.max_num_seqs, settings.prefetch)
         self.dead = DeadLetters(settings)
-        self.outbox = Outbox(settings, self.held, self.mailbox, observer)
+        self.gate = ShardGate(settings)  # the shards every thread skips while they are lost
+        self.watch = ShardWatch(settings, self.gate)
+        self.outbox = Outbox(settings, self.held, self.mailbox, observer, self.gate)
         self.prompts = PromptPool(build_with(engine.prompts), self.mailbox,
                                   decode=engine.prompts.decode)
         self.ledger = FairLedger()
         self.intake = Intake(settings, self.held, self.slots, self.mailbox, self.outbox,
                              engine.has_unfinished_requests, self.dead, self.prompts,
-                             self.ledger)
+                             self.ledger, self.gate)
         self.book = StatsBook(engine.stats, self.metrics, self.ledger)
-        self.control = Control(settings, self.held, self.mailbox, self._heartbeat_stats)
+        self.control = Control(settings, self.held, self.mailbox, self._heartbeat_stats,
+                               self.gate)
         self.tokenizer_responder = TokenizerResponder(settings, engine.prompts, engine.tokenizer)
         self._stop = threading.Event()
         self._drain_until: float | None = None
@@ -101,12 +113,17 @@ class WorkerService:
         the device broke: its requests are handed back for another worker to resume)."""
         if not self._connect():
             return 0
+        for client in (self.outbox.redis, self.intake.redis, self.control.redis):
+            if isinstance(client, LazyClusterClient):
+                client.warm()  # while the URL's node answers (see LazyClusterClient)
         self.metrics_port = self.metrics.serve(self.settings.metrics_port,
                                                self.settings.metrics_host)
         self.outbox.start()
         self.control.start()
         self.tokenizer_responder.start()
         self.intake.start()
+        if self.settings.redis_cluster:
+            self.watch.start()
         self.log.info("worker_started", model=self.settings.model_name,
                       max_num_seqs=self.slots.total, lease_s=self.settings.lease_s,
                       metrics_port=self.metrics_port or None)
@@ -128,8 +145,8 @@ class WorkerService:
             while not self._stop.is_set():
                 try:
                     r = r or self.settings.connect()  # a cluster client needs a node at once
-                    ensure_group(r, self.settings.keys)
-                    return True
+                    if self._ensure_groups(r):
+                        return True
                 except TRANSIENT_ERRORS as exc:
                     self.log.warning("redis_unavailable_at_startup", error=str(exc))
                     if r is not None:
@@ -139,6 +156,13 @@ class WorkerService:
         finally:
             if r is not None:
                 r.close()
+
+    def _ensure_groups(self, r: Any) -> bool:
+        """The consumer groups of every shard that answers (a lost one gets its groups from
+        the intake once it is back); True when at least one shard has them."""
+        keys = self.settings.keys
+        return any([self.gate.run(k, _ensure, r, keys, keys.shard_streams(k), default=False,
+                                  redis=r) for k in range(keys.shards)])
 
     # -- the loop ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -194,12 +218,20 @@ class WorkerService:
     def _shutdown(self) -> None:
         """Stop intake, drop what did not finish, flush events, hand entries back."""
         self.intake.stop()
+        self.watch.stop()
         self.intake.join(self.settings.idle_block_ms / 1000 + 6)
         self.prompts.close()
         unfinished = self.table.abort_all()
         flushed = self.outbox.close(timeout=10.0)
-        handed = hand_back(self.settings, list(self.held.snapshot()))
+        usable = [entry for entry in self.held.snapshot()
+                  if self.gate.usable(self.gate.shard_of_stream(entry[0]))]
+        handed = hand_back(self.settings, usable)
         self.tokenizer_responder.stop()
         self.control.stop()
         self.log.info("worker_stopped", unfinished=unfinished, handed_back=handed,
                       events_flushed=flushed)
+
+
+def _ensure(r: Any, keys: Keys, streams: tuple[str, ...]) -> bool:
+    ensure_group(r, keys, streams)
+    return True
