@@ -78,11 +78,12 @@ class BatchRows:
         self.last[row] = tokens[-1]
 
     def decodes(self, rows: np.ndarray, host: HostTables, block_size: int,
-                caching: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(decode, extra) masks over ``rows``. A decode row's next step is one token and at
-        most one fresh block, and it does not end by length with a token pending; of
-        those, ``extra`` rows need that block or have a block to register in the prefix
-        cache. Scheduling a decode row that is not ``extra`` changes no state
+                caching: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(decode, grow, register) masks over ``rows``. A decode row's next step is one
+        token and at most one fresh block, and it does not end by length with a token
+        pending; of those, ``grow`` rows need that block and ``register`` rows have blocks
+        to register in the prefix cache (``BlockManager.cache_full_blocks`` would do
+        something). Scheduling a decode row that is neither changes no state
         (``Scheduler._allocate`` would find it so)."""
         computed, tokens = self.computed[rows], self.tokens[rows]
         room = host.length[rows] * block_size  # tokens the row's blocks hold
@@ -90,11 +91,11 @@ class BatchRows:
         known = self.known[rows]
         if (known != tokens).any():  # Request.will_finish_by_length (a token pending)
             decode &= (known == tokens) | (tokens < self.max_known[rows])
-        extra = tokens > room
-        if caching:  # BlockManager.cache_full_blocks would register a block (for a
-            # decode, the blocks it fills never exceed its table)
-            extra |= known // block_size > host.registered[rows]
-        return decode, decode & extra
+        grow = decode & (tokens > room)
+        if not caching:
+            return decode, grow, np.zeros_like(decode)
+        # for a decode, the blocks it fills never exceed its table (with the fresh one)
+        return decode, grow, decode & (known // block_size > host.registered[rows])
 
     def advance(self, rows: np.ndarray, num_new: np.ndarray, sampled: np.ndarray) -> None:
         """``rows`` computed ``num_new`` tokens; ``sampled`` rows got a placeholder."""

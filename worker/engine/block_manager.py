@@ -1,8 +1,9 @@
-"""Paged KV-cache bookkeeping in pure Python: free list, reference counts, block tables,
+"""Paged KV-cache bookkeeping on the host: free list, reference counts, block tables,
 and the automatic prefix cache.
 
 The model runner owns the KV tensors; this class only decides which block ids each
-request may write to. Running out of blocks is a normal answer (``None``) that the
+request may write to. Each table is also a row of one host array (``host_tables.py``),
+which the step's inputs are built from. Running out of blocks is a normal answer (``None``) that the
 scheduler turns into waiting or preemption — never an exception.
 
 Prefix caching (after vLLM v1's ``KVCacheManager``, written anew): a *full* block is
@@ -108,12 +109,16 @@ class BlockManager:
     def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The chained hashes of the request's first ``num_blocks`` full blocks (cached on
         the request and extended as its tokens grow)."""
+        return self._hashes(request, num_blocks)[:num_blocks]
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The request's own list of block hashes, grown to at least ``num_blocks``."""
         hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else self._root
             hashes.append(chain_hash(parent, tokens[i * bs:(i + 1) * bs]))
-        return hashes[:num_blocks]
+        return hashes
 
     def cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks that continue the request's table from where it has computed, up
@@ -204,8 +209,9 @@ class BlockManager:
         start = int(self.host.registered[row])
         if full <= start:
             return
-        for i, h in enumerate(self.block_hashes(request, full)[start:], start):
-            block = table[i]
+        hashes = self._hashes(request, full)
+        for i in range(start, full):
+            h, block = hashes[i], table[i]
             if h not in self._block_of and block not in self._hash_of:
                 self._block_of[h] = block
                 self._hash_of[block] = h

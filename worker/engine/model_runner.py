@@ -165,18 +165,17 @@ class ModelRunner:
             to_device_packed([inp.ids, inp.positions, inp.slots, inp.sample_rows, inp.rows,
                               inp.patch_dst, inp.patch_src, inp.query_start.astype(np.int32),
                               inp.seq_lens.astype(np.int32)], self.device)
-        nd = inp.num_decodes
-        starts_host, lens_host = inp.query_start.tolist(), inp.seq_lens.tolist()
+        nd, lens = inp.num_decodes, inp.seq_lens
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=query_start, seq_lens=seq_lens,
             block_tables=self.tables.gather(rows),
             num_decodes=nd,
-            max_decode_seq_len=max(lens_host[:nd], default=0),
-            decode_buckets=decode_buckets(inp.seq_lens[:nd]),
-            max_query_len=int(inp.num_new.max()),
-            max_seq_len=max(lens_host),
-            query_start_host=starts_host,
-            seq_lens_host=lens_host,
+            max_decode_seq_len=int(lens[:nd].max()) if nd else 0,
+            decode_buckets=decode_buckets(lens[:nd]),
+            max_query_len=1 if nd == len(lens) else int(inp.num_new.max()),
+            max_seq_len=int(lens.max()),
+            query_start_host=inp.query_start.tolist(),
+            seq_lens_host=lens.tolist(),
         )
         patch_placeholders(ids, dst, src, prev)
         return ids, positions, meta, sample_rows

@@ -11,21 +11,41 @@ is the step's rows as ``ScheduledRequest`` objects and as arrays (``finish``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from worker.engine.batch_rows import BatchRows
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import SchedulerConfig
 from worker.engine.request import Request
 from worker.engine.schedule_output import ScheduledRequest, SchedulerOutput
 
-if TYPE_CHECKING:
-    from worker.engine.scheduler import Scheduler
+
+class Scheduling(Protocol):
+    """What the walk uses of ``Scheduler`` (which imports this module)."""
+
+    config: SchedulerConfig
+    block_manager: BlockManager
+    batch: BatchRows
+    running: list[Request]
+    max_model_len: int
+    num_preemptions: int
+
+    def rows_of_running(self) -> np.ndarray: ...
+
+    def _allocate(self, request: Request, budget: int,
+                  admitting: bool = False) -> ScheduledRequest | None: ...
+
+    def _preempt(self, request: Request) -> None: ...
+
+_LAST = np.iinfo(np.int64).max  # the sort key of a prefill chunk: after every decode
 
 
 class RunningWalk:
     """One step's walk over the running requests; ``finish`` adds the admitted ones."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Scheduling) -> None:
         self.sched = sched
         self.scheduled: list[ScheduledRequest] = []
         n = len(sched.running)
@@ -34,15 +54,19 @@ class RunningWalk:
         self.sample = np.ones(n, dtype=bool)
         self.k = 0
         self.preemptions = 0
+        self.grow: list[bool] = []  # per running row: a decode entering a fresh block
+        self.register: list[bool] = []  # ...a decode with blocks to register
 
     def run(self, out: SchedulerOutput, budget: int) -> int:
         s, bm = self.sched, self.sched.block_manager
         running = list(s.running)  # highest priority first; victims come off the end
         rows = s.rows_of_running()
         if s.config.long_prefill_token_threshold >= 1 and len(running):
-            decode, extra = s.batch.decodes(rows, bm.host, bm.block_size, bm.enable_caching)
-            general = np.flatnonzero(~decode).tolist()
-            extras = np.flatnonzero(extra).tolist()
+            decode, grow, register = s.batch.decodes(rows, bm.host, bm.block_size,
+                                                     bm.enable_caching)
+            general = (~decode).nonzero()[0].tolist()
+            extras = (grow | register).nonzero()[0].tolist()
+            self.grow, self.register = grow.tolist(), register.tolist()
         else:
             general, extras = list(range(len(running))), []
         i, end, g, e, k = 0, len(running), 0, 0, 0
@@ -53,7 +77,7 @@ class RunningWalk:
             while e < len(extras) and extras[e] < i:
                 e += 1
             while e < len(extras) and extras[e] < j:  # in order: a block, a registration
-                if not self._decode_extra(running[extras[e]]):
+                if not self._decode_extra(running[extras[e]], extras[e]):
                     j = extras[e]  # no free block: that row takes the general path
                     break
                 e += 1
@@ -87,16 +111,15 @@ class RunningWalk:
         self.preemptions = s.num_preemptions
         return budget
 
-    def _decode_extra(self, request: Request) -> bool:
+    def _decode_extra(self, request: Request, pos: int) -> bool:
         """What ``Scheduler._allocate`` does for a decode row beyond taking its token: a
         fresh block if it enters one (False if none is free: nothing changed), then the
         blocks it filled registered in the prefix cache."""
         bm = self.sched.block_manager
-        table = bm.block_table(request.request_id)
-        if len(table) * bm.block_size < request.num_tokens \
-                and not bm.append_block(request.request_id):
+        if self.grow[pos] and not bm.append_block(request.request_id):
             return False
-        bm.cache_full_blocks(request, request.num_tokens)
+        if self.register[pos]:
+            bm.cache_full_blocks(request, request.num_tokens)
         return True
 
     def finish(self, out: SchedulerOutput) -> None:
@@ -115,7 +138,7 @@ class RunningWalk:
             new = np.concatenate([new, np.array([it.num_new_tokens for it in extra],
                                                 dtype=np.int64)])
             sample = np.concatenate([sample, np.array([it.sample for it in extra], dtype=bool)])
-        key = np.where(new == 1, s.batch.tokens[rows], np.iinfo(np.int64).max)
+        key = np.where(new == 1, s.batch.tokens[rows], _LAST)
         if len(key) > 1 and bool((key[1:] < key[:-1]).any()):
             perm = np.argsort(key, kind="stable")
             items = [items[p] for p in perm.tolist()]

@@ -6,6 +6,11 @@ while blocks, ``max_num_seqs`` and the token budget allow. ``update()`` applies 
 sampled tokens and finishes requests, freeing their blocks in the same step; when steps
 overlap it is split into ``advance`` (at launch) and ``resolve`` (at read-back). No I/O
 and no tensors here: the scheduler is tested on CPU with fake runner output.
+
+The running requests' counters are also kept as arrays, one row per request
+(``batch_rows.py``), so that a large batch of decodes is scheduled, advanced and checked
+for its stops without a Python loop over requests (``running_walk.py``,
+``resolve_sampled``); ``check_invariants`` proves the arrays equal the requests.
 """
 
 from __future__ import annotations
@@ -215,31 +220,24 @@ class Scheduler:
         """The step is launched: its tokens count as computed, and each sampling row gets a
         placeholder for the token it is sampling (so the next step can be scheduled
         before this one is read back)."""
-        if self._rows_intact(output):
-            assert output.rows is not None and output.num_new is not None \
-                and output.sample is not None
-            self.batch.advance(output.rows, output.num_new, output.rows[output.sample])
-            if len(output.sampling) == len(output.scheduled) == output.num_batched_tokens:
-                advance_decodes(output.sampling)  # every row: one token, sampled
-                return
-            for item in output.scheduled:
-                item.request.num_computed_tokens += item.num_new_tokens
-            for request in output.sampling:
-                request.append_placeholder()
+        if not (output.host is self.block_manager.host and output.intact()):
+            for item in output.scheduled:  # one at a time: rows changed hands, or none
+                if not item.request.is_finished:
+                    item.request.num_computed_tokens += item.num_new_tokens
+                    if item.sample:
+                        item.request.append_placeholder()
+                    self._sync(item.request)
+            return
+        assert output.rows is not None and output.num_new is not None \
+            and output.sample is not None
+        self.batch.advance(output.rows, output.num_new, output.rows[output.sample])
+        if len(output.sampling) == len(output.scheduled) == output.num_batched_tokens:
+            advance_decodes(output.sampling)  # every row: one token, sampled
             return
         for item in output.scheduled:
-            request = item.request
-            if request.is_finished:
-                continue
-            request.num_computed_tokens += item.num_new_tokens
-            if item.sample:
-                request.append_placeholder()
-            self._sync(request)
-
-    def _rows_intact(self, output: SchedulerOutput) -> bool:
-        """Whether every row of ``output`` still belongs to the request it was scheduled
-        for (none finished or was preempted since): the arrays may be used as they are."""
-        return output.host is self.block_manager.host and output.intact()
+            item.request.num_computed_tokens += item.num_new_tokens
+        for request in output.sampling:
+            request.append_placeholder()
 
     def resolve(
         self, output: SchedulerOutput, sampled: Sequence[int | None]
@@ -255,26 +253,24 @@ class Scheduler:
         if len(output.sampling) == len(sampled):  # every row samples
             tokens = list(sampled)
         else:
-            tokens = [t for item, t in zip(output.scheduled, sampled, strict=True)
-                      if item.sample]
-        if None in tokens:  # a sampling row without its token: it gets none
-            kept = [s for s, t in zip(output.scheduled, sampled, strict=True)
-                    if s.sample and t is not None]
-            sub = SchedulerOutput(kept)
-            got = self.resolve_sampled(sub, [t for t in tokens if t is not None])
-        else:
-            got = self.resolve_sampled(output, tokens)  # type: ignore[arg-type]
+            tokens = [t for s, t in zip(output.scheduled, sampled, strict=True) if s.sample]
+        if None in tokens:  # a sampling row without its token gets none
+            output = SchedulerOutput([s for s, t in zip(output.scheduled, sampled, strict=True)
+                                      if s.sample and t is not None])
+            tokens = [t for t in tokens if t is not None]
+        got = self.resolve_sampled(output, tokens)  # type: ignore[arg-type]
         return list(zip(got.requests, got.tokens, strict=True))
 
     def resolve_sampled(
         self, output: SchedulerOutput, tokens: Sequence[int] | np.ndarray
     ) -> Resolved:
         """``resolve`` for ``tokens``, one per sampling row of ``output`` in order (what the
-        sampler returns; ``output.sampling`` are their requests). Returns the rows that got
-        their token (``Resolved.index`` into ``tokens``), their requests and tokens; a
-        request that ends on its token (EOS, stop ids, ``max_tokens``, the model's context)
-        is finished by then. The checks run over arrays (``BatchRows.resolve``) for every
-        row still held by its request, one request at a time for the others."""
+        sampler returns, fastest as an int64 array; ``output.sampling`` are their
+        requests). Returns the rows that got their token (``Resolved.index`` into
+        ``tokens``), their requests and tokens; a request that ends on its token (EOS, stop
+        ids, ``max_tokens``, the model's context) is finished by then. The checks run over
+        arrays (``BatchRows.resolve``) for every row still held by its request, one
+        request at a time for the others (finished or preempted since, or no arrays)."""
         requests = output.sampling
         values = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if len(values) != len(requests):
@@ -284,39 +280,31 @@ class Scheduler:
             else np.zeros(len(requests), dtype=bool)
         stops: dict[int, FinishReason] = {}
         got = valid.copy()
-        for i in np.flatnonzero(~valid).tolist():  # finished or preempted since, or no arrays
+        for i in (~valid).nonzero()[0].tolist():
             request = requests[i]
-            if request.is_finished:
-                continue
-            got[i] = True
-            request.resolve_placeholder(token_list[i])
-            self._sync(request)  # still running (an output without arrays): its row too
-            reason = request.check_token_stop(token_list[i], self.max_model_len)
-            if reason is not None:
-                stops[i] = reason
-        fast = np.flatnonzero(valid)
+            if not request.is_finished:
+                got[i] = True
+                request.resolve_placeholder(token_list[i])
+                self._sync(request)  # still running (an output without arrays): its row too
+                reason = request.check_token_stop(token_list[i], self.max_model_len)
+                if reason is not None:
+                    stops[i] = reason
+        fast = valid.nonzero()[0]
         if len(fast):
-            self._resolve_rows(output, requests, token_list, values, valid, fast, stops)
+            assert output.rows is not None and output.sample is not None
+            rows, pairs = output.rows[output.sample], (requests, token_list)
+            if len(fast) != len(requests):
+                rows, values = rows[valid], values[valid]
+                pairs = ([requests[i] for i in fast.tolist()],
+                         [token_list[i] for i in fast.tolist()])
+            stopped, too_long = self.batch.resolve(rows, values)
+            resolve_placeholders(*pairs)
+            for j in (stopped | too_long).nonzero()[0].tolist():
+                stops[int(fast[j])] = FinishReason.STOP if stopped[j] else FinishReason.LENGTH
         for i in sorted(stops):
             self.finish(requests[i], stops[i])
-        if bool(got.all()):
-            return Resolved(np.arange(len(requests)), requests, token_list)
-        index = np.flatnonzero(got)
+        index = got.nonzero()[0]
+        if len(index) == len(requests):
+            return Resolved(index, requests, token_list)
         return Resolved(index, [requests[i] for i in index.tolist()],
                         [token_list[i] for i in index.tolist()])
-
-    def _resolve_rows(
-        self, output: SchedulerOutput, requests: list[Request], token_list: list[int],
-        values: np.ndarray, valid: np.ndarray, fast: np.ndarray,
-        stops: dict[int, FinishReason],
-    ) -> None:
-        assert output.rows is not None and output.sample is not None
-        rows = output.rows[output.sample]
-        pairs = (requests, token_list)
-        if len(fast) != len(requests):
-            pairs = ([requests[i] for i in fast.tolist()], [token_list[i] for i in fast.tolist()])
-            rows, values = rows[valid], values[valid]
-        stopped, too_long = self.batch.resolve(rows, values)
-        resolve_placeholders(*pairs)
-        for j in np.flatnonzero(stopped | too_long).tolist():
-            stops[int(fast[j])] = FinishReason.STOP if stopped[j] else FinishReason.LENGTH

@@ -64,7 +64,8 @@ def build_inputs(sched: SchedulerOutput, host: HostTables, block_size: int,
                  prev: InflightStep | None) -> StepInputs:
     rows, num_new, sample, start = step_arrays(sched, host)
     n = len(rows)
-    ends = np.cumsum(num_new)  # [n]
+    one_each = sched.num_batched_tokens == n and sched.num_new is num_new
+    ends = np.arange(1, n + 1) if one_each else np.cumsum(num_new)  # [n]
     total = int(ends[-1])
     if total == n:  # one token per row (decodes)
         ids, positions, row_of_token = _newest_tokens(sched, rows, start), start, rows
@@ -75,13 +76,13 @@ def build_inputs(sched: SchedulerOutput, host: HostTables, block_size: int,
         ids = np.empty(total, dtype=np.int64)
         newest = num_new == 1
         ids[firsts[newest]] = _newest_tokens(sched, rows[newest], start[newest],
-                                             np.flatnonzero(newest))
-        for i in np.flatnonzero(~newest).tolist():  # prefill chunks copy their tokens
+                                             newest.nonzero()[0])
+        for i in (~newest).nonzero()[0].tolist():  # prefill chunks copy their tokens
             lo, count = int(start[i]), int(num_new[i])
             ids[firsts[i]:firsts[i] + count] = \
                 sched.scheduled[i].request.all_token_ids[lo:lo + count]
     blocks = host.table[row_of_token, positions // block_size].astype(np.int64)
-    dst = np.flatnonzero(ids == PLACEHOLDER)
+    dst = (ids == PLACEHOLDER).nonzero()[0]
     last = ends - 1
     return StepInputs(
         ids=ids, positions=positions, slots=blocks * block_size + positions % block_size,
@@ -99,7 +100,7 @@ def _newest_tokens(sched: SchedulerOutput, rows: np.ndarray, start: np.ndarray,
     batch = sched.batch
     if batch is not None:
         ids = batch.last[rows]
-        older = np.flatnonzero(start + 1 != batch.tokens[rows])
+        older = (start + 1 != batch.tokens[rows]).nonzero()[0]
     else:
         ids = np.empty(len(rows), dtype=np.int64)
         older = np.arange(len(rows))
@@ -132,11 +133,15 @@ def _placeholder_sources(sched: SchedulerOutput, dst: np.ndarray, dst_rows: np.n
                      for i in seqs.tolist()], dtype=np.int64)
 
 
-def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+def to_device_packed(arrays: list[np.ndarray], device: torch.device,
+                     pack: bool | None = None) -> list[torch.Tensor]:
     """1-D int64 / int32 arrays moved in one copy; returns views of it, one per array, of
     the array's dtype. Each view starts 16 bytes aligned, as a tensor of its own would:
     Triton specializes its kernels on pointer alignment (the warm-up compiled them for
-    aligned inputs)."""
+    aligned inputs). On a CPU (``pack`` unset) nothing moves: each array is wrapped as it
+    is (each is made fresh for its step, so nothing else writes it)."""
+    if not (device.type == "cuda" if pack is None else pack):
+        return [torch.from_numpy(a) for a in arrays]
     spans = []
     top = 0  # in int64 words; every array starts at an even one (16 bytes)
     for a in arrays:
@@ -156,7 +161,7 @@ def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[tor
             views.append(dev[lo:lo + words])
         else:
             view = dev[lo:lo + words].view(torch.int32)
-            views.append(view if len(view) == len(a) else view[:len(a)])
+            views.append(view if 2 * words == len(a) else view[:len(a)])
     return views
 
 
