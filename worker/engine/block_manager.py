@@ -174,18 +174,23 @@ class BlockManager:
             self.host.append(row, [*cached, *new_blocks])
         return new_blocks
 
-    def append_block(self, request_id: str) -> bool:
-        """One fresh block at the end of a held table (a decode entering a new block):
-        ``allocate_slots`` for that case, without its general bookkeeping. False (nothing
-        changed) when no block is free."""
-        if not self._free:
-            return False
-        block = self._take_free_block()
-        self._tables[request_id].append(block)
-        row = self.host.row_of(request_id)
-        assert row is not None
-        self.host.append(row, [block])
-        return True
+    def grow_decodes(self, requests: list[Request], rows: list[int], grow: list[bool],
+                     register: list[bool]) -> int:
+        """Decode rows, in order, beyond their one token: a fresh block at the end of the
+        table where ``grow`` (a decode entering a new block: ``allocate_slots`` for that
+        case), then ``cache_full_blocks`` where ``register``. Stops before the first row
+        that finds no free block (nothing changed for it); returns the rows done."""
+        tables, host = self._tables, self.host
+        for i, request in enumerate(requests):
+            if grow[i]:
+                if not self._free:
+                    return i
+                table = tables[request.request_id]
+                table.append(self._take_free_block())
+                host.append_one(rows[i], table[-1])
+            if register[i]:
+                self.cache_full_blocks(request, request.num_tokens)
+        return len(requests)
 
     def _take_free_block(self) -> int:
         block, _ = self._free.popitem(last=False)

@@ -60,6 +60,17 @@ class HostTables:
         self.length[row] = end
         self.dirty[row] = min(self.dirty.get(row, start), start)
 
+    def append_one(self, row: int, block: int) -> None:
+        """``append(row, [block])``, for the many decodes that enter a block each step."""
+        end = int(self.length[row])
+        if end == self.table.shape[1]:
+            self.append(row, [block])
+            return
+        self.table[row, end] = block
+        self.length[row] = end + 1
+        if row not in self.dirty:
+            self.dirty[row] = end
+
     def release(self, request_id: str) -> None:
         row = self._row_of.pop(request_id, None)
         if row is None:

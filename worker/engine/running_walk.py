@@ -56,6 +56,7 @@ class RunningWalk:
         self.preemptions = 0
         self.grow: list[bool] = []  # per running row: a decode entering a fresh block
         self.register: list[bool] = []  # ...a decode with blocks to register
+        self.row_list: list[int] = []  # running rows, as ints
 
     def run(self, out: SchedulerOutput, budget: int) -> int:
         s, bm = self.sched, self.sched.block_manager
@@ -67,6 +68,7 @@ class RunningWalk:
             general = (~decode).nonzero()[0].tolist()
             extras = (grow | register).nonzero()[0].tolist()
             self.grow, self.register = grow.tolist(), register.tolist()
+            self.row_list = rows.tolist() if extras else []
         else:
             general, extras = list(range(len(running))), []
         i, end, g, e, k = 0, len(running), 0, 0, 0
@@ -76,11 +78,17 @@ class RunningWalk:
             j = min(general[g] if g < len(general) else end, end, i + budget)
             while e < len(extras) and extras[e] < i:
                 e += 1
-            while e < len(extras) and extras[e] < j:  # in order: a block, a registration
-                if not self._decode_extra(running[extras[e]], extras[e]):
-                    j = extras[e]  # no free block: that row takes the general path
-                    break
-                e += 1
+            last = e
+            while last < len(extras) and extras[last] < j:
+                last += 1
+            if last > e:  # in order: a fresh block, blocks to register
+                todo = extras[e:last]
+                done = bm.grow_decodes([running[p] for p in todo], [self.row_list[p] for p in todo],
+                                       [self.grow[p] for p in todo],
+                                       [self.register[p] for p in todo])
+                e += done
+                if done < len(todo):
+                    j = todo[done]  # no free block: that row takes the general path
             if j > i:  # rows i..j-1 decode one token each
                 seg = rows[i:j]
                 self.rows[k:k + j - i] = seg
@@ -110,17 +118,6 @@ class RunningWalk:
         self.k = k
         self.preemptions = s.num_preemptions
         return budget
-
-    def _decode_extra(self, request: Request, pos: int) -> bool:
-        """What ``Scheduler._allocate`` does for a decode row beyond taking its token: a
-        fresh block if it enters one (False if none is free: nothing changed), then the
-        blocks it filled registered in the prefix cache."""
-        bm = self.sched.block_manager
-        if self.grow[pos] and not bm.append_block(request.request_id):
-            return False
-        if self.register[pos]:
-            bm.cache_full_blocks(request, request.num_tokens)
-        return True
 
     def finish(self, out: SchedulerOutput) -> None:
         """Fill ``out``: the rows in order (decodes first, shortest context first: attention

@@ -74,6 +74,17 @@ class SchedulerOutput:
             return any(s.sample and _needs_known(s.request) for s in self.scheduled)
         return bool(self.batch.needs_known[self.rows[self.sample]].any())
 
+    def attach_rows(self, host: HostTables, batch: BatchRows) -> None:
+        """Give an output built by hand its arrays, from its requests' rows as they are
+        now (a request holding none gets row -1, which is never intact)."""
+        found = [host.row_of(s.request.request_id) for s in self.scheduled]
+        rows = np.array([-1 if r is None else r for r in found], dtype=np.int64)
+        self.gens = np.where(rows >= 0, host.gen[rows], -1)
+        self.rows, self.host, self.batch = rows, host, batch
+        self.num_new = np.array([s.num_new_tokens for s in self.scheduled], dtype=np.int64)
+        self.sample = np.array([s.sample for s in self.scheduled], dtype=bool)
+        self.releases = -1 if None in found else host.releases
+
     def intact(self) -> bool:
         """Whether every row still belongs to the request it was scheduled for (none
         finished or was preempted since): the arrays may be used as they are."""

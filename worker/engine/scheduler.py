@@ -220,6 +220,8 @@ class Scheduler:
         """The step is launched: its tokens count as computed, and each sampling row gets a
         placeholder for the token it is sampling (so the next step can be scheduled
         before this one is read back)."""
+        if output.rows is None:  # built by hand (or filtered): its requests' rows now
+            output.attach_rows(self.block_manager.host, self.batch)
         if not (output.host is self.block_manager.host and output.intact()):
             for item in output.scheduled:  # one at a time: rows changed hands, or none
                 if not item.request.is_finished:
@@ -271,6 +273,8 @@ class Scheduler:
         ids, ``max_tokens``, the model's context) is finished by then. The checks run over
         arrays (``BatchRows.resolve``) for every row still held by its request, one
         request at a time for the others (finished or preempted since, or no arrays)."""
+        if output.rows is None:  # built by hand (or filtered): its requests' rows now
+            output.attach_rows(self.block_manager.host, self.batch)
         requests = output.sampling
         values = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if len(values) != len(requests):
