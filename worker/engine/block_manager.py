@@ -1,8 +1,9 @@
-"""Paged KV-cache bookkeeping in pure Python: free list, reference counts, block tables,
+"""Paged KV-cache bookkeeping on the host: free list, reference counts, block tables,
 and the automatic prefix cache.
 
 The model runner owns the KV tensors; this class only decides which block ids each
-request may write to. Running out of blocks is a normal answer (``None``) that the
+request may write to. Each table is also a row of one host array (``host_tables.py``),
+which the step's inputs are built from. Running out of blocks is a normal answer (``None``) that the
 scheduler turns into waiting or preemption — never an exception.
 
 Prefix caching (after vLLM v1's ``KVCacheManager``, written anew): a *full* block is
@@ -28,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from worker.engine.host_tables import HostTables
 from worker.engine.request import Request
 
 
@@ -64,7 +66,9 @@ class BlockManager:
         self._root = hashlib.sha256(f"ferry-kv|{salt}|{block_size}".encode()).digest()
         self._hash_of: dict[int, bytes] = {}  # block -> hash, for cached blocks
         self._block_of: dict[bytes, int] = {}  # hash -> block
-        self._registered: dict[str, int] = {}  # request -> leading table blocks hashed
+        # Each table's row in a host array (input building reads them vectorized), and
+        # per row the leading table blocks hashed (registered in the prefix cache).
+        self.host = HostTables()
         self._step: list[tuple[str, int, bytes]] = []  # registrations since begin_step
         self._prev_step: list[tuple[str, int, bytes]] = []  # the step's before
         self.stats = CacheStats()
@@ -105,12 +109,16 @@ class BlockManager:
     def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The chained hashes of the request's first ``num_blocks`` full blocks (cached on
         the request and extended as its tokens grow)."""
+        return self._hashes(request, num_blocks)[:num_blocks]
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The request's own list of block hashes, grown to at least ``num_blocks``."""
         hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else self._root
             hashes.append(chain_hash(parent, tokens[i * bs:(i + 1) * bs]))
-        return hashes[:num_blocks]
+        return hashes
 
     def cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks that continue the request's table from where it has computed, up
@@ -148,17 +156,41 @@ class BlockManager:
         reserve = self.watermark_blocks if admitting else 0
         if need > len(self._free) - reclaimed - reserve:
             return None
-        table = self._tables.setdefault(request_id, table)
+        if request_id not in self._tables:
+            self._tables[request_id] = table
+            self.host.assign(request_id)
+        row = self.host.row_of(request_id)
+        assert row is not None
         for block in cached:
             if self._ref_counts[block] == 0:
                 del self._free[block]
             self._ref_counts[block] += 1
             table.append(block)
         if cached:
-            self._registered[request_id] = len(table)
+            self.host.registered[row] = len(table)
         new_blocks = [self._take_free_block() for _ in range(need)]
         table.extend(new_blocks)
+        if cached or new_blocks:
+            self.host.append(row, [*cached, *new_blocks])
         return new_blocks
+
+    def grow_decodes(self, requests: list[Request], rows: list[int], grow: list[bool],
+                     register: list[bool]) -> int:
+        """Decode rows, in order, beyond their one token: a fresh block at the end of the
+        table where ``grow`` (a decode entering a new block: ``allocate_slots`` for that
+        case), then ``cache_full_blocks`` where ``register``. Stops before the first row
+        that finds no free block (nothing changed for it); returns the rows done."""
+        tables, host = self._tables, self.host
+        for i, request in enumerate(requests):
+            if grow[i]:
+                if not self._free:
+                    return i
+                table = tables[request.request_id]
+                table.append(self._take_free_block())
+                host.append_one(rows[i], table[-1])
+            if register[i]:
+                self.cache_full_blocks(request, request.num_tokens)
+        return len(requests)
 
     def _take_free_block(self) -> int:
         block, _ = self._free.popitem(last=False)
@@ -173,19 +205,23 @@ class BlockManager:
         if not self.enable_caching:
             return
         rid = request.request_id
-        table = self._tables.get(rid, [])
+        row = self.host.row_of(rid)
+        if row is None:
+            return
+        table = self._tables[rid]
         # blocks holding a pending token (placeholder) wait for a later step's call
         full = min(min(num_tokens, request.num_known_tokens) // self.block_size, len(table))
-        start = self._registered.get(rid, 0)
+        start = int(self.host.registered[row])
         if full <= start:
             return
-        for i, h in enumerate(self.block_hashes(request, full)[start:], start):
-            block = table[i]
+        hashes = self._hashes(request, full)
+        for i in range(start, full):
+            h, block = hashes[i], table[i]
             if h not in self._block_of and block not in self._hash_of:
                 self._block_of[h] = block
                 self._hash_of[block] = h
                 self._step.append((rid, block, h))
-        self._registered[rid] = full
+        self.host.registered[row] = full
 
     def begin_step(self) -> None:
         # the previous step may still be running (overlapped steps): a failure read back
@@ -209,8 +245,10 @@ class BlockManager:
                 del self._block_of[h]
                 del self._hash_of[block]
             table = self._tables.get(rid, [])
-            if rid in self._registered and block in table:
-                self._registered[rid] = min(self._registered[rid], table.index(block))
+            row = self.host.row_of(rid)
+            if row is not None and block in table:
+                self.host.registered[row] = min(int(self.host.registered[row]),
+                                                table.index(block))
 
     def provides_this_step(self, request_id: str) -> bool:
         """Whether another request holds a block this one registers this step (so this one
@@ -223,7 +261,7 @@ class BlockManager:
         go to the back of the LRU list, tail blocks first; blocks without a hash to the
         front (they hold nothing worth keeping)."""
         table = self._tables.pop(request_id, None)
-        self._registered.pop(request_id, None)
+        self.host.release(request_id)
         if not table:
             return
         for block in reversed(table):
@@ -245,3 +283,4 @@ class BlockManager:
         assert free == set(self._free), "blocks leaked or double-freed"
         assert all(self._block_of[h] == b for b, h in self._hash_of.items())
         assert len(self._block_of) == len(self._hash_of), "hash maps disagree"
+        self.host.check(self._tables)

@@ -1,24 +1,24 @@
-"""Block tables kept on the device, updated by the rows that changed.
+"""Block tables kept on the device, updated by the entries that changed.
 
 Rebuilding every request's block table from Python lists each step costs O(batch x
 blocks) host work and a transfer of the same size; at a batch of 256 requests with 800
 tokens of context that is ~13k ints per step for tables that gained at most one entry per
-request. Here each request holding blocks owns a row of one persistent device tensor
-``[rows, max_blocks_per_seq]``; a step writes only what changed — a new row (admission, or
-a table rebuilt after preemption) or the entries appended since the last step — with one
-scatter, then gathers the step's rows in batch order (on the device). Host work is
-O(requests changed + batch), and the tensor's address never changes, which CUDA graph
-replay needs.
-
-A table is recognised by identity: the block manager replaces a request's list when it
-frees and reallocates it (preemption), and only appends to it otherwise.
+request. Here the device holds one persistent tensor ``[rows, max_blocks_per_seq]`` whose
+rows are the block manager's host rows (``host_tables.py``: a request keeps its row while
+it holds blocks). A step writes only the entries the host marked dirty since the last
+step — a new row (admission, or a table rebuilt after preemption) or the entries appended
+— with one scatter, then gathers the step's rows in batch order (on the device). Host
+work is O(entries changed) plus array indexing, and the tensor's address never changes,
+which CUDA graph replay needs.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from worker.engine.transfer import to_device
+from worker.engine.host_tables import HostTables
+from worker.engine.transfer import host_to_device
 
 
 class BlockTableBuffer:
@@ -26,57 +26,43 @@ class BlockTableBuffer:
         self.device = device
         self.max_blocks = max_blocks_per_seq
         self.table = torch.zeros((rows, max_blocks_per_seq), dtype=torch.int32, device=device)
-        self._row_of: dict[str, int] = {}
-        self._list_of: dict[str, list[int]] = {}  # the block manager's list, by identity
-        self._written: dict[str, int] = {}  # entries of that list already on the device
-        self._free_rows = list(range(rows - 1, -1, -1))
 
     @property
     def rows(self) -> int:
         return self.table.shape[0]
 
-    def release_missing(self, alive: set[str] | dict[str, list[int]]) -> None:
-        """Give back the rows of requests that no longer hold blocks."""
-        for rid in [r for r in self._row_of if r not in alive]:
-            self._free_rows.append(self._row_of.pop(rid))
-            self._list_of.pop(rid, None)
-            self._written.pop(rid, None)
+    def sync(self, host: HostTables) -> None:
+        """Write the entries ``host`` changed since the last call (one scatter)."""
+        dirty = host.take_dirty()
+        if not dirty:
+            return
+        rows = np.fromiter(dirty.keys(), dtype=np.int64, count=len(dirty))
+        starts = np.fromiter(dirty.values(), dtype=np.int64, count=len(dirty))
+        ends = host.length[rows]
+        too_long = ends > self.max_blocks
+        if too_long.any():  # the others are still written: they are valid
+            longest = int(ends.max())
+            self._write(host, rows[~too_long], starts[~too_long], ends[~too_long])
+            raise ValueError(f"a block table has {longest} blocks, more than "
+                             f"the {self.max_blocks} a sequence may hold")
+        self._write(host, rows, starts, ends)
 
-    def gather(self, items: list[tuple[str, list[int]]]) -> torch.Tensor:
-        """Sync each (request id, block table) to the device; return the batch's tables
-        ``[len(items), max_blocks_per_seq]`` int32 in ``items`` order."""
-        rows: list[int] = []
-        upd_rows: list[int] = []
-        upd_cols: list[int] = []
-        upd_vals: list[int] = []
-        for rid, table in items:
-            if len(table) > self.max_blocks:
-                raise ValueError(f"block table of {rid!r} has {len(table)} blocks, more than "
-                                 f"the {self.max_blocks} a sequence may hold")
-            row = self._row_of.get(rid)
-            if row is None:
-                row = self._assign(rid)
-            start = self._written.get(rid, 0) if self._list_of.get(rid) is table else 0
-            if start < len(table):
-                upd_rows += [row] * (len(table) - start)
-                upd_cols += range(start, len(table))
-                upd_vals += table[start:]
-            self._list_of[rid], self._written[rid] = table, len(table)
-            rows.append(row)
-        if upd_vals:
-            self._scatter(upd_rows, upd_cols, upd_vals)
-        index = to_device(rows, torch.long, self.device)
-        return self.table.index_select(0, index)
-
-    def _assign(self, rid: str) -> int:
-        if not self._free_rows:  # more requests hold blocks than expected: grow (eager only)
-            extra = self.rows
+    def _write(self, host: HostTables, rows: np.ndarray, starts: np.ndarray,
+               ends: np.ndarray) -> None:
+        counts = ends - starts
+        keep = counts > 0
+        rows, starts, counts = rows[keep], starts[keep], counts[keep]
+        if not len(rows):
+            return
+        while int(rows.max()) >= self.rows:  # more holders than expected: grow (eager only)
             self.table = torch.cat([self.table, torch.zeros_like(self.table)])
-            self._free_rows = list(range(2 * extra - 1, extra - 1, -1))
-        row = self._free_rows.pop()
-        self._row_of[rid] = row
-        return row
+        r = np.repeat(rows, counts)  # [U]
+        c = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - starts,
+                                                     counts)
+        idx = host_to_device(torch.from_numpy(
+            np.stack([r, c, host.table[r, c].astype(np.int64)])), self.device)  # [3, U]
+        self.table.index_put_((idx[0], idx[1]), idx[2].to(torch.int32))
 
-    def _scatter(self, rows: list[int], cols: list[int], vals: list[int]) -> None:
-        idx = to_device([rows, cols], torch.long, self.device)  # [2, U]
-        self.table.index_put_((idx[0], idx[1]), to_device(vals, torch.int32, self.device))
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """The tables of ``rows`` (on the device), ``[len(rows), max_blocks_per_seq]`` int32."""
+        return self.table.index_select(0, rows)

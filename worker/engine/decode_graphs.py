@@ -30,15 +30,18 @@ On a CPU (tests) the same static-buffer path runs uncaptured, or through a stand
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import structlog
 import torch
 
 from worker.engine.attention_metadata import AttentionMetadata, ForwardContext
+from worker.engine.transfer import host_to_device
 
 log = structlog.get_logger("ferry.worker.graphs")
+HostInts = Sequence[int] | np.ndarray  # a step's host inputs: lists or 1-D arrays
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -184,17 +187,16 @@ class DecodeGraphs:
         return None
 
     @torch.inference_mode()
-    def run(self, ids: list[int], positions: list[int], slots: list[int],
-            seq_lens: list[int], tables: torch.Tensor,
+    def run(self, ids: HostInts, positions: HostInts, slots: HostInts,
+            seq_lens: HostInts, tables: torch.Tensor,
             patch_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Fill the static rows, pad to the bucket, replay; logits [len(ids), vocab],
-        computed outside the graph for the real rows. ``patch_ids`` fills, on the device,
-        input tokens still being read back."""
+        computed outside the graph for the real rows. The inputs are lists or 1-D arrays;
+        ``patch_ids`` fills, on the device, input tokens still being read back."""
         n, size = len(ids), self._bucket(len(ids))
-        host = torch.tensor([ids, positions, slots, seq_lens], dtype=torch.long)  # [4, n]
-        if self.runner.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.runner.device, non_blocking=True)
+        host = torch.from_numpy(np.stack([np.asarray(v, dtype=np.int64) for v in (
+            ids, positions, slots, seq_lens)]))  # [4, n]
+        dev = host_to_device(host, self.runner.device)
         self.ids[:n].copy_(dev[0])
         if patch_ids is not None:
             patch_ids(self.ids)

@@ -11,6 +11,7 @@ sampled tokens.
 
 from __future__ import annotations
 
+import numpy as np
 import structlog
 import torch
 
@@ -23,8 +24,8 @@ from worker.engine.decode_graphs import CudaGraphCapturer, DecodeGraphs, GraphCa
 from worker.engine.health import EngineHealth
 from worker.engine.inflight import InflightStep
 from worker.engine.model_loader import _DTYPES, LoadedModel, LogitsHead, ModelShape, load_model
-from worker.engine.request import PLACEHOLDER
 from worker.engine.scheduler import SchedulerOutput
+from worker.engine.step_inputs import build_inputs, patch_placeholders, to_device_packed
 from worker.engine.transfer import to_device
 from worker.engine.warmup import warm_up_kernels
 
@@ -35,10 +36,16 @@ _GRAPH_RESERVE_BYTES = 1 << 30  # left out of the KV budget for the graphs' memo
 _DECODE_BUCKET = 16  # sequences per decode attention call on the torch CPU path
 
 
-def decode_buckets(lens: list[int], size: int = _DECODE_BUCKET) -> list[tuple[int, int, int]]:
+def decode_buckets(lens: list[int] | np.ndarray,
+                   size: int = _DECODE_BUCKET) -> list[tuple[int, int, int]]:
     """(start, end, longest) slices of the length-sorted decode rows."""
-    return [(lo, min(lo + size, len(lens)), max(lens[lo:lo + size]))
-            for lo in range(0, len(lens), size)]
+    n = len(lens)
+    if not n:
+        return []
+    starts = np.arange(0, n, size)
+    longest = np.maximum.reduceat(np.asarray(lens), starts).tolist()
+    return [(lo, min(lo + size, n), top)
+            for lo, top in zip(starts.tolist(), longest, strict=True)]
 
 
 class ModelRunner:
@@ -152,48 +159,26 @@ class ModelRunner:
         self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the step: (input_ids [T], positions [T], metadata, logits rows [n])."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens: list[int] = []
-        tables: list[tuple[str, list[int]]] = []
-        sample_rows: list[int] = []
-        for item in sched.scheduled:
-            req = item.request
-            lo = req.num_computed_tokens
-            hi = lo + item.num_new_tokens
-            table = blocks.block_table(req.request_id)
-            ids.extend(req.all_token_ids[lo:hi])
-            positions.extend(range(lo, hi))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(lo, hi))
-            starts.append(starts[-1] + item.num_new_tokens)
-            seq_lens.append(hi)
-            tables.append((req.request_id, table))
-            if item.sample:
-                sample_rows.append(starts[-1] - 1)
-        self.tables.release_missing(blocks.tables)
-        dev = self.device
+        inp = build_inputs(sched, blocks.host, self.block_size, prev)
+        self.tables.sync(blocks.host)
+        ids, positions, slots, sample_rows, rows, dst, src, query_start, seq_lens = \
+            to_device_packed([inp.ids, inp.positions, inp.slots, inp.sample_rows, inp.rows,
+                              inp.patch_dst, inp.patch_src, inp.query_start.astype(np.int32),
+                              inp.seq_lens.astype(np.int32)], self.device)
+        nd, lens = inp.num_decodes, inp.seq_lens
         meta = AttentionMetadata(
-            slot_mapping=to_device(slots, torch.long, dev),
-            query_start_loc=to_device(starts, torch.int32, dev),
-            seq_lens=to_device(seq_lens, torch.int32, dev),
-            block_tables=self.tables.gather(tables),
-            num_decodes=sched.num_decodes,
-            max_decode_seq_len=max(seq_lens[: sched.num_decodes], default=0),
-            decode_buckets=decode_buckets(seq_lens[: sched.num_decodes]),
-            max_query_len=max(b - a for a, b in zip(starts[:-1], starts[1:], strict=True)),
-            max_seq_len=max(seq_lens),
-            query_start_host=starts,
-            seq_lens_host=seq_lens,
+            slot_mapping=slots, query_start_loc=query_start, seq_lens=seq_lens,
+            block_tables=self.tables.gather(rows),
+            num_decodes=nd,
+            max_decode_seq_len=int(lens[:nd].max()) if nd else 0,
+            decode_buckets=decode_buckets(lens[:nd]),
+            max_query_len=1 if nd == len(lens) else int(inp.num_new.max()),
+            max_seq_len=int(lens.max()),
+            query_start_host=inp.query_start.tolist(),
+            seq_lens_host=lens.tolist(),
         )
-        input_ids = to_device(ids, torch.long, dev)
-        patch_pending(input_ids, ids, sched, prev)
-        return (
-            input_ids, to_device(positions, torch.long, dev), meta,
-            to_device(sample_rows, torch.long, dev),
-        )
+        patch_placeholders(ids, dst, src, prev)
+        return ids, positions, meta, sample_rows
 
     @torch.inference_mode()
     def execute(
@@ -204,8 +189,9 @@ class ModelRunner:
         ``prev``: the step launched before, whose sampled tokens fill the placeholders.
         ``extra_rows``: more flat token rows whose logits follow (prompt logprobs)."""
         if not extra_rows and self.graphs is not None and self.graphs.fits(
-                len(sched.scheduled), sched.num_batched_tokens) \
-                and all(item.sample for item in sched.scheduled):
+                len(sched.scheduled), sched.num_batched_tokens) and (
+                bool(sched.sample.all()) if sched.sample is not None
+                else all(item.sample for item in sched.scheduled)):
             return self._decode_static(sched, blocks, prev)
         input_ids, positions, meta, sample_rows = self.prepare(sched, blocks, prev)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
@@ -228,49 +214,14 @@ class ModelRunner:
     ) -> torch.Tensor:
         """A pure-decode step through the static buffers (a CUDA graph replay on a GPU)."""
         assert self.graphs is not None
-        bs = self.block_size
-        ids, positions, slots, lens, tables = [], [], [], [], []
-        for item in sched.scheduled:
-            req = item.request
-            pos = req.num_computed_tokens
-            table = blocks.block_table(req.request_id)
-            ids.append(req.all_token_ids[pos])
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            lens.append(pos + 1)
-            tables.append((req.request_id, table))
-        self.tables.release_missing(blocks.tables)
-        return self.graphs.run(ids, positions, slots, lens, self.tables.gather(tables),
-                               lambda static_ids: patch_pending(static_ids, ids, sched, prev))
+        inp = build_inputs(sched, blocks.host, self.block_size, prev)
+        self.tables.sync(blocks.host)
+        rows, dst, src = to_device_packed([inp.rows, inp.patch_dst, inp.patch_src],
+                                          self.device)
+        return self.graphs.run(inp.ids, inp.positions, inp.slots, inp.seq_lens,
+                               self.tables.gather(rows),
+                               lambda static_ids: patch_placeholders(static_ids, dst, src, prev))
 
 
 def _allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-
-
-def patch_pending(
-    input_ids: torch.Tensor, host_ids: list[int], sched: SchedulerOutput,
-    prev: InflightStep | None,
-) -> None:
-    """Copy, on the device, each placeholder input token from ``prev``'s sampled tokens.
-
-    ``host_ids`` is the flat host list ``input_ids`` was made from (its first entries are
-    ``input_ids``' first): a placeholder can only be the newest token of a request that
-    sampled in ``prev``, so its row there says where the value is.
-    """
-    if PLACEHOLDER not in host_ids:
-        return
-    if prev is None:
-        raise RuntimeError("a placeholder input token with no step in flight to fill it")
-    dst: list[int] = []
-    src: list[int] = []
-    offset = 0
-    for item in sched.scheduled:
-        for k in range(offset, offset + item.num_new_tokens):
-            if host_ids[k] == PLACEHOLDER:
-                dst.append(k)
-                src.append(prev.row_of[item.request.request_id])
-        offset += item.num_new_tokens
-    dev = input_ids.device
-    values = prev.sample.tokens.index_select(0, to_device(src, torch.long, dev))
-    input_ids.index_copy_(0, to_device(dst, torch.long, dev), values)

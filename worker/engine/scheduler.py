@@ -6,41 +6,34 @@ while blocks, ``max_num_seqs`` and the token budget allow. ``update()`` applies 
 sampled tokens and finishes requests, freeing their blocks in the same step; when steps
 overlap it is split into ``advance`` (at launch) and ``resolve`` (at read-back). No I/O
 and no tensors here: the scheduler is tested on CPU with fake runner output.
+
+The running requests' counters are also kept as arrays, one row per request
+(``batch_rows.py``), so that a large batch of decodes is scheduled, advanced and checked
+for its stops without a Python loop over requests (``running_walk.py``,
+``resolve_sampled``); ``check_invariants`` proves the arrays equal the requests.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
+import numpy as np
+
+from worker.engine.batch_rows import BatchRows
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import SchedulerConfig
-from worker.engine.request import FinishReason, Request, RequestStatus
+from worker.engine.request import (
+    FinishReason,
+    Request,
+    RequestStatus,
+    advance_decodes,
+    resolve_placeholders,
+)
+from worker.engine.running_walk import RunningWalk
+from worker.engine.schedule_output import Resolved, ScheduledRequest, SchedulerOutput
 
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens computed this step: [num_computed, num_computed + n)
-    sample: bool  # the chunk reaches the last known token, so a new token is sampled
-
-
-@dataclass
-class SchedulerOutput:
-    # Single-token rows first (decodes, by increasing context), then prefill chunks: the
-    # attention backend relies on this order to batch decodes in a few calls.
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+__all__ = ["Resolved", "ScheduledRequest", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -51,9 +44,11 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []  # kept sorted by Request.sort_key
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # kept sorted by Request.sort_key too
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.batch = BatchRows(max_model_len)  # the running requests' counters, by row
+        self._running_rows: np.ndarray | None = None  # rows in ``running`` order (cache)
 
     # -- membership --------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -76,6 +71,7 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._running_rows = None
         else:
             self.waiting.remove(request)
         request.drop_pending()
@@ -88,36 +84,32 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the rows disagree with the requests (used by tests)."""
+        self.block_manager.check_invariants()
+        self.batch.check(self.running, self.block_manager.host)
+        assert self.running == sorted(self.running, key=Request.sort_key)
+
     # -- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.block_manager.begin_step()
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        self.running.sort(key=Request.sort_key)
-        pending = list(self.running)  # highest priority first; victims come off the end
-        while pending and budget > 0:
-            request = pending.pop(0)
-            if request.will_finish_by_length(self.max_model_len):
-                continue  # ends when its pending token is read back: nothing to compute
-            while (item := self._allocate(request, budget)) is None:
-                victim = pending.pop() if pending else request
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                scheduled.append(item)
-                budget -= item.num_new_tokens
+        walk = RunningWalk(self)
+        budget = walk.run(out, budget)
         if not out.preempted:
-            budget = self._admit(scheduled, budget)
-        # Decodes first, shortest context first: attention then reads them in length
-        # buckets that are contiguous slices, with little padding.
-        scheduled.sort(key=lambda s: (s.num_new_tokens != 1, s.num_new_tokens == 1
-                                      and s.request.num_tokens))
-        out.scheduled = scheduled
+            budget = self._admit(walk.scheduled, budget)
+        walk.finish(out)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def rows_of_running(self) -> np.ndarray:
+        """The running requests' rows, in ``running`` (priority) order."""
+        if self._running_rows is None:
+            host = self.block_manager.host
+            self._running_rows = np.array(
+                [host.row_of(r.request_id) for r in self.running], dtype=np.int64)
+        return self._running_rows
 
     def _allocate(
         self, request: Request, budget: int, admitting: bool = False
@@ -140,7 +132,14 @@ class Scheduler:
         bm.stats.hits += hit_tokens
         request.num_computed_tokens = start
         bm.cache_full_blocks(request, start + num_new)
+        if not admitting:
+            self._sync(request)
         return self._scheduled(request, num_new)
+
+    def _sync(self, request: Request) -> None:
+        row = self.block_manager.host.row_of(request.request_id)
+        if row is not None:
+            self.batch.sync(row, request)
 
     def _admit(self, scheduled: list[ScheduledRequest], budget: int) -> int:
         """Admit waiting requests, highest priority first, while room allows; a waiting
@@ -162,7 +161,11 @@ class Scheduler:
                 continue
             self.waiting.pop(skip)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            bisect.insort(self.running, request, key=Request.sort_key)
+            self._running_rows = None
+            row = self.block_manager.host.row_of(request.request_id)
+            assert row is not None
+            self.batch.admit(row, request, ScheduledRequest(request, 1, True))
             scheduled.append(item)
             budget -= item.num_new_tokens
         return budget
@@ -198,12 +201,14 @@ class Scheduler:
         """Recompute-style preemption: drop the KV, go back to waiting, keep outputs."""
         self.block_manager.free(request.request_id)
         self.running.remove(request)
+        self._running_rows = None
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=Request.sort_key)
 
+    # -- after the forward ---------------------------------------------------------------
     def update(
         self, output: SchedulerOutput, sampled: Sequence[int | None]
     ) -> list[tuple[Request, int]]:
@@ -215,13 +220,26 @@ class Scheduler:
         """The step is launched: its tokens count as computed, and each sampling row gets a
         placeholder for the token it is sampling (so the next step can be scheduled
         before this one is read back)."""
+        if output.rows is None:  # built by hand (or filtered): its requests' rows now
+            output.attach_rows(self.block_manager.host, self.batch)
+        if not (output.host is self.block_manager.host and output.intact()):
+            for item in output.scheduled:  # one at a time: rows changed hands, or none
+                if not item.request.is_finished:
+                    item.request.num_computed_tokens += item.num_new_tokens
+                    if item.sample:
+                        item.request.append_placeholder()
+                    self._sync(item.request)
+            return
+        assert output.rows is not None and output.num_new is not None \
+            and output.sample is not None
+        self.batch.advance(output.rows, output.num_new, output.rows[output.sample])
+        if len(output.sampling) == len(output.scheduled) == output.num_batched_tokens:
+            advance_decodes(output.sampling)  # every row: one token, sampled
+            return
         for item in output.scheduled:
-            request = item.request
-            if request.is_finished:
-                continue
-            request.num_computed_tokens += item.num_new_tokens
-            if item.sample:
-                request.append_placeholder()
+            item.request.num_computed_tokens += item.num_new_tokens
+        for request in output.sampling:
+            request.append_placeholder()
 
     def resolve(
         self, output: SchedulerOutput, sampled: Sequence[int | None]
@@ -230,15 +248,67 @@ class Scheduler:
         token-level stops. ``sampled`` is aligned with ``output.scheduled`` (None where
         nothing was sampled). Returns (request, token) for every request that got a token
         (a request finished meanwhile has dropped its placeholders and gets none).
+        ``resolve_sampled`` does the same from the sampler's tokens alone, faster.
         """
-        new_tokens: list[tuple[Request, int]] = []
-        for item, token in zip(output.scheduled, sampled, strict=True):
-            request = item.request
-            if request.is_finished or not item.sample or token is None:
-                continue
-            request.resolve_placeholder(token)
-            new_tokens.append((request, token))
-            reason = request.check_token_stop(token, self.max_model_len)
-            if reason is not None:
-                self.finish(request, reason)
-        return new_tokens
+        if len(sampled) != len(output.scheduled):
+            raise ValueError(f"{len(sampled)} tokens for {len(output.scheduled)} rows")
+        if len(output.sampling) == len(sampled):  # every row samples
+            tokens = list(sampled)
+        else:
+            tokens = [t for s, t in zip(output.scheduled, sampled, strict=True) if s.sample]
+        if None in tokens:  # a sampling row without its token gets none
+            output = SchedulerOutput([s for s, t in zip(output.scheduled, sampled, strict=True)
+                                      if s.sample and t is not None])
+            tokens = [t for t in tokens if t is not None]
+        got = self.resolve_sampled(output, tokens)  # type: ignore[arg-type]
+        return list(zip(got.requests, got.tokens, strict=True))
+
+    def resolve_sampled(
+        self, output: SchedulerOutput, tokens: Sequence[int] | np.ndarray
+    ) -> Resolved:
+        """``resolve`` for ``tokens``, one per sampling row of ``output`` in order (what the
+        sampler returns, fastest as an int64 array; ``output.sampling`` are their
+        requests). Returns the rows that got their token (``Resolved.index`` into
+        ``tokens``), their requests and tokens; a request that ends on its token (EOS, stop
+        ids, ``max_tokens``, the model's context) is finished by then. The checks run over
+        arrays (``BatchRows.resolve``) for every row still held by its request, one
+        request at a time for the others (finished or preempted since, or no arrays)."""
+        if output.rows is None:  # built by hand (or filtered): its requests' rows now
+            output.attach_rows(self.block_manager.host, self.batch)
+        requests = output.sampling
+        values = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if len(values) != len(requests):
+            raise ValueError(f"{len(values)} tokens for {len(requests)} sampling rows")
+        token_list: list[int] = tokens if isinstance(tokens, list) else values.tolist()
+        valid = output.valid_sampling_rows() if output.host is self.block_manager.host \
+            else np.zeros(len(requests), dtype=bool)
+        stops: dict[int, FinishReason] = {}
+        got = valid.copy()
+        for i in (~valid).nonzero()[0].tolist():
+            request = requests[i]
+            if not request.is_finished:
+                got[i] = True
+                request.resolve_placeholder(token_list[i])
+                self._sync(request)  # still running (an output without arrays): its row too
+                reason = request.check_token_stop(token_list[i], self.max_model_len)
+                if reason is not None:
+                    stops[i] = reason
+        fast = valid.nonzero()[0]
+        if len(fast):
+            assert output.rows is not None and output.sample is not None
+            rows, pairs = output.rows[output.sample], (requests, token_list)
+            if len(fast) != len(requests):
+                rows, values = rows[valid], values[valid]
+                pairs = ([requests[i] for i in fast.tolist()],
+                         [token_list[i] for i in fast.tolist()])
+            stopped, too_long = self.batch.resolve(rows, values)
+            resolve_placeholders(*pairs)
+            for j in (stopped | too_long).nonzero()[0].tolist():
+                stops[int(fast[j])] = FinishReason.STOP if stopped[j] else FinishReason.LENGTH
+        for i in sorted(stops):
+            self.finish(requests[i], stops[i])
+        index = got.nonzero()[0]
+        if len(index) == len(requests):
+            return Resolved(index, requests, token_list)
+        return Resolved(index, [requests[i] for i in index.tolist()],
+                        [token_list[i] for i in index.tolist()])

@@ -51,7 +51,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         bm = sched.block_manager
         need = bm.blocks_needed(s.request.num_computed_tokens + s.num_new_tokens)
         assert len(bm.block_table(s.request.request_id)) >= need
-    sched.block_manager.check_invariants()
+    sched.check_invariants()  # the block manager's, and the rows' mirror of the requests
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> dict[str, list[int]]:
