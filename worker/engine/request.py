@@ -160,15 +160,21 @@ class Request:
         id (not EOS) is kept as the ``stop_reason``."""
         known_outputs = self.num_output_tokens - self.num_pending
         if known_outputs >= self.params.min_tokens:
-            if not self.params.ignore_eos and token_id in self.eos_token_ids:
-                return FinishReason.STOP
-            if token_id in self.stop_token_ids:
-                self.stop_reason = token_id
+            if (not self.params.ignore_eos and token_id in self.eos_token_ids) \
+                    or token_id in self.stop_token_ids:
+                self.note_stop_token(token_id)
                 return FinishReason.STOP
         if known_outputs >= self.params.max_tokens or \
                 self.num_known_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def note_stop_token(self, token_id: int) -> None:
+        """Keep ``token_id``, which stopped the request, as its ``stop_reason`` when it is
+        one of the caller's stop ids rather than EOS (vLLM reports EOS as no reason)."""
+        eos = not self.params.ignore_eos and token_id in self.eos_token_ids
+        if not eos and token_id in self.stop_token_ids:
+            self.stop_reason = token_id
 
     @property
     def needs_prompt_logits(self) -> bool:

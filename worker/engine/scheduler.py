@@ -304,7 +304,10 @@ class Scheduler:
             stopped, too_long = self.batch.resolve(rows, values)
             resolve_placeholders(*pairs)
             for j in (stopped | too_long).nonzero()[0].tolist():
-                stops[int(fast[j])] = FinishReason.STOP if stopped[j] else FinishReason.LENGTH
+                i = int(fast[j])
+                stops[i] = FinishReason.STOP if stopped[j] else FinishReason.LENGTH
+                if stopped[j]:
+                    requests[i].note_stop_token(token_list[i])
         for i in sorted(stops):
             self.finish(requests[i], stops[i])
         index = got.nonzero()[0]
