@@ -159,11 +159,11 @@ class Request:
         aside); counts are of known tokens: later placeholders do not count. A stop token
         id (not EOS) is kept as the ``stop_reason``."""
         known_outputs = self.num_output_tokens - self.num_pending
-        if known_outputs >= self.params.min_tokens:
-            if (not self.params.ignore_eos and token_id in self.eos_token_ids) \
-                    or token_id in self.stop_token_ids:
-                self.note_stop_token(token_id)
-                return FinishReason.STOP
+        eos = not self.params.ignore_eos and token_id in self.eos_token_ids
+        if known_outputs >= self.params.min_tokens and \
+                (eos or token_id in self.stop_token_ids):
+            self.note_stop_token(token_id)
+            return FinishReason.STOP
         if known_outputs >= self.params.max_tokens or \
                 self.num_known_tokens >= max_model_len:
             return FinishReason.LENGTH
