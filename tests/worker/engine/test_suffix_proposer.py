@@ -132,16 +132,6 @@ def test_bad_settings_are_refused(kwargs: dict) -> None:
         SpeculativeConfig(**kwargs)
 
 
-def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FERRY_SPECULATIVE", "suffix")
-    monkeypatch.setenv("FERRY_NUM_SPECULATIVE_TOKENS", "8")
-    config = SpeculativeConfig.from_env()
-    assert config.enabled and config.num_speculative_tokens == 8
-    monkeypatch.setenv("FERRY_SPECULATIVE", "eagle")
-    with pytest.raises(ValueError, match="suffix"):
-        SpeculativeConfig.from_env()
-
-
 def test_store_cursor_follows_the_store_as_it_grows() -> None:
     """A cursor's running matches equal a fresh walk of the window, through texts added
     (states split) and segments dropped while the request decodes."""

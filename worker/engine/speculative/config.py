@@ -1,8 +1,8 @@
-"""Speculative decoding settings (``FERRY_SPECULATIVE`` and friends)."""
+"""Speculative decoding settings (suffix decoding, #29; the engine wiring and its
+settings in the environment come with the verification step)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,14 +43,3 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "off"
-
-    @classmethod
-    def from_env(cls) -> SpeculativeConfig:
-        method = os.environ.get("FERRY_SPECULATIVE", "off").strip().lower() or "off"
-        return cls(
-            method=method,  # type: ignore[arg-type]  # checked in __post_init__
-            num_speculative_tokens=int(os.environ.get("FERRY_NUM_SPECULATIVE_TOKENS",
-                                                      cls.num_speculative_tokens)),
-            store_tokens=int(os.environ.get("FERRY_SPECULATIVE_STORE_TOKENS",
-                                            cls.store_tokens)),
-        )
