@@ -29,6 +29,7 @@ SECTIONS = [
     ("gateway/batcher", "the Batch API's driver, ``ferry batcher``: a process of its own"),
     ("worker", "the worker package: lazy exports"),
     ("worker/engine", "the inference engine: one step, no I/O"),
+    ("worker/engine/speculative", "suffix decoding: drafts with no draft model"),
     ("worker/service", "the Redis worker process around the engine"),
     ("worker/models", "models shipped as package data"),
     ("kernels", "Triton kernels, the C++ CPU kernel, their pure-torch twins"),

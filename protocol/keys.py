@@ -184,6 +184,14 @@ class Keys:
         slot of the model's request list."""
         return f"{self.prefix}:tokenizer:{{{model_tag(model)}}}:reply:{reply_id}"
 
+    # --- speculative decoding: the fleet's store of recent outputs ------------------------
+    def drafts(self, model: str) -> str:
+        """STREAM of recent outputs of ``model`` (field ``t``: the tokens as little-endian
+        int32, ``w``: the worker that produced them), capped by its writers; every worker of
+        the model tails it into its draft store (``worker/service/draft_feed.py``). One hash
+        tag per model: the stream lives on one shard of a Redis Cluster."""
+        return f"{self.prefix}:drafts:{{{model_tag(model)}}}"
+
     # --- Batch API: one hash tag per file and per batch ------------------------------------
     def file(self, file_id: str) -> str:
         """HASH: one file's record (owner, purpose, bytes, lines, ...) (TTL)."""

@@ -1,0 +1,150 @@
+"""Suffix decoding's index and proposer (#29): longest matches checked against brute force,
+the running match held across the automaton's growth, the bounded store, draft lengths."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from worker.engine.speculative.config import SpeculativeConfig
+from worker.engine.speculative.draft_store import DraftStore, StoreCursor
+from worker.engine.speculative.suffix_automaton import SEPARATOR, SuffixAutomaton
+from worker.engine.speculative.suffix_proposer import RequestDrafter, SuffixProposer
+
+
+def brute_longest(text: list[int], context: list[int]) -> int:
+    """Length of the longest suffix of context occurring in text (seams excluded)."""
+    best = 0
+    for n in range(1, len(context) + 1):
+        pattern = context[-n:]
+        if SEPARATOR in pattern:
+            break
+        if any(text[i:i + n] == pattern for i in range(len(text) - n + 1)):
+            best = n
+    return best
+
+
+@pytest.mark.parametrize("alphabet", [2, 3, 7])
+def test_longest_suffix_matches_brute_force(alphabet: int) -> None:
+    rng = random.Random(alphabet)
+    for _ in range(30):
+        text = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 60))]
+        automaton = SuffixAutomaton()
+        automaton.extend_all(text)
+        assert automaton.num_states <= max(2, 2 * len(text))
+        context = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 12))]
+        match = automaton.longest_suffix(context)
+        assert match.length == brute_longest(text, context)
+        if match.length:  # it really ends there
+            start = match.end - match.length + 1
+            assert text[start:match.end + 1] == context[-match.length:]
+
+
+def test_running_match_points_at_an_earlier_occurrence() -> None:
+    """The drafter's match is stepped before each token is indexed, through splits of the
+    states it holds: its length equals the longest suffix found earlier in the text."""
+    rng = random.Random(5)
+    for _ in range(40):
+        text = [rng.randrange(3) for _ in range(rng.randrange(2, 80))]
+        drafter = RequestDrafter(text[:1], StoreCursor(DraftStore(0)))
+        for i in range(1, len(text)):
+            drafter.observe([text[i]])
+            length, follow = drafter.own_match(4)
+            # longest suffix of text[:i+1] that also ends strictly before position i
+            want = brute_longest(text[:i], text[:i + 1])
+            assert length == want, (text[:i + 1], length, want)
+            if length:
+                assert follow and len(follow) <= 4
+
+
+def test_repeated_span_is_drafted_from_the_request_itself() -> None:
+    proposer = SuffixProposer(SpeculativeConfig(method="suffix", num_speculative_tokens=8,
+                                                store_tokens=0))
+    span = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    proposer.start("r", [1, 2] + span + [3, 4])
+    proposer.observe("r", [11, 12, 13])  # the output starts repeating the prompt's span
+    draft = proposer.propose("r", limit=8)
+    assert draft.source == "own" and draft.tokens == [14, 15, 16]  # 3 matched -> 3
+    proposer.observe("r", [14, 15, 16, 17])
+    # 7 matched -> 7 drafted, running on into the text decoded so far
+    assert proposer.propose("r", limit=8).tokens == [18, 19, 20, 3, 4, 11, 12]
+    assert proposer.propose("r", limit=2).tokens == [18, 19]
+
+
+def test_weak_match_drafts_nothing() -> None:
+    proposer = SuffixProposer(SpeculativeConfig(method="suffix", min_match_tokens=3,
+                                                store_tokens=0))
+    proposer.start("r", [1, 2, 3, 9, 2, 3])
+    assert proposer.propose("r", limit=16).tokens == []  # "2 3" matched: 2 < 3
+    proposer.observe("r", [4])
+    assert proposer.propose("r", limit=16).tokens == []  # nothing matches "... 4"
+
+
+def test_a_retry_is_drafted_from_the_store() -> None:
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=16)
+    proposer = SuffixProposer(config)
+    prompt, output = list(range(100, 140)), [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    proposer.start("first", prompt)
+    proposer.observe("first", output)
+    stored = proposer.finish("first", len(prompt))
+    assert stored == prompt[-config.stored_prompt_tail:] + output
+    proposer.start("retry", prompt)
+    draft = proposer.propose("retry", limit=16)
+    assert draft.source == "store" and draft.tokens == output
+    proposer.observe("retry", output[:4])
+    assert proposer.propose("retry", limit=3).tokens == output[4:7]
+
+
+def test_store_is_bounded_and_drops_the_oldest() -> None:
+    store = DraftStore(capacity_tokens=300, segment_tokens=100)
+    for i in range(20):
+        store.add([1000 + i] * 5 + list(range(i * 50, i * 50 + 40)))
+        assert store.num_tokens <= 300 + 100
+    assert store.num_segments <= 4
+    assert store.longest_match([1019, 1019, 1019, 1019, 1019], 3).continuation == \
+        [950, 951, 952]
+    assert store.longest_match([1000] * 5, 3).length <= 1  # long gone
+    assert store.texts_added == 20
+
+
+def test_no_match_across_a_seam() -> None:
+    store = DraftStore(capacity_tokens=1000)
+    store.add([1, 2, 3])
+    store.add([4, 5, 6])
+    match = store.longest_match([2, 3], 4)
+    assert match.length == 2 and match.continuation == []  # [-1] seam stops it
+    assert store.longest_match([3, 4], 4).length == 1
+
+
+def test_zero_capacity_store_keeps_nothing() -> None:
+    store = DraftStore(capacity_tokens=0)
+    store.add([1, 2, 3])
+    assert store.num_tokens == 0 and store.longest_match([1, 2], 2).length == 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(method="ngram"), dict(num_speculative_tokens=0),
+                                    dict(num_speculative_tokens=65),
+                                    dict(min_match_tokens=0), dict(store_tokens=-1),
+                                    dict(draft_per_matched=0)])
+def test_bad_settings_are_refused(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        SpeculativeConfig(**kwargs)
+
+
+def test_store_cursor_follows_the_store_as_it_grows() -> None:
+    """A cursor's running matches equal a fresh walk of the window, through texts added
+    (states split) and segments dropped while the request decodes."""
+    rng = random.Random(9)
+    store = DraftStore(capacity_tokens=120, segment_tokens=40)
+    proposer = SuffixProposer(SpeculativeConfig(method="suffix", store_tokens=120), store)
+    context = [rng.randrange(4) for _ in range(10)]
+    proposer.start("r", context)
+    for _ in range(60):
+        store.add([rng.randrange(4) for _ in range(rng.randrange(1, 12))])
+        token = rng.randrange(4)
+        context.append(token)
+        proposer.observe("r", [token])
+        cursor_best = proposer._requests["r"].cursor.best(4)
+        fresh = store.longest_match(context, 4)
+        assert cursor_best.length == fresh.length, (cursor_best, fresh)

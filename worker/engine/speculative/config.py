@@ -1,0 +1,45 @@
+"""Speculative decoding settings (suffix decoding, #29; the engine wiring and its
+settings in the environment come with the verification step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+SpeculativeMethod = Literal["off", "suffix"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How drafts are proposed; ``off`` proposes none."""
+
+    method: SpeculativeMethod = "off"
+    # Most tokens drafted for one row in one step.
+    num_speculative_tokens: int = 16
+    # A match shorter than this drafts nothing (a weak match is mostly rejected).
+    min_match_tokens: int = 2
+    # Draft length grows with the match: at most ``draft_per_matched`` per matched token.
+    draft_per_matched: float = 1.0
+    # Store of recent outputs (worker-local; fed by the fleet's stream when it is on).
+    store_tokens: int = 262_144
+    # How many of a finished request's prompt tokens are stored before its output.
+    stored_prompt_tail: int = 64
+    # Context tokens a store query walks (the longest match it can find).
+    match_window: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method not in ("off", "suffix"):
+            raise ValueError(f"speculative method must be 'suffix' or 'off', got "
+                             f"{self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError("num_speculative_tokens must be in 1..64, got "
+                             f"{self.num_speculative_tokens}")
+        if self.min_match_tokens < 1 or self.draft_per_matched <= 0:
+            raise ValueError("min_match_tokens must be >= 1 and draft_per_matched > 0")
+        if self.store_tokens < 0 or self.stored_prompt_tail < 0 or self.match_window < 1:
+            raise ValueError("store_tokens and stored_prompt_tail must be >= 0, "
+                             "match_window >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"

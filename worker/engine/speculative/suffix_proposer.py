@@ -1,0 +1,122 @@
+"""Suffix decoding's proposer: drafts from a request's own tokens and from the store.
+
+Each request keeps an automaton of its own text (prompt, then every token it is known to
+have produced) and a running match: before a token is added to the automaton, the match is
+stepped with it, so the match always points at an *earlier* occurrence of the text's
+current suffix and the tokens after that occurrence are a draft (loops, repeated spans of
+the prompt). The store of past outputs is followed the same way, one running match per
+store segment (``StoreCursor``: retries, repeated batch lines, the fleet's outputs). The longer
+match wins (the request's own on a tie), and the draft grows with it: nothing under
+``min_match_tokens``, then ``draft_per_matched`` tokens per matched token up to the limit.
+
+Only tokens a request is known to have produced are observed: drafts never enter the
+index, so a rejected draft leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from worker.engine.speculative.config import SpeculativeConfig
+from worker.engine.speculative.draft_store import DraftStore, StoreCursor
+from worker.engine.speculative.suffix_automaton import SuffixAutomaton
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Tokens proposed for a row and the match they came from (``source``: own|store)."""
+
+    tokens: list[int]
+    match_length: int
+    source: str
+
+
+NO_DRAFT = Draft([], 0, "none")
+
+
+class RequestDrafter:
+    """One request's own index and running match."""
+
+    def __init__(self, prompt: list[int], cursor: StoreCursor) -> None:
+        self.automaton = SuffixAutomaton()
+        self._state, self._matched = 0, 0
+        self.cursor = cursor
+        cursor.reset(prompt)
+        self._index(prompt)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.automaton.tokens
+
+    def observe(self, tokens: list[int]) -> None:
+        """Tokens the request is known to have produced."""
+        self._index(tokens)
+        self.cursor.advance(tokens)
+
+    def _index(self, tokens: list[int]) -> None:
+        """Step the running match with each token, then add the token to the index."""
+        automaton = self.automaton
+        for token in tokens:
+            self._state, self._matched = automaton.step(self._state, self._matched, token)
+            automaton.extend(token)
+
+    def own_match(self, limit: int) -> tuple[int, list[int]]:
+        """Length of the running match and up to ``limit`` tokens that followed it."""
+        if self._matched == 0:
+            return 0, []
+        end = self.automaton.first_end(self._state)
+        return self._matched, self.automaton.tokens[end + 1:end + 1 + limit]
+
+
+class SuffixProposer:
+    """Drafts for the engine's rows; one ``RequestDrafter`` per running request."""
+
+    def __init__(self, config: SpeculativeConfig, store: DraftStore | None = None) -> None:
+        self.config = config
+        self.store = store if store is not None else DraftStore(config.store_tokens)
+        self._requests: dict[str, RequestDrafter] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def start(self, request_id: str, prompt: list[int]) -> None:
+        cursor = StoreCursor(self.store, self.config.match_window)
+        self._requests[request_id] = RequestDrafter(prompt, cursor)
+
+    def observe(self, request_id: str, tokens: list[int]) -> None:
+        self._requests[request_id].observe(tokens)
+
+    def draft_length(self, match_length: int, limit: int) -> int:
+        if match_length < self.config.min_match_tokens:
+            return 0
+        return min(limit, self.config.num_speculative_tokens,
+                   math.floor(match_length * self.config.draft_per_matched))
+
+    def propose(self, request_id: str, limit: int) -> Draft:
+        """Up to ``limit`` draft tokens for the request (fewer for a weak match)."""
+        drafter = self._requests[request_id]
+        cap = min(limit, self.config.num_speculative_tokens)
+        if cap <= 0:
+            return NO_DRAFT
+        own_length, own = drafter.own_match(cap)
+        stored = drafter.cursor.best(cap)
+        if stored.length > own_length and stored.continuation:
+            length, tokens, source = stored.length, stored.continuation, "store"
+        else:
+            length, tokens, source = own_length, own, "own"
+        count = self.draft_length(length, cap)
+        if count == 0 or not tokens:
+            return NO_DRAFT
+        return Draft(tokens[:count], length, source)
+
+    def finish(self, request_id: str, prompt_len: int) -> list[int]:
+        """Forget the request; returns the text to store (its prompt's tail and output),
+        already added to the local store."""
+        drafter = self._requests.pop(request_id, None)
+        if drafter is None:
+            return []
+        tail = max(0, prompt_len - self.config.stored_prompt_tail)
+        text = drafter.tokens[tail:]
+        self.store.add(text)
+        return text

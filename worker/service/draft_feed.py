@@ -1,0 +1,127 @@
+"""The fleet's draft store: finished outputs shared between the workers of a model.
+
+Suffix decoding drafts from outputs seen before; a worker alone only sees its own. Each
+worker appends the text it stores locally (a prompt's tail and the output) to the model's
+capped stream ``Keys.drafts`` and tails that stream from the oldest entry it still holds,
+so a retried or repeated request is drafted on whichever worker takes it, including
+workers started later. The tail runs on a thread of its own and only queues what it
+reads: the engine thread drains the queue into its ``DraftStore`` between steps
+(``drain``), so the automata are only ever touched by one thread. Entries a worker wrote
+itself are skipped (already stored when written). Memory is bounded on both sides: the
+stream by ``MAXLEN ~`` on every append, the local store by its capacity, the queue by
+``max_pending``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+import structlog
+
+from worker.engine.speculative.draft_store import DraftStore
+from worker.service.redis_io import TRANSIENT_ERRORS, Backoff, WorkerSettings, recover
+
+log = structlog.get_logger("ferry.worker.drafts")
+
+POLL_MS = 1000  # XREAD block: how long a stop may wait for the tail to notice it
+READ_COUNT = 256
+
+
+def pack_tokens(tokens: list[int]) -> bytes:
+    return np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    if len(data) % 4:
+        raise ValueError(f"draft entry of {len(data)} bytes is not int32 tokens")
+    return np.frombuffer(data, dtype="<i4").tolist()  # type: ignore[no-any-return]
+
+
+class DraftFeed:
+    """``start()``; ``publish(tokens)`` from the engine thread; ``drain(store)`` between
+    steps; ``stop()``."""
+
+    def __init__(self, settings: WorkerSettings, worker_id: str, max_entries: int = 4096,
+                 max_pending: int = 1024) -> None:
+        self.settings = settings
+        self.key = settings.keys.drafts(settings.model_name)
+        self.worker_id = worker_id.encode()
+        self.max_entries = max_entries
+        self.published = self.received = self.dropped = 0  # counts, for tests and logs
+        self._pending: queue.Queue[list[int]] = queue.Queue(max_pending)
+        self._stop = threading.Event()
+        self._writer: Any = None
+        self._thread = threading.Thread(target=self._tail, name="ferry-drafts", daemon=True)
+
+    def start(self) -> None:
+        self._writer = self.settings.connect()
+        self._thread.start()
+
+    def stop(self, timeout: float = POLL_MS / 1000 + 2.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self._writer is not None:
+            self._writer.close()
+
+    def publish(self, tokens: list[int]) -> None:
+        """Share one stored text; a Redis error loses only this entry (logged)."""
+        if not tokens or self._writer is None:
+            return
+        try:
+            self._writer.xadd(self.key, {"t": pack_tokens(tokens), "w": self.worker_id},
+                              maxlen=self.max_entries, approximate=True)
+            self.published += 1
+        except TRANSIENT_ERRORS as exc:
+            log.warning("draft_publish_failed", error=str(exc))
+            recover(self._writer)
+
+    def drain(self, store: DraftStore, limit: int = 64) -> int:
+        """Move up to ``limit`` queued texts into ``store``; returns how many."""
+        moved = 0
+        while moved < limit:
+            try:
+                tokens = self._pending.get_nowait()
+            except queue.Empty:
+                break
+            store.add(tokens)
+            moved += 1
+        return moved
+
+    def _tail(self) -> None:
+        r = self.settings.connect()
+        backoff, last_id = Backoff(), "0-0"  # from the oldest entry still held
+        try:
+            while not self._stop.is_set():
+                try:
+                    reply = r.xread({self.key: last_id}, count=READ_COUNT, block=POLL_MS)
+                except TRANSIENT_ERRORS as exc:
+                    if backoff.failures == 0:
+                        log.warning("draft_feed_unavailable", error=str(exc))
+                    recover(r)
+                    backoff.wait(self._stop)
+                    continue
+                backoff.reset()
+                for _, entries in reply or ():
+                    for entry_id, fields in entries:
+                        last_id = entry_id
+                        self._take(fields)
+        finally:
+            r.close()
+
+    def _take(self, fields: dict[bytes, bytes]) -> None:
+        if fields.get(b"w") == self.worker_id:
+            return
+        try:
+            tokens = unpack_tokens(fields.get(b"t", b""))
+        except ValueError as exc:
+            log.warning("bad_draft_entry", error=str(exc))
+            return
+        try:
+            self._pending.put_nowait(tokens)
+            self.received += 1
+        except queue.Full:  # the engine is not draining: drop, the store is a cache
+            self.dropped += 1
