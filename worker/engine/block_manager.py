@@ -19,6 +19,10 @@ first. Registration happens at allocation, so a request admitted later in the sa
 can share blocks another computes in that very step (each layer stores every token's
 K/V before any attention reads it); ``forget_step`` undoes this step's registrations when
 the forward fails, so no block is ever cached with contents that were not computed.
+
+With a host tier (``kv_host_tier.py``, ``attach_tier``), an evicted block with a hash is
+copied to host memory first, and ``cached_prefix`` goes on looking there: a host hit is
+returned as its hash and ``allocate_slots`` gives it a fresh block that the copy fills.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from worker.engine.host_tables import HostTables
+from worker.engine.kv_host_tier import HostTier
 from worker.engine.request import Request
 
 
@@ -72,6 +77,16 @@ class BlockManager:
         self._step: list[tuple[str, int, bytes]] = []  # registrations since begin_step
         self._prev_step: list[tuple[str, int, bytes]] = []  # the step's before
         self.stats = CacheStats()
+        self.tier: HostTier | None = None  # the KV cache's host tier, when on
+
+    def attach_tier(self, tier: HostTier | None) -> None:
+        """Keep evicted cached blocks in ``tier`` (needs the prefix cache)."""
+        self.tier = tier if self.enable_caching else None
+
+    def flush_copies(self, pool: object) -> None:
+        """Run the host tier's queued copies against the device pool (before a forward)."""
+        if self.tier is not None and self.tier.has_pending:
+            self.tier.flush(pool)  # type: ignore[arg-type]
 
     # -- queries -----------------------------------------------------------------------
     @property
@@ -120,10 +135,11 @@ class BlockManager:
             hashes.append(chain_hash(parent, tokens[i * bs:(i + 1) * bs]))
         return hashes
 
-    def cached_prefix(self, request: Request) -> list[int]:
+    def cached_prefix(self, request: Request) -> list[int | bytes]:
         """Cached blocks that continue the request's table from where it has computed, up
-        to the block before its last token (whose logits must be computed). Empty unless
-        the request stands at a block boundary with nothing allocated ahead."""
+        to the block before its last token (whose logits must be computed): a device
+        block id, or the hash of a block the host tier holds. Empty unless the request
+        stands at a block boundary with nothing allocated ahead."""
         table = self._tables.get(request.request_id, [])
         computed = request.num_computed_tokens
         if not self.enable_caching or computed != len(table) * self.block_size:
@@ -131,47 +147,55 @@ class BlockManager:
         limit = min(request.num_tokens - 1, request.num_known_tokens) // self.block_size
         if limit <= len(table):
             return []
-        hits = []
+        hits: list[int | bytes] = []
+        tier = self.tier
         for h in self.block_hashes(request, limit)[len(table):]:
             block = self._block_of.get(h)
-            if block is None:
+            if block is not None:
+                hits.append(block)
+            elif tier is not None and h in tier:
+                hits.append(h)
+            else:
                 break
-            hits.append(block)
         return hits
 
     # -- mutations ---------------------------------------------------------------------
     def allocate_slots(
         self, request_id: str, total_tokens: int, *, admitting: bool = False,
-        cached: Sequence[int] = (),
+        cached: Sequence[int | bytes] = (),
     ) -> list[int] | None:
         """Grow the request's table to hold ``total_tokens`` tokens: first the ``cached``
-        blocks (from ``cached_prefix``), then fresh ones.
+        blocks (from ``cached_prefix``; a hash is restored from the host tier into a
+        fresh block), then fresh ones.
 
         Returns the newly added fresh block ids, or ``None`` (nothing changed) when the
         free list cannot cover them — keeping the watermark in reserve when ``admitting``.
         """
         table = self._tables.get(request_id, [])
         need = max(0, self.blocks_needed(total_tokens) - len(table) - len(cached))
-        reclaimed = sum(1 for block in cached if self._ref_counts[block] == 0)
+        device = [b for b in cached if isinstance(b, int)]
+        restores = len(cached) - len(device)
+        reclaimed = sum(1 for block in device if self._ref_counts[block] == 0)
         reserve = self.watermark_blocks if admitting else 0
-        if need > len(self._free) - reclaimed - reserve:
+        if need + restores > len(self._free) - reclaimed - reserve:
             return None
         if request_id not in self._tables:
             self._tables[request_id] = table
             self.host.assign(request_id)
         row = self.host.row_of(request_id)
         assert row is not None
-        for block in cached:
+        for block in device:  # claimed before a restore could evict one of them
             if self._ref_counts[block] == 0:
                 del self._free[block]
             self._ref_counts[block] += 1
-            table.append(block)
-        if cached:
+        hits = [entry if isinstance(entry, int) else self._restore(entry) for entry in cached]
+        table.extend(hits)
+        if hits:
             self.host.registered[row] = len(table)
         new_blocks = [self._take_free_block() for _ in range(need)]
         table.extend(new_blocks)
-        if cached or new_blocks:
-            self.host.append(row, [*cached, *new_blocks])
+        if hits or new_blocks:
+            self.host.append(row, [*hits, *new_blocks])
         return new_blocks
 
     def grow_decodes(self, requests: list[Request], rows: list[int], grow: list[bool],
@@ -197,7 +221,19 @@ class BlockManager:
         old = self._hash_of.pop(block, None)  # evict: its contents are about to change
         if old is not None and self._block_of.get(old) == block:
             del self._block_of[old]
+            if self.tier is not None:
+                self.tier.offload(block, old)
         self._ref_counts[block] = 1
+        return block
+
+    def _restore(self, block_hash: bytes) -> int:
+        """A fresh block registered under ``block_hash``, filled from the host tier."""
+        assert self.tier is not None
+        block = self._take_free_block()
+        self._block_of[block_hash] = block
+        self._hash_of[block] = block_hash
+        self.tier.restore(block_hash, block)
+        self.tier.stats.hit_tokens += self.block_size
         return block
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -241,6 +277,8 @@ class BlockManager:
 
     def _forget(self, registrations: list[tuple[str, int, bytes]]) -> None:
         for rid, block, h in registrations:
+            if self.tier is not None:  # a copy may have been taken of it: not computed
+                self.tier.forget(h)
             if self._block_of.get(h) == block:
                 del self._block_of[h]
                 del self._hash_of[block]

@@ -42,6 +42,10 @@ class CacheConfig:
     memory_bytes: int | None = None  # default: 2 GiB on CPU, 90% of free memory on CUDA
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | bfloat16 | float16 | float32
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
+    # The KV cache's host tier (kv_host_tier.py): evicted cached blocks copied to host
+    # memory and restored instead of recomputed. None: 10% of the memory available at
+    # start, at most 16 GiB; 0: off.
+    host_memory_bytes: int | None = None
     # Reuse the KV of full blocks whose token prefix was computed before (block_manager.py)
     enable_prefix_caching: bool = True
 
@@ -78,7 +82,8 @@ class EngineConfig:
             "scheduler": SchedulerConfig.__dataclass_fields__,
         }
         for key, value in kwargs.items():
-            if value is None and key not in ("num_blocks", "memory_bytes", "max_model_len"):
+            if value is None and key not in ("num_blocks", "memory_bytes", "max_model_len",
+                                             "host_memory_bytes"):
                 continue
             target = next((g for g, f in fields.items() if key in f), None)
             if key == "kv_cache_blocks":
@@ -125,6 +130,7 @@ class EngineConfig:
             block_size=_int("FERRY_BLOCK_SIZE"),
             num_blocks=_int("FERRY_KV_CACHE_BLOCKS"),
             memory_bytes=_int("FERRY_KV_CACHE_BYTES"),
+            host_memory_bytes=_int("FERRY_KV_HOST_BYTES"),
             kv_cache_dtype=env.get("FERRY_KV_CACHE_DTYPE"),
             enable_prefix_caching=_bool("FERRY_PREFIX_CACHING"),
             max_num_seqs=_int("FERRY_MAX_NUM_SEQS"),

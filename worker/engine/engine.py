@@ -18,6 +18,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.health import raise_if_device_fault
 from worker.engine.inflight import InflightStep, needs_known_tokens, without_finished
+from worker.engine.kv_host_tier import HostTier, host_tier_bytes
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, StepOutput
 from worker.engine.prompt_logprobs import PromptScoring, take
@@ -42,6 +43,8 @@ class Engine:
             enable_caching=config.cache.enable_prefix_caching,
             salt=f"{config.model.model}|{self.runner.loaded.dtype}|{self.runner.kv_dtype}",
         )
+        self.block_manager.attach_tier(HostTier.for_pool(
+            self.runner.kv_pool, host_tier_bytes(config.cache.host_memory_bytes)))
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.prompts = PromptBuilder(self.tokenizer, PromptLimits(
             vocab_size=self.runner.shape.vocab_size, max_model_len=self.max_model_len,

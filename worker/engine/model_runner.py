@@ -153,6 +153,7 @@ class ModelRunner:
              s.head_dim),
             dtype=self.kv_dtype, device=self.device,
         )
+        self.kv_pool = pool  # the host tier copies whole blocks of every layer at once
         return [(pool[i, 0], pool[i, 1]) for i in range(s.num_layers)]
 
     def prepare(
@@ -188,6 +189,7 @@ class ModelRunner:
         """Run one step; returns logits [num_sampled, vocab] for the rows that sample.
         ``prev``: the step launched before, whose sampled tokens fill the placeholders.
         ``extra_rows``: more flat token rows whose logits follow (prompt logprobs)."""
+        blocks.flush_copies(self.kv_pool)  # the host tier's copies land before the forward
         if not extra_rows and self.graphs is not None and self.graphs.fits(
                 len(sched.scheduled), sched.num_batched_tokens) and (
                 bool(sched.sample.all()) if sched.sample is not None

@@ -1,0 +1,201 @@
+"""The KV cache's second tier: full blocks evicted from the device pool kept in host memory.
+
+The prefix cache (``block_manager.py``) names every full block by a hash chained over its
+tokens and keeps freed blocks until the pool needs them. With this tier, a block evicted
+from the device pool with a hash is copied here first (``offload``), and a request whose
+chain continues on the host gets those blocks copied back into fresh device blocks
+(``restore``) instead of computing them. Preemption rides on the same path: a preempted
+request's full blocks stay cached, drop here when the device needs them, and come back
+when it is rescheduled, so only its partial last block is recomputed (recompute remains the
+fallback for what the tier no longer holds).
+
+Copies are queued while the step is scheduled and applied by ``flush`` just before the
+forward, in whole-block batches (one gather per direction over every layer at once):
+copies out first (they read blocks this step's forward is about to overwrite), then copies
+in (which may reuse those very blocks). On CUDA both directions go through pinned staging
+with non-blocking copies on the compute stream, so the host never waits for the device:
+a copy out lands in the host pool once its event has completed (``_settle``), and a slot
+being copied in is never chosen for eviction in the same step.
+
+Storage: ``[layers, 2, host_blocks, block_size, kv_heads, head_dim]``, the device pool's
+layout, pinned on CUDA. The tier holds copies: a restored block stays here too, so
+evicting it again costs no copy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_SHARE = 0.10  # of the memory available at start
+DEFAULT_CAP_BYTES = 16 << 30
+
+
+def host_tier_bytes(configured: int | None) -> int:
+    """The tier's size: ``configured`` bytes, or by default 10% of the memory available
+    now, at most 16 GiB (pinned on CUDA: it is taken from the host for good)."""
+    if configured is not None:
+        if configured < 0:
+            raise ValueError(f"kv host tier bytes must be >= 0, got {configured}")
+        return configured
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # not POSIX: no default tier
+        return 0
+    return min(int(available * DEFAULT_SHARE), DEFAULT_CAP_BYTES)
+
+
+@dataclass
+class TierStats:
+    """Blocks copied each way, and prompt tokens found on the host at admission."""
+
+    offloaded: int = 0
+    restored: int = 0
+    hit_tokens: int = 0
+    dropped: int = 0  # evictions not copied: every slot busy this step
+
+
+@dataclass
+class _PendingOut:
+    """A device -> host copy queued on CUDA, waiting for its event."""
+
+    slots: list[int]
+    staged: torch.Tensor  # pinned [layers, 2, n, block_size, Hkv, D]
+    done: torch.cuda.Event | None = None
+
+
+@dataclass
+class HostTier:
+    """``num_blocks`` host blocks shaped like one device block each."""
+
+    num_blocks: int
+    block_shape: tuple[int, int, int, int, int]  # (layers, 2, block_size, Hkv, D)
+    dtype: torch.dtype
+    device: torch.device
+    stats: TierStats = field(default_factory=TierStats)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError(f"a host tier needs at least one block, got {self.num_blocks}")
+        layers, two, block_size, heads, dim = self.block_shape
+        pin = self.device.type == "cuda"
+        self.pool = torch.empty((layers, two, self.num_blocks, block_size, heads, dim),
+                                dtype=self.dtype, pin_memory=pin)
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU first
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._outs: list[tuple[int, int]] = []  # (device block, host slot) to copy out
+        self._ins: list[tuple[int, int]] = []  # (host slot, device block) to copy in
+        self._busy: set[int] = set()  # slots read or written by this step's copies
+        self._released: list[int] = []  # busy slots forgotten: free after the flush
+        self._in_flight: list[_PendingOut] = []
+
+    @classmethod
+    def for_pool(cls, pool: torch.Tensor, host_bytes: int) -> HostTier | None:
+        """A tier of ``host_bytes`` for the device pool ``pool`` ([layers, 2, blocks,
+        block_size, Hkv, D]); None when that holds no block (the tier is off)."""
+        layers, two, _, block_size, heads, dim = pool.shape
+        per_block = layers * two * block_size * heads * dim * pool.element_size()
+        if host_bytes < per_block:
+            return None
+        return cls(host_bytes // per_block, (layers, two, block_size, heads, dim),
+                   pool.dtype, pool.device)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._slot_of
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._slot_of)
+
+    def offload(self, block: int, block_hash: bytes) -> None:
+        """Keep device ``block`` (about to be reused) under ``block_hash``."""
+        if block_hash in self._slot_of:
+            self._slot_of.move_to_end(block_hash)
+            return
+        slot = self._take_slot()
+        if slot is None:
+            self.stats.dropped += 1
+            return
+        self._slot_of[block_hash] = slot
+        self._busy.add(slot)
+        self._outs.append((block, slot))
+        self.stats.offloaded += 1
+
+    def restore(self, block_hash: bytes, block: int) -> None:
+        """Copy the host copy of ``block_hash`` into device ``block`` before the forward."""
+        slot = self._slot_of[block_hash]
+        self._slot_of.move_to_end(block_hash)
+        self._busy.add(slot)
+        self._ins.append((slot, block))
+        self.stats.restored += 1
+
+    def forget(self, block_hash: bytes) -> None:
+        """Drop a hash whose block was never computed (a failed forward)."""
+        slot = self._slot_of.pop(block_hash, None)
+        if slot is not None:
+            (self._released if slot in self._busy else self._free).append(slot)
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for block_hash, slot in self._slot_of.items():  # least recently used first
+            if slot not in self._busy:
+                del self._slot_of[block_hash]
+                return slot
+        return None
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._outs or self._ins)
+
+    def flush(self, pool: torch.Tensor) -> None:
+        """Apply the queued copies to/from the device ``pool`` (before the forward)."""
+        outs, ins, self._outs, self._ins = self._outs, self._ins, [], []
+        if outs:
+            self._copy_out(pool, outs)
+        if ins:
+            self._settle(wait=True)  # a slot read now may still be on its way out
+            self._copy_in(pool, ins)
+        self._busy.clear()
+        self._free.extend(self._released)
+        self._released.clear()
+
+    def _copy_out(self, pool: torch.Tensor, outs: list[tuple[int, int]]) -> None:
+        blocks = torch.tensor([b for b, _ in outs], dtype=torch.long)
+        slots = [s for _, s in outs]
+        if pool.device.type != "cuda":
+            self.pool[:, :, torch.tensor(slots)] = pool[:, :, blocks]
+            return
+        self._settle(wait=False)
+        gathered = pool[:, :, blocks.to(pool.device, non_blocking=True)]
+        staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        staged.copy_(gathered, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._in_flight.append(_PendingOut(slots, staged, done))
+
+    def _copy_in(self, pool: torch.Tensor, ins: list[tuple[int, int]]) -> None:
+        slots = torch.tensor([s for s, _ in ins], dtype=torch.long)
+        blocks = torch.tensor([b for _, b in ins], dtype=torch.long)
+        gathered = self.pool[:, :, slots]  # [layers, 2, n, block_size, Hkv, D]
+        if pool.device.type != "cuda":
+            pool[:, :, blocks] = gathered
+            return
+        staged = gathered.pin_memory()
+        pool[:, :, blocks.to(pool.device, non_blocking=True)] = \
+            staged.to(pool.device, non_blocking=True)
+
+    def _settle(self, wait: bool) -> None:
+        """Move finished copies out of their staging into the host pool."""
+        pending = []
+        for out in self._in_flight:
+            if out.done is not None and not wait and not out.done.query():
+                pending.append(out)
+                continue
+            if out.done is not None:
+                out.done.synchronize()
+            self.pool[:, :, torch.tensor(out.slots)] = out.staged
+        self._in_flight = pending
