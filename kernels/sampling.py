@@ -66,7 +66,8 @@ def _noise(key, offs):
 
 @triton.jit
 def _load(row_ptr, offs, vocab, bias_tok, bias_val, b_lo, b_hi):
-    """One chunk of a row's logits as float32 with its bias added; -inf past the row."""
+    """One chunk of a row's logits as float32 with its bias added; -inf past the row.
+    (``b_lo == b_hi`` when the row has no bias: the loop does not run.)"""
     x = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
     for j in range(b_lo, b_hi):
         x = tl.where(offs == tl.load(bias_tok + j), x + tl.load(bias_val + j), x)
@@ -210,12 +211,16 @@ def _sample_kernel(
     NB: tl.constexpr,
     SPAN: tl.constexpr,
     MAX_LEVELS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_r
     temp = tl.load(params_ptr + row * 4)
-    b_lo = tl.load(bias_off_ptr + row)
-    b_hi = tl.load(bias_off_ptr + row + 1)
+    b_lo = tl.zeros([], tl.int32)
+    b_hi = tl.zeros([], tl.int32)
+    if HAS_BIAS:
+        b_lo = tl.load(bias_off_ptr + row)
+        b_hi = tl.load(bias_off_ptr + row + 1)
     top = tl.full([], float("-inf"), tl.float32)
     arg = tl.zeros([], tl.int32)
     for start in range(0, vocab, BLOCK):  # pass 1: max and argmax
@@ -262,9 +267,11 @@ def sample(logits: torch.Tensor, t: SamplingTensors,
         passes = torch.empty(rows, dtype=torch.int32, device=logits.device)
     if rows == 0:
         return out
-    tokens = t.bias_tokens if t.num_bias else out  # a valid pointer when the list is empty
-    values = t.bias_values if t.num_bias else out
-    _sample_kernel[(rows,)](logits, t.params, t.keys, t.bias_offsets, tokens, values, out,
-                            passes, vocab, logits.stride(0), BLOCK=BLOCK, NB=NB, SPAN=SPAN,
-                            MAX_LEVELS=MAX_LEVELS)
+    has_bias = t.bias_offsets is not None and t.bias_entries is not None
+    offsets = t.bias_offsets if has_bias else out  # unread without a bias
+    tokens = t.bias_entries[1] if t.bias_entries is not None else out
+    values = t.bias_values if t.bias_values is not None else out
+    _sample_kernel[(rows,)](logits, t.params, t.keys, offsets, tokens, values, out, passes,
+                            vocab, logits.stride(0), BLOCK=BLOCK, NB=NB, SPAN=SPAN,
+                            MAX_LEVELS=MAX_LEVELS, HAS_BIAS=has_bias)
     return out
