@@ -4,7 +4,7 @@ One program per row walks the row's logits in ``BLOCK``-wide chunks; nothing of 
 ``[rows, vocab]`` is ever written. What it computes is ``kernels.sampling_reference``'s
 ``sample``: logit bias (a CSR list added to each chunk as it is loaded), greedy argmax,
 temperature, min-p, top-k, top-p (ties at a boundary kept) and the exponential race
-``argmax(p / E)`` with the counter-based noise of ``worker.engine.sampling_noise``,
+``argmax(p / E)`` with the counter-based noise of ``kernels.sampling_noise``,
 recomputed in registers from the row's key (the same bits as the torch version).
 
 Passes over a sampled row:
@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.sampling_noise import _MUL1, _MUL2, _TOKEN_STRIDE, _signed
 from kernels.sampling_reference import SamplingTensors
-from worker.engine.sampling_noise import _MUL1, _MUL2, _TOKEN_STRIDE, _signed
 
 BLOCK = 512  # logits per chunk
 NB = 32  # value buckets per histogram

@@ -5,7 +5,7 @@ logit bias, then greedy rows take the argmax, sampled rows divide by their tempe
 drop what min-p, top-k and top-p exclude (in that order; top-p's mass is renormalised
 over what min-p and top-k kept, as vLLM) and draw with the exponential race
 ``argmax(p / E)``, ``E`` the counter-based noise of the row's key
-(``worker.engine.sampling_noise``).
+(``kernels.sampling_noise``).
 
 Each filter is a threshold on the row's scaled logits: a token is kept when its value is
 at least the row's threshold, so tokens tied *at* a boundary are all kept (vLLM's
@@ -17,11 +17,11 @@ same thresholds without sorting (see ``kernels/sampling.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from worker.engine.sampling_noise import exponential
-from worker.engine.transfer import to_device
+from kernels.sampling_noise import exponential
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,15 @@ class SamplingTensors:
     bias_offsets: torch.Tensor | None = None  # [R + 1] int32
     bias_entries: torch.Tensor | None = None  # [2, N] int32: rows, tokens
     bias_values: torch.Tensor | None = None  # [N] float32
+
+
+def to_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on ``device`` without a host sync (a pinned, non-blocking copy on a GPU;
+    ``worker.engine.transfer``'s rule, which ``kernels`` may not import)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def biased(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

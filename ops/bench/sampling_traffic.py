@@ -76,6 +76,7 @@ def sampled_rows(rows: int) -> list[Any]:
 def old_sample(logits: torch.Tensor, rows: list[Any], keys: list[int]) -> torch.Tensor:
     """The sampler before the fused pass (its ``launch`` without logprobs and grammar):
     the torch filters, softmax, and the noise over ``[rows, vocab]``. keys: one per row."""
+    from kernels.sampling_noise import exponential
     from worker.engine.logits_processors import (
         apply_allowed_token_ids,
         apply_bad_words,
@@ -83,7 +84,6 @@ def old_sample(logits: torch.Tensor, rows: list[Any], keys: list[int]) -> torch.
         apply_penalties,
         apply_top_k_top_p_min_p,
     )
-    from worker.engine.sampling_noise import exponential
     from worker.engine.transfer import to_device
 
     device = logits.device

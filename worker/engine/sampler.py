@@ -2,16 +2,23 @@
 
 Sampling uses the exponential race (``argmax(p / E)``, E ~ Exp(1)), which equals a
 categorical draw and needs one noise value per (row, token). The noise is a pure function
-of a key (``sampling_noise.py``): a seeded request's key comes from ``(seed, output
-index)``, so its tokens do not depend on the batch around it, on preemption, or on which
-worker resumes it after a crash; an unseeded row gets a fresh key from the sampler's own
-generator.
+of a key (``kernels/sampling_noise.py``): a seeded request's key comes from ``(seed,
+output index)``, so its tokens do not depend on the batch around it, on preemption, or on
+which worker resumes it after a crash; an unseeded row gets a fresh key from the
+sampler's own generator.
+
+Penalties and the token masks (``allowed_token_ids``, bad words, a grammar's) change the
+logits first, only in the rows that have them; then one sampling pass does the rest for
+every row: logit bias, greedy argmax, temperature, min-p, top-k, top-p and the race. On a
+GPU that pass is one Triton kernel that reads each row a few times and writes one token
+(``kernels/sampling.py``: no sort, no ``[rows, vocab]`` temporaries); elsewhere it is the
+kernel's torch twin (``kernels/sampling_reference.py``). Both draw the tokens the
+sort-based filters drew, ties at a filter's boundary aside (kept whole now).
 
 Nothing here waits for the device, and the host's work does not grow with the vocabulary:
 parameters go up in one pinned copy per tensor, decisions are made from the host-side
-parameters, penalties, logprobs and top-k/top-p are computed for the whole batch at once,
-and ``launch`` returns the tokens still on the device (the next step's inputs read them
-there) with their copy to the host, and the logprobs', under way.
+parameters, and ``launch`` returns the tokens still on the device (the next step's inputs
+read them there) with their copy to the host, and the logprobs', under way.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from protocol.sampling import SamplingParams
+from kernels.sampling_noise import random_key, row_key
 from kernels.sampling_reference import SamplingTensors
 from kernels.sampling_reference import sample as sample_reference
+from protocol.sampling import SamplingParams
 from worker.engine.logits_processors import (
     apply_allowed_token_ids,
     apply_bad_words,
@@ -34,7 +42,6 @@ from worker.engine.logits_processors import (
     apply_token_bitmask,
     wants_penalties,
 )
-from worker.engine.sampling_noise import random_key, row_key
 from worker.engine.transfer import ReadBack, to_device
 
 if TYPE_CHECKING:
@@ -154,7 +161,9 @@ def sampling_tensors(rows: list[SamplingRow], keys: list[int],
     keys_up = to_device(keys, torch.long, device)
     if not any(r.params.logit_bias for r in rows):
         return SamplingTensors(params, keys_up, host)
-    offsets, entries, values = [0], [[], []], []
+    offsets: list[int] = [0]
+    entries: list[list[int]] = [[], []]
+    values: list[float] = []
     for i, r in enumerate(rows):
         for token, bias in (r.params.logit_bias or {}).items():
             entries[0].append(i)
