@@ -35,8 +35,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels.sampling is imported
+
+if not torch.cuda.is_available():  # no GPU: the kernel runs under the Triton interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (before triton is first imported)
 
 RESULTS = ROOT / "ops" / "bench" / "results" / "sampling_traffic.json"
 ROWS, VOCAB = 256, 131072
@@ -142,42 +143,57 @@ def passes_per_row(rows: int, vocab: int, dtype: torch.dtype, sample_rows: int) 
     return [int(p) for p in passes.cpu()]
 
 
-def new_traffic(rows: int, vocab: int, dtype: torch.dtype,
-                passes: list[int]) -> tuple[ByteCounter, int]:
-    """(the torch ops around the kernel, the kernel's bytes by design)."""
+def new_traffic(rows: list[Any], vocab: int, dtype: torch.dtype, sampled_passes: float,
+                grammar: tuple[list[int], torch.Tensor] | None = None) -> tuple[ByteCounter, int]:
+    """(the torch ops ``Sampler.launch`` dispatches around the kernel, the kernel's bytes
+    by design: one read of a greedy row, ``sampled_passes`` reads of a sampled one)."""
     import worker.engine.sampler as sampler_module
 
-    meta = torch.empty(rows, vocab, dtype=dtype, device="meta")
-    picked = sampled_rows(rows)
+    meta = torch.empty(len(rows), vocab, dtype=dtype, device="meta")
     real = sampler_module._sample_pass
     sampler_module._sample_pass = lambda logits, t: torch.empty(  # type: ignore[assignment]
         logits.shape[0], dtype=torch.long, device=logits.device)
     try:
-        ops = counted(lambda: sampler_module.Sampler().launch(meta, picked))
+        ops = counted(lambda: sampler_module.Sampler().launch(meta, rows, grammar))
     finally:
         sampler_module._sample_pass = real  # type: ignore[assignment]
-    mean_passes = sum(passes) / len(passes)
+    reads = sum(1.0 if r.params.greedy else sampled_passes for r in rows)
     row_bytes = vocab * torch.empty((), dtype=dtype).element_size()
-    # per row: its logits once per pass, 4 params + key read, token and pass count written
-    kernel = int(rows * (mean_passes * row_bytes + 16 + 8 + 8 + 4))
-    return ops, kernel
+    # per row: 4 params and a key read, a token and a pass count written
+    return ops, int(reads * row_bytes + len(rows) * (16 + 8 + 8 + 4))
 
 
-def sampling_bytes_per_step(workload: str, rows: int = ROWS, vocab: int = VOCAB,
-                            sample_rows: int = 2) -> int:
-    """The new path's device bytes for one step of a ``host_step.py`` workload (float32
-    logits): one pass per greedy row, measured passes for the sampled workload."""
-    if workload != "sampled":
-        return int(rows * (vocab * 4 + 36))
-    ops, kernel = new_traffic(rows, vocab, torch.float32,
-                              passes_per_row(rows, vocab, torch.float32, sample_rows))
+def recorded_passes(vocab: int = VOCAB, sample_rows: int = 2) -> float:
+    """Mean passes of a temperature/top-p row: from the last results file when it has the
+    vocabulary (float32), else measured on ``sample_rows`` rows."""
+    if RESULTS.exists():
+        for result in json.loads(RESULTS.read_text())["results"]:
+            if result["vocab"] == vocab and result["dtype"] == "float32":
+                return float(result["passes_mean"])
+    passes = passes_per_row(sample_rows, vocab, torch.float32, sample_rows)
+    return sum(passes) / len(passes)
+
+
+def sampling_bytes_per_step(params: list[Any], vocab: int = VOCAB) -> int:
+    """The new path's device bytes for one step whose rows have these ``SamplingParams``
+    (float32 logits of ``vocab``; ``host_step.py``'s field): the ops dispatched around the
+    kernel (penalties, masks, logprobs, a grammar's bitmask for rows with one) plus the
+    kernel by design."""
+    from worker.engine.sampler import SamplingRow
+
+    rows = [SamplingRow(p, 10, [1, 2, 3], [4, 4, 9]) for p in params]
+    constrained = [i for i, p in enumerate(params) if p.structured_output is not None]
+    grammar = (constrained, torch.full((len(constrained), (vocab + 31) // 32), -1,
+                                       dtype=torch.int32)) if constrained else None
+    passes = recorded_passes(vocab) if any(not p.greedy for p in params) else 1.0
+    ops, kernel = new_traffic(rows, vocab, torch.float32, passes, grammar)
     return ops.total + kernel
 
 
 def measure(rows: int, vocab: int, dtype: torch.dtype, sample_rows: int) -> dict[str, Any]:
     old = old_traffic(rows, vocab, dtype)
     passes = passes_per_row(rows, vocab, dtype, sample_rows)
-    ops, kernel = new_traffic(rows, vocab, dtype, passes)
+    ops, kernel = new_traffic(sampled_rows(rows), vocab, dtype, sum(passes) / len(passes))
     return {
         "dtype": str(dtype).removeprefix("torch."), "rows": rows, "vocab": vocab,
         "old_gb": round(old.total / GB, 3), "new_gb": round((ops.total + kernel) / GB, 3),
