@@ -131,8 +131,11 @@ class Sampler:
         logits = apply_bad_words(apply_allowed_token_ids(logits, rows), rows)
         if grammar_mask is not None:  # [structured output]
             logits = apply_token_bitmask(logits, *grammar_mask)
-        tensors = sampling_tensors(rows, [self._key(r) for r in rows], logits.device)
-        tokens = _sample_pass(logits, tensors)  # [B] int64; bias, filters and race inside
+        if all(r.params.greedy and not r.params.logit_bias for r in rows):
+            tokens = logits.argmax(dim=-1)  # [B]: nothing else to do, no parameters to send
+        else:
+            tensors = sampling_tensors(rows, [self._key(r) for r in rows], logits.device)
+            tokens = _sample_pass(logits, tensors)  # [B] int64; bias, filters, race inside
         packed = None
         if model_logprobs is not None:
             packed = _pack_logprobs(model_logprobs, _rows_of(tokens, asked),
