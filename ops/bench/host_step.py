@@ -12,7 +12,8 @@ that end are replaced at once, so the batch stays full. One JSON line per worklo
 
 Fields: ``engine_ms_per_step`` (median wall time of ``Engine.step()``), ``phases_ms`` (mean
 per step of each engine phase), ``sampling_bytes_per_step`` (device traffic of the
-sampling ops at 256 x 128k, ``sampling_traffic.py``). Results go to ``ops/bench/results/host_step.json``.
+sampling ops at 256 x 128k, ``sampling_traffic.py``). Results go to
+``ops/bench/results/host_step.json``.
 """
 
 from __future__ import annotations
