@@ -11,7 +11,9 @@ that end are replaced at once, so the batch stays full. One JSON line per worklo
   JSON-schema grammar; ``logprobs`` — every row asks for 5 logprobs.
 
 Fields: ``engine_ms_per_step`` (median wall time of ``Engine.step()``), ``phases_ms`` (mean
-per step of each engine phase). Results go to ``ops/bench/results/host_step.json``.
+per step of each engine phase), ``sampling_bytes_per_step`` (device traffic of the
+sampling ops at 256 x 128k, ``sampling_traffic.py``). Results go to
+``ops/bench/results/host_step.json``.
 """
 
 from __future__ import annotations
@@ -120,7 +122,18 @@ def run_workload(workload: str, steps: int, rows: int) -> dict[str, Any]:
         "engine_ms_p90": round(sorted(times)[int(0.9 * len(times))] * 1e3, 3),
         "phases_ms": phases,
         "tokens_per_step": round(tokens / steps, 1),
+        "sampling_bytes_per_step": sampling_bytes(workload, rows),
     }
+
+
+def sampling_bytes(workload: str, rows: int) -> int:
+    """Device traffic of the workload's sampling ops at 128k vocabulary (float32 logits),
+    counted from the ops dispatched (``sampling_traffic.py``)."""
+    from ops.bench.sampling_traffic import sampling_bytes_per_step
+    from protocol.sampling import SamplingParams
+
+    return sampling_bytes_per_step([SamplingParams(**params_for(workload, i))
+                                    for i in range(rows)])
 
 
 def main() -> None:

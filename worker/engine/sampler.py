@@ -2,16 +2,23 @@
 
 Sampling uses the exponential race (``argmax(p / E)``, E ~ Exp(1)), which equals a
 categorical draw and needs one noise value per (row, token). The noise is a pure function
-of a key (``sampling_noise.py``): a seeded request's key comes from ``(seed, output
-index)``, so its tokens do not depend on the batch around it, on preemption, or on which
-worker resumes it after a crash; an unseeded row gets a fresh key from the sampler's own
-generator.
+of a key (``kernels/sampling_noise.py``): a seeded request's key comes from ``(seed,
+output index)``, so its tokens do not depend on the batch around it, on preemption, or on
+which worker resumes it after a crash; an unseeded row gets a fresh key from the
+sampler's own generator.
+
+Penalties and the token masks (``allowed_token_ids``, bad words, a grammar's) change the
+logits first, only in the rows that have them; then one sampling pass does the rest for
+every row: logit bias, greedy argmax, temperature, min-p, top-k, top-p and the race. On a
+GPU that pass is one Triton kernel that reads each row a few times and writes one token
+(``kernels/sampling.py``: no sort, no ``[rows, vocab]`` temporaries); elsewhere it is the
+kernel's torch twin (``kernels/sampling_reference.py``). Both draw the tokens the
+sort-based filters drew, ties at a filter's boundary aside (kept whole now).
 
 Nothing here waits for the device, and the host's work does not grow with the vocabulary:
 parameters go up in one pinned copy per tensor, decisions are made from the host-side
-parameters, penalties, logprobs and top-k/top-p are computed for the whole batch at once,
-and ``launch`` returns the tokens still on the device (the next step's inputs read them
-there) with their copy to the host, and the logprobs', under way.
+parameters, and ``launch`` returns the tokens still on the device (the next step's inputs
+read them there) with their copy to the host, and the logprobs', under way.
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kernels.sampling_noise import random_key, row_key
+from kernels.sampling_reference import SamplingTensors
+from kernels.sampling_reference import sample as sample_reference
 from protocol.sampling import SamplingParams
 from worker.engine.logits_processors import (
     apply_allowed_token_ids,
@@ -30,15 +40,14 @@ from worker.engine.logits_processors import (
     apply_logit_bias,
     apply_penalties,
     apply_token_bitmask,
-    apply_top_k_top_p_min_p,
     wants_penalties,
 )
-from worker.engine.sampling_noise import exponential, random_key, row_key
 from worker.engine.transfer import ReadBack, to_device
 
 if TYPE_CHECKING:
     from worker.engine.request import Request
 
+_NO_TOP_K = 1 << 24  # top-k off: at least any vocabulary (exact in float32)
 Logprobs = tuple[float, list[tuple[int, float]]]  # (sampled token's, [(token, logprob)] top-n)
 
 
@@ -112,33 +121,70 @@ class Sampler:
         ``apply_token_bitmask``; reported logprobs are the model's, before the masks
         (the grammar's, ``allowed_token_ids``, ``bad_words``).
         """
-        logits = apply_logit_bias(apply_penalties(logits.float(), rows), rows)
+        if any(wants_penalties(r.params) for r in rows):
+            logits = apply_penalties(logits.float(), rows)
         asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        model_logprobs = torch.log_softmax(_rows_of(logits, asked), dim=-1) if asked else None
+        model_logprobs = None
+        if asked:  # the model's logprobs: after penalties and bias, before the masks
+            biased = apply_logit_bias(_rows_of(logits, asked).float(), [rows[i] for i in asked])
+            model_logprobs = torch.log_softmax(biased, dim=-1)
         logits = apply_bad_words(apply_allowed_token_ids(logits, rows), rows)
         if grammar_mask is not None:  # [structured output]
             logits = apply_token_bitmask(logits, *grammar_mask)
-        tokens = logits.argmax(dim=-1)  # [B]; the answer of greedy rows
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if sampled:
-            drawn = self._sample(_rows_of(logits, sampled), [rows[i] for i in sampled])
-            tokens = _put_rows(tokens, sampled, drawn)
+        if all(r.params.greedy and not r.params.logit_bias for r in rows):
+            tokens = logits.argmax(dim=-1)  # [B]: nothing else to do, no parameters to send
+        else:
+            tensors = sampling_tensors(rows, [self._key(r) for r in rows], logits.device)
+            tokens = _sample_pass(logits, tensors)  # [B] int64; bias, filters, race inside
         packed = None
         if model_logprobs is not None:
             packed = _pack_logprobs(model_logprobs, _rows_of(tokens, asked),
                                     max(rows[i].params.logprobs or 0 for i in asked))
         return PendingSample(tokens, packed, rows)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """logits [S, V] of rows that sample -> tokens [S]."""
-        device = logits.device
-        temps = to_device([r.params.temperature for r in rows], torch.float32, device)
-        scaled = apply_top_k_top_p_min_p(logits / temps.unsqueeze(1), rows)
-        probs = torch.softmax(scaled, dim=-1)  # [S, V]
-        keys = [random_key(self._rng) if r.params.seed is None
-                else row_key(r.params.seed, r.output_index) for r in rows]
-        noise = exponential(to_device(keys, torch.long, device), logits.shape[1])  # [S, V]
-        return (probs / noise).argmax(dim=-1)
+    def _key(self, row: SamplingRow) -> int:
+        """The row's noise key: from its seed and output index, else fresh (sampled rows
+        only, in row order: the host generator advances as it always has)."""
+        if row.params.greedy:
+            return 0
+        if row.params.seed is None:
+            return random_key(self._rng)
+        return row_key(row.params.seed, row.output_index)
+
+
+def sampling_tensors(rows: list[SamplingRow], keys: list[int],
+                     device: torch.device) -> SamplingTensors:
+    """The rows' parameters as the sampling pass reads them: two copies up, three more
+    when a row has a logit bias. Greedy rows (temperature 0 or top-k 1) get temperature 0;
+    top-k off is any value >= the vocabulary (2**24 here)."""
+    host = tuple((0.0 if r.params.greedy else r.params.temperature, r.params.top_p,
+                  r.params.min_p, float(r.params.top_k if r.params.top_k > 0 else _NO_TOP_K))
+                 for r in rows)
+    params = to_device(host, torch.float32, device)
+    keys_up = to_device(keys, torch.long, device)
+    if not any(r.params.logit_bias for r in rows):
+        return SamplingTensors(params, keys_up, host)
+    offsets: list[int] = [0]
+    entries: list[list[int]] = [[], []]
+    values: list[float] = []
+    for i, r in enumerate(rows):
+        for token, bias in (r.params.logit_bias or {}).items():
+            entries[0].append(i)
+            entries[1].append(token)
+            values.append(bias)
+        offsets.append(len(values))
+    return SamplingTensors(params, keys_up, host, to_device(offsets, torch.int32, device),
+                           to_device(entries, torch.int32, device),
+                           to_device(values, torch.float32, device))
+
+
+def _sample_pass(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """The fused Triton pass on a GPU, its torch twin elsewhere (same tokens)."""
+    if logits.is_cuda:
+        from kernels.sampling import sample  # imports triton: only where it runs
+
+        return sample(logits, tensors)
+    return sample_reference(logits, tensors)
 
 
 def _rows_of(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -146,12 +192,6 @@ def _rows_of(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if len(rows) == values.shape[0]:
         return values
     return values.index_select(0, to_device(rows, torch.long, values.device))
-
-
-def _put_rows(values: torch.Tensor, rows: list[int], new: torch.Tensor) -> torch.Tensor:
-    if len(rows) == values.shape[0]:
-        return new
-    return values.index_copy(0, to_device(rows, torch.long, values.device), new)
 
 
 def _pack_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:

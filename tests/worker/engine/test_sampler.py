@@ -230,7 +230,7 @@ def test_logprobs_of_the_batch_equal_row_by_row():
 
 def test_noise_bits_equal_the_integer_reference():
     """The device draws are SplitMix64 bits, exactly: the same on any device."""
-    from worker.engine import sampling_noise as noise
+    from kernels import sampling_noise as noise
 
     keys = [noise.row_key(0, 0), noise.row_key(2**63 - 1, 12345), noise.row_key(7, 3), -1]
     got = noise.uniform(torch.tensor(keys), 300)
@@ -242,7 +242,7 @@ def test_noise_bits_equal_the_integer_reference():
 
 
 def test_noise_is_uniform_and_independent_across_tokens_and_keys():
-    from worker.engine import sampling_noise as noise
+    from kernels import sampling_noise as noise
 
     u = noise.uniform(torch.tensor([noise.row_key(s, i) for s in range(8) for i in range(8)]),
                       4096).double()

@@ -1,0 +1,112 @@
+"""The sampling pass in plain torch: the CPU path and the oracle of ``kernels.sampling``.
+
+One call turns a step's logits into tokens, row by row with the row's own parameters:
+logit bias, then greedy rows take the argmax, sampled rows divide by their temperature,
+drop what min-p, top-k and top-p exclude (in that order; top-p's mass is renormalised
+over what min-p and top-k kept, as vLLM) and draw with the exponential race
+``argmax(p / E)``, ``E`` the counter-based noise of the row's key
+(``kernels.sampling_noise``).
+
+Each filter is a threshold on the row's scaled logits: a token is kept when its value is
+at least the row's threshold, so tokens tied *at* a boundary are all kept (vLLM's
+threshold top-k does the same). Away from ties this keeps exactly the tokens the
+sort-based filter kept before, and draws the same tokens; the Triton kernel finds the
+same thresholds without sorting (see ``kernels/sampling.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernels.sampling_noise import exponential
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """A step's per-row sampling parameters: on the logits' device, and their host copy
+    (the CPU path decides from it which rows to touch, without reading the device).
+
+    ``params[:, 0]`` temperature (0: greedy), ``[:, 1]`` top-p (1: off), ``[:, 2]`` min-p
+    (0: off), ``[:, 3]`` top-k as a float (>= vocab: off; exact below 2**24). The logit
+    bias, when a row has one, is a list of ``(row, token, value)`` entries sorted by row,
+    with ``bias_offsets[r]:bias_offsets[r + 1]`` the entries of row r."""
+
+    params: torch.Tensor  # [R, 4] float32
+    keys: torch.Tensor  # [R] int64, the noise keys (any value in greedy rows)
+    host: tuple[tuple[float, float, float, float], ...]  # params, on the host
+    bias_offsets: torch.Tensor | None = None  # [R + 1] int32
+    bias_entries: torch.Tensor | None = None  # [2, N] int32: rows, tokens
+    bias_values: torch.Tensor | None = None  # [N] float32
+
+
+def to_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on ``device`` without a host sync (a pinned, non-blocking copy on a GPU;
+    ``worker.engine.transfer``'s rule, which ``kernels`` may not import)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def biased(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """[R, V] float32 logits plus each row's bias (a copy only when there is one)."""
+    logits = logits.float()
+    if t.bias_entries is None or t.bias_values is None:
+        return logits
+    rows, tokens = t.bias_entries.long().unbind(0)
+    return logits.index_put((rows, tokens), t.bias_values, accumulate=True)
+
+
+def kept(scaled: torch.Tensor, host: list[tuple[float, float, float, float]]) -> torch.Tensor:
+    """scaled [S, V] -> the same with -inf where min-p, top-k and top-p drop (in that
+    order); ``host``: the S rows' (temperature, top-p, min-p, top-k).
+
+    Each is a threshold on the row's values; top-p's is the smallest sorted value whose
+    better tokens hold less than ``top_p`` of the mass min-p and top-k left. As the old
+    sort-based filter: only rows that filter are touched, and only the largest k are
+    sorted when every such row has a top-k."""
+    vocab, device = scaled.shape[1], scaled.device
+    if any(row[2] > 0 for row in host):
+        min_p = to_device([row[2] for row in host], torch.float32, device)
+        probs = torch.softmax(scaled, dim=-1)
+        dropped = probs < probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        scaled = scaled.masked_fill(dropped, float("-inf"))
+    filtering = [i for i, row in enumerate(host) if row[3] < vocab or row[1] < 1.0]
+    if not filtering:
+        return scaled
+    width = int(max(min(host[i][3], vocab) for i in filtering))
+    index = to_device(filtering, torch.long, device)
+    sub = scaled.index_select(0, index)  # [F, V]
+    top = sub.topk(width, dim=-1).values if width < vocab \
+        else sub.sort(dim=-1, descending=True).values  # [F, W]
+    k = to_device([min(int(host[i][3]), width) - 1 for i in filtering], torch.long, device)
+    k_value = top.gather(1, k.unsqueeze(1))  # [F, 1]
+    top = top.masked_fill(top < k_value, float("-inf"))  # top-k, ties kept
+    mass = torch.softmax(top, dim=-1)
+    before = mass.cumsum(dim=-1) - mass  # mass of the better tokens
+    top_p = to_device([host[i][1] for i in filtering], torch.float32, device).unsqueeze(1)
+    last = torch.where(top_p >= 1.0, width, (before < top_p).sum(dim=-1, keepdim=True))
+    threshold = top.gather(1, last.clamp(1, width) - 1)  # the top token always survives
+    sub = sub.masked_fill((sub < threshold) | (sub < k_value), float("-inf"))
+    return scaled.index_copy(0, index, sub)
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """logits [R, V] (any float dtype) -> tokens [R] int64, without reading the device.
+
+    A row whose logits are all -inf gets token 0, as the argmax of the old path did."""
+    x = biased(logits, t)  # [R, V]
+    tokens = x.argmax(dim=-1)  # greedy rows' answer
+    sampled = [i for i, row in enumerate(t.host) if row[0] > 0]
+    if not sampled:
+        return tokens
+    index = to_device(sampled, torch.long, x.device)
+    rows = x if len(sampled) == x.shape[0] else x.index_select(0, index)
+    temperature = t.params.index_select(0, index)[:, :1]  # [S, 1]
+    scaled = kept(rows / temperature, [t.host[i] for i in sampled])  # [S, V]
+    probs = torch.softmax(scaled, dim=-1)
+    drawn = (probs / exponential(t.keys.index_select(0, index), x.shape[1])).argmax(dim=-1)
+    return tokens.index_copy(0, index, drawn)
