@@ -14,9 +14,12 @@ smaller rank than R sits there zero-padded, which adds exact zeros. As in the ke
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-LoraGroups = list[tuple[int, torch.Tensor]]  # (slot, token indices [n] int64)
+# (slot, its tokens: indices [n] int64, or a slice of the batch when they are contiguous)
+LoraGroups = list[tuple[int, torch.Tensor | slice]]
 
 
 def lora_groups(token_slots: torch.Tensor) -> LoraGroups:  # [T] int, -1 = no adapter
@@ -32,10 +35,12 @@ def lora_shrink(
     x: torch.Tensor,  # [T, in]
     a: torch.Tensor,  # [S, R, in]
     groups: LoraGroups,
+    ranks: Sequence[int] | None = None,  # [S] each slot's rank: columns past it are zero
 ) -> torch.Tensor:  # [T, R] fp32; rows of tokens with no adapter are zero
     out = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
     for slot, tokens in groups:
-        out[tokens] = x[tokens].float() @ a[slot].float().T
+        r = a.shape[1] if ranks is None else ranks[slot]
+        out[tokens, :r] = x[tokens].float() @ a[slot, :r].float().T
     return out
 
 
@@ -45,7 +50,9 @@ def lora_expand(
     scale: torch.Tensor,  # [S] fp32
     groups: LoraGroups,
     y: torch.Tensor,  # [T, out], updated in place
+    ranks: Sequence[int] | None = None,  # [S] each slot's rank: columns past it are zero
 ) -> None:
     for slot, tokens in groups:
-        delta = t[tokens] @ b[slot].float().T  # [n, out]
+        r = b.shape[2] if ranks is None else ranks[slot]
+        delta = t[tokens, :r] @ b[slot, :, :r].float().T  # [n, out]
         y[tokens] = (y[tokens].float() + scale[slot].float() * delta).to(y.dtype)
