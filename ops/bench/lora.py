@@ -1,5 +1,6 @@
 """CPU throughput with multi-LoRA: the same workload on the base model alone and spread
-over 4 rank-16 adapters (every projection adapted), side by side in one run.
+over 4 rank-16 adapters (every projection adapted), side by side in one run; also the
+LoRA engine with no request on an adapter (``lora_idle``: the wrappers' skip path).
 
 The benchmark model (``workload.py``, ~30M parameters), greedy, every request in the
 batch at once; each request of the LoRA run uses adapter ``i % 4``. Configurations
@@ -84,7 +85,9 @@ def main() -> None:
         targets = base_targets(base.runner.model, path)
         adapters = [write_adapter(Path(tmp) / f"a{i}", targets, rank=RANK, alpha=32, seed=i)
                     for i in range(ADAPTERS)]
-        engines = {"base": (base, 0), "lora4": (_engine(path, adapters), ADAPTERS)}
+        lora4 = _engine(path, adapters)
+        # lora_idle: the same engine as lora4 with no request on an adapter (the skip)
+        engines = {"base": (base, 0), "lora_idle": (lora4, 0), "lora4": (lora4, ADAPTERS)}
         for engine, n in engines.values():
             _run(engine, jobs[:4], n)  # warm-up
         runs: dict[str, list[tuple[float, float, int]]] = {k: [] for k in engines}
@@ -98,7 +101,8 @@ def main() -> None:
                         "cpu_tok_s": statistics.median(t / c for _, c, t in rows),
                         "tokens": rows[0][2]}
     for key in ("wall_tok_s", "cpu_tok_s"):
-        result[f"ratio_{key}"] = result["lora4"][key] / result["base"][key]
+        for name in ("lora_idle", "lora4"):
+            result[f"ratio_{name}_{key}"] = result[name][key] / result["base"][key]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -21,6 +21,7 @@ from tests.checkpoints import build_checkpoint
 from tests.worker.engine.lora_adapters import ATTN, merged_state, write_adapter
 from tests.worker.engine.test_correctness import assert_matches, reference_greedy
 from worker import Engine, EngineConfig
+from worker.engine.lora import metadata
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.manager import LoraManager
 from worker.engine.lora.targets import base_targets
@@ -60,8 +61,14 @@ def _merged(path: str, adapter: tuple[str, float] | None):
     return model
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_one_forward_matches_merged_logits(setup, pack: bool) -> None:
+@pytest.mark.parametrize("pack, path_kind", [(False, "wide"), (True, "wide"),
+                                              (True, "groups")])
+def test_one_forward_matches_merged_logits(setup, pack: bool, path_kind: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``wide``: every slot at once (small steps); ``groups``: one matmul pair per
+    adapter (``metadata.WIDE_MAX_TOKENS`` set to 0)."""
+    if path_kind == "groups":
+        monkeypatch.setattr(metadata, "WIDE_MAX_TOKENS", 0)
     path, adapters = setup
     model = _load(path)
     if pack:

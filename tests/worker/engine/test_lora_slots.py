@@ -60,11 +60,26 @@ def test_pinned_slots_are_never_evicted() -> None:
         slots.release("c") or slots.release("c")
 
 
-def test_metadata_groups_and_skip() -> None:
-    assert build_metadata(np.array([-1, -1]), [2, 2], torch.device("cpu")) is None
+def test_metadata_groups_wide_and_skip() -> None:
+    cpu = torch.device("cpu")
+    assert build_metadata(np.array([-1, -1]), [2, 2], [1.0, 1.0], 4, cpu) is None
     groups = cpu_groups(np.array([1, 1, -1, 0, 1, 0, 0]))
     assert [g[0] for g in groups] == [0, 1]
     assert groups[0][1].tolist() == [3, 5, 6]  # type: ignore[union-attr]
     assert cpu_groups(np.array([-1, 2, 2, 2]))[0][1] == slice(1, 4)
-    meta = build_metadata(np.array([0, -1]), [3, 1], torch.device("cpu"))
-    assert meta is not None and meta.token_slots.tolist() == [0, -1] and meta.ranks == [3, 1]
+    meta = build_metadata(np.array([1, -1, 2]), [3, 1, 2], [0.0, 0.5, 2.0], 4, cpu)
+    assert meta is not None and meta.token_slots.tolist() == [1, -1, 2]
+    assert meta.wide_cols == slice(4, 12)  # slots 1..2 of a rank-4 pool
+    assert meta.wide is not None and meta.wide.tolist() == [
+        [0.5, 0, 0, 0, 0, 0, 0, 0], [0] * 8, [0, 0, 0, 0, 2.0, 2.0, 0, 0]]  # ranks 1 and 2
+
+
+def test_b_is_a_view_of_the_flat_storage() -> None:
+    slots = _slots()
+    adapter = _adapter("a")
+    slot = slots.acquire(adapter)
+    b = adapter.weights["l.0.up_proj"][1]  # [8, 2]
+    flat = slots.b_flat["l.0.up_proj"]  # [8, S*R]
+    assert torch.equal(flat[:, slot * 4:slot * 4 + 2], b)
+    assert torch.equal(slots.a_flat["l.0.up_proj"][slot * 4:slot * 4 + 2],
+                       adapter.weights["l.0.up_proj"][0])

@@ -25,7 +25,9 @@ class LoraLinear(nn.Module):
         # plain attributes, not buffers: the slot pool owns them and the model's
         # state dict stays the base model's
         self._a = slots.a[module]  # [S, R, in]
-        self._b = slots.b[module]  # [S, out, R]
+        self._b = slots.b[module]  # [S, out, R], a view of b_flat's storage
+        self._a_flat = slots.a_flat[module]  # [S*R, in]
+        self._b_flat = slots.b_flat[module]  # [out, S*R]
         self._scale = slots.scale  # [S] fp32
         self._step = step
 
@@ -36,7 +38,13 @@ class LoraLinear(nn.Module):
             return y  # type: ignore[no-any-return]
         flat_x = x.reshape(-1, x.shape[-1])  # [T, in]
         flat_y = y.view(-1, y.shape[-1])  # [T, out], written in place
-        if meta.groups is not None:
+        if meta.wide is not None and flat_x.dtype == torch.float32:
+            # every slot in use at once: [T, n*R] = x A_flatᵀ, each token's own slot's
+            # columns scaled and the rest zeroed, then y += that @ B_flatᵀ
+            cols = meta.wide_cols
+            t = torch.mm(flat_x, self._a_flat[cols].T).mul_(meta.wide)
+            flat_y.addmm_(t, self._b_flat[:, cols].T)
+        elif meta.groups is not None:
             t = lora_reference.lora_shrink(flat_x, self._a, meta.groups, meta.ranks)
             lora_reference.lora_expand(t, self._b, self._scale, meta.groups, flat_y,
                                        meta.ranks)

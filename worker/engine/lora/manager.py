@@ -80,7 +80,9 @@ class LoraManager:
         rows = np.fromiter((self._slot_of.get(r, -1) for r in request_ids), dtype=np.int64,
                            count=len(request_ids))
         token_slots = np.repeat(rows, np.asarray(num_new, dtype=np.int64))
-        self.step.meta = build_metadata(token_slots, self.slots.ranks, self.device)
+        slots = self.slots
+        self.step.meta = build_metadata(token_slots, slots.ranks, slots.scales,
+                                        slots.max_rank, self.device)
 
     def end_step(self) -> None:
         self.step.meta = None

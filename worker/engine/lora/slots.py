@@ -33,9 +33,16 @@ class LoraSlots:
         self.num_slots, self.max_rank = n, r
         self.a = {m: torch.zeros(n, r, s.in_features, device=device, dtype=dtype)
                   for m, s in targets.shapes.items()}  # module -> [S, R, in]
-        self.b = {m: torch.zeros(n, s.out_features, r, device=device, dtype=dtype)
-                  for m, s in targets.shapes.items()}  # module -> [S, out, R]
+        # B is stored [out, S, R] and handed out as the view [S, out, R] (unit stride on
+        # R, as the kernels need): the CPU path multiplies by all slots at once through
+        # the flat views [S*R, in] and [out, S*R] (``layer.py``)
+        b_store = {m: torch.zeros(s.out_features, n, r, device=device, dtype=dtype)
+                   for m, s in targets.shapes.items()}
+        self.b = {m: t.permute(1, 0, 2) for m, t in b_store.items()}  # [S, out, R]
+        self.a_flat = {m: t.view(n * r, -1) for m, t in self.a.items()}  # [S*R, in]
+        self.b_flat = {m: t.view(t.shape[0], n * r) for m, t in b_store.items()}  # [out, S*R]
         self.scale = torch.zeros(n, device=device, dtype=torch.float32)  # [S]
+        self.scales = [0.0] * n  # host copy of ``scale``
         self.ranks = [0] * n  # host copy: the CPU path multiplies only the used rank
         self.names: list[str | None] = [None] * n
         self.pins = [0] * n
@@ -99,6 +106,7 @@ class LoraSlots:
                 a_stack[slot, :r].copy_(pair[0], non_blocking=True)  # [r, in]
                 b_stack[slot, :, :r].copy_(pair[1], non_blocking=True)  # [out, r]
         self.scale[slot] = adapter.scale
+        self.scales[slot] = adapter.scale
         self.ranks[slot] = r
         self.names[slot] = adapter.name
         self._slot_of[adapter.name] = slot
