@@ -76,3 +76,47 @@ def test_launchers_check_shapes(device) -> None:
     with pytest.raises(ValueError, match="starts has"):
         lora_shrink(x, torch.zeros(3, 8, 16, device=device), tokens, starts,
                     torch.zeros(3, 8, device=device))
+
+
+@pytest.mark.parametrize("wide", [True, False])
+def test_layer_kernel_path_equals_cpu_paths(device, wide, monkeypatch) -> None:
+    """``LoraLinear`` through the kernels (the CUDA path, over the slot pool's permuted B
+    view) equals its CPU paths: every slot at once (``wide``) and per adapter."""
+    import numpy as np
+
+    from worker.engine.lora import metadata as md
+    from worker.engine.lora.adapter import LoraAdapter
+    from worker.engine.lora.config import LoraConfig
+    from worker.engine.lora.layer import LoraLinear
+    from worker.engine.lora.slots import LoraSlots
+    from worker.engine.lora.targets import BaseTargets, TargetShape
+
+    if device.type != "cpu":
+        pytest.skip("compares with the CPU paths, which run on CPU tensors")
+    monkeypatch.setattr(md, "WIDE_MAX_TOKENS", 256 if wide else 0)
+    base = BaseTargets("m", {"up_proj": TargetShape(48, 40)})
+    slots = LoraSlots(base, LoraConfig(max_loras=3, max_lora_rank=16), device,
+                      torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    for i, rank in enumerate([8, 16, 4]):
+        weights = {"up_proj": (torch.randn(rank, 48, generator=gen),
+                               torch.randn(40, rank, generator=gen))}
+        slots.acquire(LoraAdapter(f"a{i}", "", rank, 0.5 + i, weights))
+    linear = torch.nn.Linear(48, 40)
+    step = md.LoraStep()
+    layer = LoraLinear(linear, "up_proj", slots, step)
+    token_slots = np.array([2, -1, 0, 0, 1, 2, -1, 1, 1, 0])
+    x = torch.randn(len(token_slots), 48, generator=gen)
+    with torch.inference_mode():
+        step.meta = md.build_metadata(token_slots, slots.ranks, slots.scales, 16,
+                                      torch.device("cpu"))
+        assert (step.meta.wide is not None) == wide
+        want = layer(x)
+        slots_t = torch.from_numpy(token_slots.astype(np.int32))
+        sorted_tokens, starts = lora_segments(slots_t, 3)
+        step.meta = md.LoraMetadata(slots_t, None, slots.ranks, sorted_tokens=sorted_tokens,
+                                    starts=starts)
+        got = layer(x)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    base_rows = torch.from_numpy(token_slots < 0)
+    torch.testing.assert_close(got[base_rows], linear(x)[base_rows])
