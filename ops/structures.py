@@ -30,6 +30,7 @@ SECTIONS = [
     ("worker", "the worker package: lazy exports"),
     ("worker/engine", "the inference engine: one step, no I/O"),
     ("worker/engine/speculative", "suffix decoding: drafts with no draft model"),
+    ("worker/engine/lora", "multi-LoRA: many adapters over one base model in one batch"),
     ("worker/service", "the Redis worker process around the engine"),
     ("worker/models", "models shipped as package data"),
     ("kernels", "Triton kernels, the C++ CPU kernel, their pure-torch twins"),

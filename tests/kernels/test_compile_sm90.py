@@ -82,6 +82,15 @@ def compile_variants() -> None:
     _compile(_store_kv_kernel, "bf16", store,
              {"key_ptr": "fp32", "value_ptr": "fp32", "slot_mapping_ptr": "i64"})  # fmt: skip
 
+    from kernels.lora import _expand_kernel, _shrink_kernel
+
+    segments = {"tokens_ptr": "i32", "starts_ptr": "i32"}
+    shrink = dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=64, UPCAST=False)
+    _compile(_shrink_kernel, "bf16", shrink, segments | {"out_ptr": "fp32"})
+    _compile(_shrink_kernel, "fp32", shrink | dict(BLOCK_R=64), segments | {"out_ptr": "fp32"})
+    expand = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16)
+    _compile(_expand_kernel, "bf16", expand, segments | {"t_ptr": "fp32", "scale_ptr": "fp32"})
+
 
 class _Recorder:
     """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kw)`` is recorded."""

@@ -23,6 +23,8 @@ from worker.engine.config import CacheConfig, ModelConfig
 from worker.engine.decode_graphs import CudaGraphCapturer, DecodeGraphs, GraphCapturer
 from worker.engine.health import EngineHealth
 from worker.engine.inflight import InflightStep
+from worker.engine.lora.config import LoraConfig
+from worker.engine.lora.manager import LoraManager
 from worker.engine.model_loader import _DTYPES, LoadedModel, LogitsHead, ModelShape, load_model
 from worker.engine.scheduler import SchedulerOutput
 from worker.engine.step_inputs import build_inputs, patch_placeholders, to_device_packed
@@ -55,6 +57,8 @@ class ModelRunner:
         if not 1 <= cache_cfg.block_size <= 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {cache_cfg.block_size}")
         self.loaded: LoadedModel = load_model(model_cfg)
+        self.model_name = model_cfg.model
+        self.lora: LoraManager | None = None  # enable_lora
         self.model = self.loaded.model
         self.device = self.loaded.device
         self.shape: ModelShape = self.loaded.shape
@@ -190,11 +194,19 @@ class ModelRunner:
         ``prev``: the step launched before, whose sampled tokens fill the placeholders.
         ``extra_rows``: more flat token rows whose logits follow (prompt logprobs)."""
         blocks.flush_copies(self.kv_pool)  # the host tier's copies land before the forward
+        if self.lora is not None:
+            return self._execute_lora(sched, blocks, prev, extra_rows)
         if not extra_rows and self.graphs is not None and self.graphs.fits(
                 len(sched.scheduled), sched.num_batched_tokens) and (
                 bool(sched.sample.all()) if sched.sample is not None
                 else all(item.sample for item in sched.scheduled)):
             return self._decode_static(sched, blocks, prev)
+        return self._eager(sched, blocks, prev, extra_rows)
+
+    def _eager(
+        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None,
+        extra_rows: list[int] | None,
+    ) -> torch.Tensor:
         input_ids, positions, meta, sample_rows = self.prepare(sched, blocks, prev)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         if extra_rows:
@@ -210,6 +222,29 @@ class ModelRunner:
             logits_to_keep=sample_rows, ferry_ctx=ctx,
         )
         return out.logits[0]  # type: ignore[no-any-return]
+
+    # --- multi-LoRA (#30): the model's projections read the step's token -> slot map ---
+
+    def enable_lora(self, cfg: LoraConfig) -> LoraManager:
+        """Wrap the projections for LoRA (once); steps then run eagerly: the decode graphs
+        were captured without the LoRA kernels."""
+        if self.lora is None:
+            self.lora = LoraManager(self.model, self.model_name, cfg, self.device,
+                                    self.loaded.dtype)
+        return self.lora
+
+    def _execute_lora(
+        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None,
+        extra_rows: list[int] | None,
+    ) -> torch.Tensor:
+        assert self.lora is not None
+        items = sched.scheduled
+        self.lora.begin_step([s.request.request_id for s in items],
+                             [s.num_new_tokens for s in items])
+        try:
+            return self._eager(sched, blocks, prev, extra_rows)
+        finally:
+            self.lora.end_step()
 
     def _decode_static(
         self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None

@@ -1,0 +1,58 @@
+"""Registered adapters by name, and the loaded ones kept in host memory (LRU).
+
+Registering loads and checks the adapter at once, so a bad adapter is refused when it
+is registered (a clear ``LoraError``) and never at a request's first step. The host copy
+is what a device slot is filled from; an adapter pushed out of this cache is read from
+its path again when next needed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from worker.engine.lora.adapter import LoraAdapter, LoraError, load_adapter
+from worker.engine.lora.config import LoraConfig
+from worker.engine.lora.targets import BaseTargets
+
+
+class AdapterCache:
+    def __init__(self, targets: BaseTargets, cfg: LoraConfig) -> None:
+        self.targets = targets
+        self.cfg = cfg
+        self.paths: dict[str, str] = {}  # every registered adapter
+        self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()
+
+    def register(self, name: str, path: str) -> LoraAdapter:
+        """Load and check ``path`` as adapter ``name``; raises ``LoraError``."""
+        if not name:
+            raise LoraError("a LoRA adapter needs a name")
+        adapter = load_adapter(name, path, self.targets, self.cfg.max_lora_rank)
+        self.paths[name] = path
+        self._keep(adapter)
+        return adapter
+
+    def unregister(self, name: str) -> None:
+        self.paths.pop(name, None)
+        self._loaded.pop(name, None)
+
+    def get(self, name: str) -> LoraAdapter:
+        """The loaded adapter ``name`` (read again from its path if it was pushed out)."""
+        adapter = self._loaded.get(name)
+        if adapter is not None:
+            self._loaded.move_to_end(name)
+            return adapter
+        path = self.paths.get(name)
+        if path is None:
+            raise KeyError(f"unknown LoRA adapter {name!r}")
+        adapter = load_adapter(name, path, self.targets, self.cfg.max_lora_rank)
+        self._keep(adapter)
+        return adapter
+
+    def loaded(self) -> list[str]:
+        return list(self._loaded)
+
+    def _keep(self, adapter: LoraAdapter) -> None:
+        self._loaded[adapter.name] = adapter
+        self._loaded.move_to_end(adapter.name)
+        while len(self._loaded) > self.cfg.max_cpu_loras:
+            self._loaded.popitem(last=False)

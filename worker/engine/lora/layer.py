@@ -1,0 +1,77 @@
+"""A base projection plus its rows' LoRA: ``y = base(x)``, then ``y += scale·(x Aᵀ) Bᵀ`` per row.
+
+The wrapper calls the base module as it is (an ``nn.Linear``, or on a CPU the oneDNN
+``PackedLinear`` that ``pack_linears`` swapped in at load), so packing and LoRA compose:
+the base weights are never merged or copied. It reads the step's token-to-slot metadata
+from the ``LoraStep`` it holds; with none (no row of the step uses an adapter) the
+forward is the base call alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import lora_reference
+from worker.engine.lora.metadata import LoraMetadata, LoraStep
+from worker.engine.lora.slots import LoraSlots
+
+
+class LoraLinear(nn.Module):
+    def __init__(self, base: nn.Module, module: str, slots: LoraSlots, step: LoraStep) -> None:
+        super().__init__()
+        self.base = base
+        self.module_name = module
+        # plain attributes, not buffers: the slot pool owns them and the model's
+        # state dict stays the base model's
+        self._a = slots.a[module]  # [S, R, in]
+        self._b = slots.b[module]  # [S, out, R], a view of b_flat's storage
+        self._a_flat = slots.a_flat[module]  # [S*R, in]
+        self._b_flat = slots.b_flat[module]  # [out, S*R]
+        self._scale = slots.scale  # [S] fp32
+        self._step = step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        y = self.base(x)
+        meta = self._step.meta
+        if meta is None:
+            return y  # type: ignore[no-any-return]
+        flat_x = x.reshape(-1, x.shape[-1])  # [T, in]
+        flat_y = y.view(-1, y.shape[-1])  # [T, out], written in place
+        if meta.wide is not None and flat_x.dtype == torch.float32:
+            # every slot in use at once: [T, n*R] = x A_flatᵀ, each token's own slot's
+            # columns scaled and the rest zeroed, then y += that @ B_flatᵀ
+            cols = meta.wide_cols
+            t = torch.mm(flat_x, self._a_flat[cols].T).mul_(meta.wide)
+            flat_y.addmm_(t, self._b_flat[:, cols].T)
+        elif meta.groups is not None:
+            t = lora_reference.lora_shrink(flat_x, self._a, meta.groups, meta.ranks)
+            lora_reference.lora_expand(t, self._b, self._scale, meta.groups, flat_y,
+                                       meta.ranks)
+        else:
+            _apply_triton(flat_x, flat_y, self._a, self._b, self._scale, meta)
+        return y  # type: ignore[no-any-return]
+
+
+def _apply_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  scale: torch.Tensor, meta: LoraMetadata) -> None:
+    from kernels.lora import lora_expand, lora_shrink
+
+    assert meta.sorted_tokens is not None and meta.starts is not None
+    t = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)  # [T, R]
+    lora_shrink(x, a, meta.sorted_tokens, meta.starts, t)
+    lora_expand(t, b, scale, meta.sorted_tokens, meta.starts, y)
+
+
+def wrap_projections(model: nn.Module, slots: LoraSlots, step: LoraStep) -> int:
+    """Replace each projection the slot pool has buffers for by a ``LoraLinear``."""
+    count = 0
+    for name in slots.a:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        current = getattr(owner, child)
+        if isinstance(current, LoraLinear):
+            continue
+        setattr(owner, child, LoraLinear(current, name, slots, step))
+        count += 1
+    return count

@@ -1,0 +1,88 @@
+"""What the model runner holds for multi-LoRA: adapters, slots, requests' pins, the step.
+
+``LoraManager`` wraps the model's projections once, owns the registered adapters (host
+cache), the device slots and the one ``LoraStep`` the projections read; the engine tells
+it which adapter each request uses (``attach`` pins a slot for as long as the request
+runs, ``detach`` unpins), and the runner calls ``begin_step`` with the step's rows before
+each forward and ``end_step`` after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from worker.engine.lora.adapter import LoraAdapter
+from worker.engine.lora.config import LoraConfig
+from worker.engine.lora.host_cache import AdapterCache
+from worker.engine.lora.layer import wrap_projections
+from worker.engine.lora.metadata import LoraStep, build_metadata
+from worker.engine.lora.slots import LoraSlots
+from worker.engine.lora.targets import base_targets
+
+
+class LoraManager:
+    def __init__(self, model: nn.Module, model_name: str, cfg: LoraConfig,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        targets = base_targets(model, model_name)
+        self.cfg = cfg
+        self.device = device
+        self.cache = AdapterCache(targets, cfg)
+        self.slots = LoraSlots(targets, cfg, device, dtype)
+        self.step = LoraStep()
+        self.wrapped = wrap_projections(model, self.slots, self.step)
+        self._adapter_of: dict[str, str] = {}  # request id -> adapter name
+        self._slot_of: dict[str, int] = {}  # request id -> its pinned slot
+
+    def add_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Register ``name``; a bad adapter raises ``LoraError`` and changes nothing."""
+        return self.cache.register(name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unregister ``name``: new requests cannot attach it; rows already running keep
+        their slot until they detach (then the slot is the first reused)."""
+        self.cache.unregister(name)
+        self.slots.evict(name)
+
+    def adapters(self) -> list[str]:
+        return sorted(self.cache.paths)
+
+    def attach(self, request_id: str, name: str) -> int:
+        """Pin ``name`` into a slot for ``request_id``; raises ``KeyError`` for an
+        unregistered name and ``LoraSlotsFull`` when every slot has running rows."""
+        if request_id in self._adapter_of:
+            raise RuntimeError(f"request {request_id!r} already has a LoRA adapter")
+        slot = self.slots.acquire(self.cache.get(name))
+        self._adapter_of[request_id] = name
+        self._slot_of[request_id] = slot
+        return slot
+
+    def detach(self, request_id: str) -> None:
+        """The request finished (or was preempted): unpin its adapter's slot."""
+        name = self._adapter_of.pop(request_id, None)
+        if name is None:
+            return
+        del self._slot_of[request_id]
+        self.slots.release(name)
+        if name not in self.cache.paths:  # unloaded while this request ran
+            self.slots.evict(name)
+
+    def begin_step(self, request_ids: Sequence[str], num_new: Sequence[int] | np.ndarray
+                   ) -> None:
+        """Set the step's metadata: request ``i`` contributes ``num_new[i]`` flat tokens,
+        in order; a request with no adapter gets slot -1."""
+        if not self._slot_of:
+            self.step.meta = None
+            return
+        rows = np.fromiter((self._slot_of.get(r, -1) for r in request_ids), dtype=np.int64,
+                           count=len(request_ids))
+        token_slots = np.repeat(rows, np.asarray(num_new, dtype=np.int64))
+        slots = self.slots
+        self.step.meta = build_metadata(token_slots, slots.ranks, slots.scales,
+                                        slots.max_rank, self.device)
+
+    def end_step(self) -> None:
+        self.step.meta = None

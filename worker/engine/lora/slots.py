@@ -1,0 +1,112 @@
+"""The device slots: ``max_loras`` adapters resident at once, stacked per projection.
+
+Why stacked: the kernels take one ``A`` [S, R, in] and one ``B`` [S, out, R] per projection
+and a slot index per token, so a step mixing adapters is one launch per projection, and
+the buffers never move (a CUDA graph captured over them stays valid when adapters
+change). Every slot is padded to ``max_lora_rank``: an adapter of a smaller rank is
+written into the top-left corner and the rest is zero, which adds exact zeros.
+
+Slots are recycled least-recently-used first, but a slot with running rows (its pin count
+is above zero) is never evicted: when every slot is pinned, ``acquire`` raises
+``LoraSlotsFull`` and the request must wait for a slot (the scheduler's job).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from worker.engine.lora.adapter import LoraAdapter
+from worker.engine.lora.config import LoraConfig
+from worker.engine.lora.targets import BaseTargets
+
+
+class LoraSlotsFull(RuntimeError):
+    """Every device slot holds an adapter with running rows."""
+
+
+class LoraSlots:
+    def __init__(self, targets: BaseTargets, cfg: LoraConfig, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        n, r = cfg.max_loras, cfg.max_lora_rank
+        self.num_slots, self.max_rank = n, r
+        self.a = {m: torch.zeros(n, r, s.in_features, device=device, dtype=dtype)
+                  for m, s in targets.shapes.items()}  # module -> [S, R, in]
+        # B is stored [out, S, R] and handed out as the view [S, out, R] (unit stride on
+        # R, as the kernels need): the CPU path multiplies by all slots at once through
+        # the flat views [S*R, in] and [out, S*R] (``layer.py``)
+        b_store = {m: torch.zeros(s.out_features, n, r, device=device, dtype=dtype)
+                   for m, s in targets.shapes.items()}
+        self.b = {m: t.permute(1, 0, 2) for m, t in b_store.items()}  # [S, out, R]
+        self.a_flat = {m: t.view(n * r, -1) for m, t in self.a.items()}  # [S*R, in]
+        self.b_flat = {m: t.view(t.shape[0], n * r) for m, t in b_store.items()}  # [out, S*R]
+        self.scale = torch.zeros(n, device=device, dtype=torch.float32)  # [S]
+        self.scales = [0.0] * n  # host copy of ``scale``
+        self.ranks = [0] * n  # host copy: the CPU path multiplies only the used rank
+        self.names: list[str | None] = [None] * n
+        self.pins = [0] * n
+        self._recent: OrderedDict[int, None] = OrderedDict((s, None) for s in range(n))
+        self._slot_of: dict[str, int] = {}
+
+    def slot_of(self, name: str) -> int | None:
+        return self._slot_of.get(name)
+
+    def acquire(self, adapter: LoraAdapter) -> int:
+        """The adapter's slot, written there first if it is not resident; pinned once more
+        (``release`` undoes one ``acquire``)."""
+        slot = self._slot_of.get(adapter.name)
+        if slot is None:
+            slot = self._victim()
+            self._write(slot, adapter)
+        self.pins[slot] += 1
+        self._recent.move_to_end(slot)
+        return slot
+
+    def release(self, name: str) -> None:
+        slot = self._slot_of.get(name)
+        if slot is None or self.pins[slot] == 0:
+            raise RuntimeError(f"LoRA adapter {name!r} released more often than acquired")
+        self.pins[slot] -= 1
+
+    def evict(self, name: str) -> bool:
+        """Forget ``name``'s slot now if no row uses it (an unloaded adapter); False if
+        it is pinned (its rows finish first) or not resident."""
+        slot = self._slot_of.get(name)
+        if slot is None or self.pins[slot]:
+            return False
+        del self._slot_of[name]
+        self.names[slot] = None
+        self._recent.move_to_end(slot, last=False)  # reused first
+        return True
+
+    def _victim(self) -> int:
+        """A free slot, else the least recently used one with no pinned rows."""
+        for slot in self._recent:
+            if self.names[slot] is None:
+                return slot
+        for slot in self._recent:
+            if self.pins[slot] == 0:
+                del self._slot_of[self.names[slot]]  # type: ignore[arg-type]
+                return slot
+        raise LoraSlotsFull(f"all {self.num_slots} LoRA slots hold adapters with running "
+                            "rows")
+
+    @torch.inference_mode()
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy ``adapter`` into ``slot``; its untargeted projections become zeros. Copies
+        are queued on the current stream, after any step still reading the old rows."""
+        r = adapter.rank
+        for module, a_stack in self.a.items():
+            b_stack = self.b[module]
+            pair = adapter.weights.get(module)
+            a_stack[slot].zero_()
+            b_stack[slot].zero_()
+            if pair is not None:
+                a_stack[slot, :r].copy_(pair[0], non_blocking=True)  # [r, in]
+                b_stack[slot, :, :r].copy_(pair[1], non_blocking=True)  # [out, r]
+        self.scale[slot] = adapter.scale
+        self.scales[slot] = adapter.scale
+        self.ranks[slot] = r
+        self.names[slot] = adapter.name
+        self._slot_of[adapter.name] = slot

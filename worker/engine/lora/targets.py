@@ -1,0 +1,53 @@
+"""The base model's projections an adapter may target, with their shapes.
+
+Why a table of its own: the loader checks an adapter against it (a module the base lacks,
+or of another shape, is an adapter for another model) and the slot pool allocates one
+stacked buffer per entry. Module names are the causal-LM's own (``model.layers.0.
+self_attn.q_proj``), which is what PEFT writes after its ``base_model.model.`` prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+# The projections LoRA may adapt: attention's q/k/v/o and the MLP's gate/up/down
+SUPPORTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class BaseTargets:
+    """Every adaptable projection of the base model, by module name."""
+
+    name: str  # the served model (its path or hub id), for error messages
+    shapes: dict[str, TargetShape]
+
+
+def linear_shape(module: nn.Module) -> TargetShape | None:
+    """(in, out) of an ``nn.Linear`` or anything shaped like one (``PackedLinear``)."""
+    fin, fout = getattr(module, "in_features", None), getattr(module, "out_features", None)
+    if isinstance(fin, int) and isinstance(fout, int):
+        return TargetShape(fin, fout)
+    return None
+
+
+def base_targets(model: nn.Module, name: str) -> BaseTargets:
+    """The adaptable projections of ``model`` (a wrapped one counts as its base)."""
+    shapes = {}
+    for mod_name, module in model.named_modules():
+        if mod_name.rpartition(".")[2] not in SUPPORTED:
+            continue
+        shape = linear_shape(getattr(module, "base", module))
+        if shape is not None:
+            shapes[mod_name] = shape
+    if not shapes:
+        raise ValueError(f"{type(model).__name__} has no projection LoRA can adapt "
+                         f"(none named {', '.join(SUPPORTED)})")
+    return BaseTargets(name, shapes)
