@@ -201,8 +201,8 @@ class Engine:
         prompt = None
         if extra is not None:
             logits, prompt = self.scoring.collect(extra, logits, len(sampling))
-        self.scheduler.advance(sched)
         if known:  # the forward runs meanwhile; then the masks from the known tokens
+            self.scheduler.advance(sched)
             outputs += self._read_back()
             for row, request in zip(rows, sampling, strict=True):
                 row.refresh(request)
@@ -210,6 +210,8 @@ class Engine:
         assert mask is not None
         with self.timer.phase("sample"):
             sample = self.sampler.launch(logits, rows, mask.get())
+        if not known:  # after sampling: rows may hold their requests' token lists
+            self.scheduler.advance(sched)
         return InflightStep(sched, sample, {r.request_id: i for i, r in enumerate(sampling)},
                             prompt)
 

@@ -80,7 +80,7 @@ class SamplingRow:
 
     def refresh(self, request: Request) -> None:
         """The step before was read back since the row was made: its token is known."""
-        if self.output_token_ids or self.pending_output is not None:
+        if wants_penalties(self.params) or request.bans_follow_output:
             self.output_token_ids = request.known_output_ids
             self.pending_output = None
 
