@@ -41,7 +41,7 @@ class BatchRows:
         # [rows, K]: the ids that stop the row once min_tokens are out (EOS unless
         # ignore_eos, and stop_token_ids), padded with _NO_TOKEN
         self.stop = np.full((rows, 1), _NO_TOKEN, dtype=np.int64)
-        # sampling reads earlier tokens' values on the host (grammar, penalties)
+        # sampling reads earlier tokens' values on the host (grammar, multi-token bad word)
         self.needs_known = np.zeros(rows, dtype=bool)
         self.item = np.empty(rows, dtype=object)  # the row's decode ScheduledRequest
 
@@ -64,8 +64,7 @@ class BatchRows:
             self.stop = wider
         self.stop[row] = _NO_TOKEN
         self.stop[row, :len(stops)] = stops
-        self.needs_known[row] = request.grammar is not None or p.repetition_penalty != 1.0 \
-            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        self.needs_known[row] = request.grammar is not None or request.bans_follow_output
         self.item[row] = decode_item
         self.sync(row, request)
 

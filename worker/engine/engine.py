@@ -17,7 +17,7 @@ from worker.engine.choices import CandidateGroups, candidate_id, candidate_param
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.health import raise_if_device_fault
-from worker.engine.inflight import InflightStep, needs_known_tokens, without_finished
+from worker.engine.inflight import InflightStep
 from worker.engine.kv_host_tier import HostTier, host_tier_bytes
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, StepOutput
@@ -163,9 +163,6 @@ class Engine:
         outputs = self._grammar_failures()  # [structured output]
         with self.timer.phase("schedule"):
             sched = self.scheduler.schedule()
-        if self._inflight is not None and not sched.is_empty and needs_known_tokens(sched):
-            outputs += self._read_back()
-            sched = without_finished(sched)
         if sched.is_empty:
             if self._inflight is not None:
                 return outputs + self._read_back()
@@ -174,7 +171,7 @@ class Engine:
             return outputs
         self._steps += 1
         try:
-            launched = self._launch(sched)
+            launched = self._launch(sched, outputs)
         except Exception as exc:  # a failed forward fails its batch, not the worker...
             raise_if_device_fault(exc)  # ...unless the device itself is gone
             if self._inflight is not None:
@@ -187,21 +184,39 @@ class Engine:
             outputs += self._read_back()
         return outputs
 
-    def _launch(self, sched: SchedulerOutput) -> InflightStep:
-        """Forward and sample without waiting for the device; placeholders for the tokens."""
-        sampling = [s.request for s in sched.scheduled if s.sample]
-        rows = [SamplingRow.of(r) for r in sampling]
-        mask = self.structured.start_bitmask(sampling)  # [structured output] overlaps forward
+    def _launch(self, sched: SchedulerOutput, outputs: list[StepOutput]) -> InflightStep:
+        """Forward and sample without waiting for the device; placeholders for the tokens.
+
+        Overlap is never switched off (``inflight.py``): penalties count the token in
+        flight on the device, prompt logprobs come back with the step's tokens, and a step
+        whose masks need the previous step's tokens on the host (a grammar) reads that step
+        back, into ``outputs``, only once its own forward is launched."""
+        sampling = sched.sampling
+        prev = self._inflight
+        in_flight = (prev.sample.tokens, prev.row_of) if prev is not None else None
+        rows = [SamplingRow.of(r, in_flight) for r in sampling]
+        known = prev is not None and sched.needs_known_tokens()
+        mask = None if known else self.structured.start_bitmask(sampling)  # overlaps forward
         extra = self.scoring.plan(sched)  # prompt logprobs: None unless a request asks
         with self.timer.phase("forward"):
-            logits = self.runner.execute(sched, self.block_manager, self._inflight,
+            logits = self.runner.execute(sched, self.block_manager, prev,
                                          extra.rows if extra is not None else None)
+        prompt = None
         if extra is not None:
-            logits = self.scoring.collect(extra, logits, len(sampling))
+            logits, prompt = self.scoring.collect(extra, logits, len(sampling))
+        if known:  # the forward runs meanwhile; then the masks from the known tokens
+            self.scheduler.advance(sched)
+            outputs += self._read_back()
+            for row, request in zip(rows, sampling, strict=True):
+                row.refresh(request)
+            mask = self.structured.start_bitmask(sampling)  # [structured output]
+        assert mask is not None
         with self.timer.phase("sample"):
             sample = self.sampler.launch(logits, rows, mask.get())
-        self.scheduler.advance(sched)
-        return InflightStep(sched, sample, {r.request_id: i for i, r in enumerate(sampling)})
+        if not known:  # after sampling: rows may hold their requests' token lists
+            self.scheduler.advance(sched)
+        return InflightStep(sched, sample, {r.request_id: i for i, r in enumerate(sampling)},
+                            prompt)
 
     def _read_back(self) -> list[StepOutput]:
         """Wait for the launched step's tokens, then stops, detokenizing and outputs."""
@@ -210,6 +225,8 @@ class Engine:
         with self.timer.phase("update"):
             try:
                 result = step.sample.result()
+                if step.prompt is not None:
+                    self.scoring.finish(step.prompt)
             except Exception as exc:  # an asynchronous device error surfaces here
                 raise_if_device_fault(exc)
                 return self._fail_batch(step.sched, exc)

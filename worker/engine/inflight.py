@@ -9,15 +9,19 @@ from the previous step's sampled tokens on the device (``ModelRunner`` patches t
 so no step waits for the previous one's read-back. A request that ends at step N (EOS,
 stop string, cancel) may already be in step N+1: that token is computed and dropped.
 
-Steps whose sampling needs earlier tokens' values on the host (a grammar's mask,
-repetition/presence/frequency penalties, a multi-token bad word) read the previous step
-back first.
+Overlap is never switched off. A penalised row counts its token of the step in flight on
+the device (``SamplingRow.pending_output``), and prompt logprobs are computed on the device
+and read back with the step's tokens (``prompt_logprobs.py``). A step whose sampling needs
+earlier tokens' values on the host (a grammar's mask, a multi-token bad word) still
+launches its forward first: the previous step is read back while that forward runs, then
+the masks are filled (``structured.py``, on threads) and the step samples.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.engine.prompt_logprobs import PendingPrompt
 from worker.engine.sampler import PendingSample
 from worker.engine.scheduler import SchedulerOutput
 
@@ -29,17 +33,16 @@ class InflightStep:
     sched: SchedulerOutput
     sample: PendingSample
     row_of: dict[str, int]  # request id -> its row in ``sample.tokens``
+    prompt: PendingPrompt | None = None  # its prompt logprobs, on their way back
 
 
 def needs_known_tokens(sched: SchedulerOutput) -> bool:
-    """Whether a sampling row of this step reads its request's earlier tokens on the host."""
+    """Whether a sampling row of this step reads its request's earlier tokens on the host
+    (a grammar, a multi-token bad word): the step before is read back before it samples
+    (after its forward is launched)."""
     for item in sched.scheduled:
-        if not item.sample:
-            continue
-        p = item.request.params
-        if item.request.grammar is not None or p.repetition_penalty != 1.0 \
-                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 \
-                or item.request.bans_follow_output:
+        if item.sample and (item.request.grammar is not None
+                            or item.request.bans_follow_output):
             return True
     return False
 

@@ -30,6 +30,7 @@ class SamplingRow(Protocol):
     output_token_ids: Sequence[int]
     cache: dict[str, Any]
     bad_words_ids: tuple[tuple[int, ...], ...]
+    pending_output: torch.Tensor | None  # [1] on the device: the token of the step in flight
 
 
 def wants_penalties(params: Any) -> bool:
@@ -42,7 +43,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 
     Output tokens go up as one padded ``[P, L]`` tensor and are counted with one
     ``scatter_add``; each request's prompt mask is built on the device once and kept in its
-    row cache (a prompt never changes)."""
+    row cache (a prompt never changes). A row's token of the step still in flight is
+    counted on the device from that step's sampled tokens (``SamplingRow.pending_output``),
+    so a penalised row needs no read-back before it samples."""
     targets = [i for i, r in enumerate(rows) if wants_penalties(r.params)]
     if not targets:
         return logits
@@ -54,6 +57,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     ids = to_device(padded, torch.long, device)  # [P, L]; vocab: a spare column, dropped
     counts = torch.zeros(len(picked), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    _count_pending(counts, picked, vocab)
     counts = counts[:, :vocab]  # [P, V]
     rep = to_device([r.params.repetition_penalty for r in picked], torch.float32, device)
     freq = to_device([r.params.frequency_penalty for r in picked], torch.float32, device)
@@ -66,6 +70,20 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     sub = torch.where(seen, penalised, sub)
     sub = sub - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).to(sub.dtype)
     return logits.index_copy(0, index, sub)
+
+
+def _count_pending(counts: torch.Tensor, rows: Sequence[SamplingRow], vocab: int) -> None:
+    """Add, on the device, each row's token of the step still in flight (its
+    ``pending_output``, still a placeholder on the host) to ``counts`` [P, V + 1]."""
+    lines = [j for j, r in enumerate(rows) if r.pending_output is not None]
+    if not lines:
+        return
+    device = counts.device
+    tokens = torch.cat([rows[j].pending_output for j in lines]).to(device)  # type: ignore[misc]  # [Q]
+    tokens = torch.where((tokens >= 0) & (tokens < vocab), tokens,
+                         torch.full_like(tokens, vocab))  # vocab: the spare column
+    counts.index_put_((to_device(lines, torch.long, device), tokens),
+                      torch.ones(len(lines), device=device), accumulate=True)
 
 
 def _prompt_mask(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:

@@ -8,6 +8,12 @@ matrices on the 2-core dev machine: 2.9x faster at 4 rows, 1.8x at 64, 1.3x at 1
 (``ops/bench/cpu_ops.py``). The modules are swapped in place after loading, so the
 transformers model code is unchanged; a tied LM head keeps its shared weight (packing it
 would duplicate the embedding).
+
+At one row (a single stream's decode) it is the other way round: oneDNN's primitive for
+the padded 8 rows cost 4-5x MKL's matrix-vector product (``F.linear`` of one row) on the
+2-core machine, so a one-row input takes ``F.linear`` on the weight as loaded (kept
+beside the packed copy; exactness: both are fp32 dot products, and greedy outputs are
+checked against transformers, which runs ``F.linear``).
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ import functools
 import structlog
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 _log = structlog.get_logger("ferry.worker.packed_linear")
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+_GEMV_ROWS = 1  # at most this many rows: F.linear (MKL's gemv) beats the packed layout
 
 
 def bucket_rows(rows: int) -> int:
@@ -48,10 +56,13 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.weight = weight  # [out, in] as loaded: the one-row path
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.numel() // self.in_features
+        if rows <= _GEMV_ROWS:
+            return F.linear(x, self.weight, self.bias)
         padded = bucket_rows(rows)
         flat = x.reshape(rows, self.in_features)
         if padded != rows:  # [rows, in] -> [padded, in], zero rows at the end

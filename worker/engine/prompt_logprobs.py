@@ -12,9 +12,12 @@ cached prefix blocks (the scheduler checks ``Request.needs_prompt_logits``), so 
 prefix-cache hit still computes the positions it must report — vLLM does the same.
 
 Nothing here runs unless a request asks: ``plan`` returns None at once otherwise. When one
-does, its steps read the extra logits back at launch (a host sync), which only such steps
-pay. The logits of one step's extra rows are [rows, vocab] floats: the step's token
-budget bounds them.
+does, ``collect`` computes the logprobs and top-k on the device and starts their copy
+back; ``finish`` records them when the step's tokens are read back (before its outputs),
+so a step with prompt logprobs is overlapped like any other. An entry is recorded only
+at its place (position ``p`` is entry ``p + 1``): a recompute launched before the first
+computation was read back adds nothing twice. The logits of one step's extra rows are
+[rows, vocab] floats: the step's token budget bounds them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from worker.engine.request import Request
 from worker.engine.scheduler import SchedulerOutput
+from worker.engine.transfer import ReadBack, to_device
 
 PromptEntry = tuple[int, float | None, list[tuple[int, float]]]
 """(token id, its logprob or None for the first token, [(token id, logprob), ...top-k])."""
@@ -38,6 +42,16 @@ class PromptPlan:
     rows: list[int] = field(default_factory=list)
     targets: list[int] = field(default_factory=list)
     owners: list[Request] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # the prompt position each scores
+
+
+@dataclass(eq=False)
+class PendingPrompt:
+    """A step's prompt logprobs, computed on the device and on their way back: per row
+    the target's logprob, then the top-k logprobs, then their ids ([R, 1 + 2k] float64)."""
+
+    plan: PromptPlan
+    packed: ReadBack
 
 
 class PromptScoring:
@@ -61,11 +75,15 @@ class PromptScoring:
         return plan(sched) if self.pending else None
 
     def collect(self, prompt_plan: PromptPlan, logits: torch.Tensor,
-                num_sampling: int) -> torch.Tensor:
-        """Record the prompt rows (they follow the sampling rows); the sampling logits."""
-        collect(prompt_plan, logits[num_sampling:])
+                num_sampling: int) -> tuple[torch.Tensor, PendingPrompt]:
+        """Start the prompt rows' logprobs (they follow the sampling rows) without waiting
+        for them; returns the sampling logits and what ``finish`` records later."""
+        return logits[:num_sampling], collect(prompt_plan, logits[num_sampling:])
+
+    def finish(self, pending: PendingPrompt) -> None:
+        """Record a step's prompt logprobs (read back with its tokens)."""
+        record(pending)
         self.pending = {k: r for k, r in self.pending.items() if r.needs_prompt_logits}
-        return logits[:num_sampling]
 
 
 def take(request: Request) -> list[PromptEntry] | None:
@@ -92,24 +110,33 @@ def plan(sched: SchedulerOutput) -> PromptPlan | None:
                 out.rows.append(offset + position - lo)
                 out.targets.append(request.prompt_token_ids[position + 1])
                 out.owners.append(request)
+                out.positions.append(position)
         offset += item.num_new_tokens
     return out if out.rows else None
 
 
-def collect(prompt_plan: PromptPlan, logits: torch.Tensor) -> None:
-    """Append each row's entry to its request's record. logits: [rows, vocab]."""
+def collect(prompt_plan: PromptPlan, logits: torch.Tensor) -> PendingPrompt:
+    """The rows' logprobs on the device, their copy back started. logits: [rows, vocab]."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
-    targets = torch.tensor(prompt_plan.targets, device=logprobs.device)
-    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()  # [R]
-    k = max(r.params.prompt_logprobs or 0 for r in prompt_plan.owners)
-    top_values: list[list[float]] = []
-    top_ids: list[list[int]] = []
+    targets = to_device(prompt_plan.targets, torch.long, logprobs.device)  # [R]
+    chosen = logprobs.gather(1, targets[:, None]).double()  # [R, 1]
+    k = min(max(r.params.prompt_logprobs or 0 for r in prompt_plan.owners), logprobs.shape[1])
     if k > 0:
         values, ids = logprobs.topk(k, dim=-1)  # [R, k]
-        top_values, top_ids = values.tolist(), ids.tolist()
-    for i, (request, target) in enumerate(zip(prompt_plan.owners, prompt_plan.targets,
-                                              strict=True)):
+        chosen = torch.cat([chosen, values.double(), ids.double()], dim=1)  # [R, 1 + 2k]
+    return PendingPrompt(prompt_plan, ReadBack(chosen))
+
+
+def record(pending: PendingPrompt) -> None:
+    """Append each row's entry to its request's record, where it belongs."""
+    table = pending.packed.wait().tolist()
+    prompt_plan = pending.plan
+    for line, request, target, position in zip(table, prompt_plan.owners, prompt_plan.targets,
+                                               prompt_plan.positions, strict=True):
+        entries = request.prompt_logprobs
+        if entries is None or len(entries) != position + 1:
+            continue  # scored already (a recompute), or the request was dropped
         n = request.params.prompt_logprobs or 0
-        top = list(zip(top_ids[i][:n], top_values[i][:n], strict=True)) if n else []
-        assert request.prompt_logprobs is not None
-        request.prompt_logprobs.append((target, chosen[i], top))
+        k = (len(line) - 1) // 2
+        top = [(int(line[1 + k + j]), line[1 + j]) for j in range(min(n, k))]
+        entries.append((target, line[0], top))

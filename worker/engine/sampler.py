@@ -62,17 +62,36 @@ class SamplingRow:
     # Per request, kept across its steps: device tensors built once (the prompt's mask)
     cache: dict[str, Any] = field(default_factory=dict)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # banned token sequences
+    # [1] int64 on the device: the output token of the step still in flight (a
+    # placeholder on the host), which penalties count there without a host sync.
+    pending_output: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, request: Request) -> SamplingRow:
+    def of(cls, request: Request,
+           in_flight: tuple[torch.Tensor, dict[str, int]] | None = None) -> SamplingRow:
         """The row of a request about to sample: its output index counts the tokens of
         steps still in flight; its output tokens are copied only for penalties and
-        multi-token bad words."""
+        multi-token bad words. ``in_flight``: the sampled tokens of the step in flight
+        (on the device) and each request's row in them (``inflight.py``)."""
         params = request.params
+        penalised = wants_penalties(params)
         outputs = request.known_output_ids \
-            if wants_penalties(params) or request.bans_follow_output else ()
+            if penalised or request.bans_follow_output else ()
+        pending = None
+        if penalised and request.num_pending:
+            row = -1 if in_flight is None else in_flight[1].get(request.request_id, -1)
+            if row < 0 or request.num_pending > 1:
+                raise RuntimeError(f"{request.request_id}: a pending token with no step "
+                                   "in flight to read it from")
+            pending = in_flight[0][row:row + 1]  # type: ignore[index]  # a view: no sync
         return cls(params, request.num_output_tokens, request.prompt_token_ids, outputs,
-                   request.sampler_cache, request.bad_words_ids)
+                   request.sampler_cache, request.bad_words_ids, pending)
+
+    def refresh(self, request: Request) -> None:
+        """The step before was read back since the row was made: its token is known."""
+        if wants_penalties(self.params) or request.bans_follow_output:
+            self.output_token_ids = request.known_output_ids
+            self.pending_output = None
 
 
 @dataclass

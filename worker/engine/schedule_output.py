@@ -68,8 +68,8 @@ class SchedulerOutput:
 
     def needs_known_tokens(self) -> bool:
         """Whether a sampling row reads its request's earlier tokens on the host (a
-        grammar, a repetition/presence/frequency penalty): ``inflight.needs_known_tokens``
-        over the rows' flags set at admission."""
+        grammar, a multi-token bad word): ``inflight.needs_known_tokens`` over the rows'
+        flags set at admission."""
         if self.batch is None or self.rows is None or self.sample is None:
             return any(s.sample and _needs_known(s.request) for s in self.scheduled)
         return bool(self.batch.needs_known[self.rows[self.sample]].any())
@@ -120,9 +120,7 @@ class SchedulerOutput:
 
 
 def _needs_known(request: Request) -> bool:
-    p = request.params
-    return request.grammar is not None or p.repetition_penalty != 1.0 \
-        or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    return request.grammar is not None or request.bans_follow_output
 
 
 @dataclass(eq=False)

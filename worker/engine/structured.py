@@ -147,13 +147,16 @@ class RequestGrammar:
 class StructuredOutputs:
     """What the engine calls: attach, poll, masks, advance. Everything for one engine."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
+                 mask_threads: int = 2) -> None:
         self.vocab_size = vocab_size
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self._pending: list[Request] = []
-        # Masks are filled on this thread while the forward runs (llguidance drops the GIL).
-        self._filler = cf.ThreadPoolExecutor(1, thread_name_prefix="ferry-mask")
-        self._inflight: cf.Future[Any] | None = None
+        # Masks are filled on these threads while the forward runs (llguidance drops the
+        # GIL): with overlap, step N+1's while its forward runs and step N is read back.
+        self._threads = mask_threads
+        self._filler = cf.ThreadPoolExecutor(mask_threads, thread_name_prefix="ferry-mask")
+        self._inflight: list[cf.Future[Any]] = []
 
     def attach(self, request: Request) -> None:
         spec = request.params.structured_output
@@ -190,7 +193,8 @@ class StructuredOutputs:
     def start_bitmask(self, requests: list[Request]) -> PendingMask:
         """Start filling the masks of the constrained rows among ``requests`` (the rows that
         sample, in order) on the filler thread, so it overlaps the forward pass."""
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        rows = [i for i, r in enumerate(requests)
+                if r.grammar is not None and not r.is_finished]  # finished: token dropped
         if not rows:
             return PendingMask(rows, None)
         self._settle()
@@ -201,14 +205,20 @@ class StructuredOutputs:
             grammar = requests[i].grammar
             grammar.sync(requests[i].known_output_ids)
             matchers.append(grammar.matcher)
-        self._inflight = self._filler.submit(_fill, matchers, bitmask)
+        self._inflight = self._fill(matchers, bitmask)
         return PendingMask(rows, bitmask, self._inflight)
+
+    def _fill(self, matchers: list[Any], bitmask: torch.Tensor) -> list[cf.Future[Any]]:
+        """Split the rows over the filler threads (each call drops the GIL)."""
+        size = -(-len(matchers) // min(self._threads, len(matchers)))
+        return [self._filler.submit(_fill, matchers[lo:lo + size], bitmask, lo)
+                for lo in range(0, len(matchers), size)]
 
     def _settle(self) -> None:
         """Matchers are not touched while a fill runs (a failed forward skips the wait)."""
-        if self._inflight is not None:
-            cf.wait([self._inflight])
-            self._inflight = None
+        if self._inflight:
+            cf.wait(self._inflight)
+            self._inflight = []
 
     def advance(self, request: Request) -> tuple[FinishReason, str | None] | None:
         """After a token: the finish the grammar implies (its end, or an error), if any."""
@@ -229,14 +239,16 @@ class StructuredOutputs:
         self.compiler.close()
 
 
-def _fill(matchers: list[Any], bitmask: torch.Tensor) -> None:
-    """One row per matcher, on the filler thread; each call drops the GIL.
+def _fill(matchers: list[Any], bitmask: torch.Tensor, first: int) -> None:
+    """Rows ``first...`` of ``bitmask``, one per matcher, on a filler thread; each call
+    drops the GIL.
 
-    A plain loop, not llguidance's parallel executor: its worker threads spin after each
-    batch and, on a small CPU, steal the cores the sampler's tensor ops run on next.
+    Plain loops on our own threads, not llguidance's parallel executor: its worker threads
+    spin after each batch and, on a small CPU, steal the cores the sampler's tensor ops
+    run on next.
     """
     row_bytes = bitmask.shape[1] * 4
-    base = bitmask.data_ptr()
+    base = bitmask.data_ptr() + first * row_bytes
     for k, matcher in enumerate(matchers):
         matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
 
@@ -245,14 +257,14 @@ class PendingMask:
     """The masks of one step, being filled; ``get()`` waits for them (None: no grammar)."""
 
     def __init__(self, rows: list[int], bitmask: torch.Tensor | None,
-                 future: cf.Future[Any] | None = None) -> None:
+                 futures: list[cf.Future[Any]] | None = None) -> None:
         self.rows = rows
         self.bitmask = bitmask
-        self.future = future
+        self.futures = futures or []
 
     def get(self) -> tuple[list[int], torch.Tensor] | None:
         if self.bitmask is None:
             return None
-        if self.future is not None:
-            self.future.result()  # re-raises a failed fill
+        for future in self.futures:
+            future.result()  # re-raises a failed fill
         return self.rows, self.bitmask

@@ -114,9 +114,15 @@ def test_sampling_rows_copy_outputs_only_for_penalties():
     penalised = Request("b", [1, 2], SamplingParams(repetition_penalty=1.2),
                         output_token_ids=[5, 6])
     penalised.append_placeholder()
-    assert SamplingRow.of(free).output_token_ids == ()
-    assert list(SamplingRow.of(penalised).output_token_ids) == [5, 6]
-    assert SamplingRow.of(penalised).cache is penalised.sampler_cache
+    in_flight = (torch.tensor([9, 7]), {"a": 0, "b": 1})  # the step in flight's tokens
+    assert SamplingRow.of(free, in_flight).output_token_ids == ()
+    assert SamplingRow.of(free, in_flight).pending_output is None
+    row = SamplingRow.of(penalised, in_flight)
+    assert list(row.output_token_ids) == [5, 6]
+    assert row.pending_output is not None and row.pending_output.tolist() == [7]
+    assert row.cache is penalised.sampler_cache
+    with pytest.raises(RuntimeError, match="pending token"):
+        SamplingRow.of(penalised)  # a placeholder needs the step that fills it
 
 
 # -- against reference implementations ---------------------------------------------------
