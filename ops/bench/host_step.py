@@ -90,12 +90,11 @@ class Feeder:
 
     def step(self) -> tuple[float, int]:
         start = time.perf_counter()
-        outputs = self.engine.step()
+        batch = self.engine.step()  # token ids only: text is the output side's
         elapsed = time.perf_counter() - start
-        ended = sum(1 for out in outputs if out.finished)
-        for _ in range(ended):
+        for _ in range(len(batch.ends)):
             self.add()
-        return elapsed, sum(len(out.new_token_ids) for out in outputs)
+        return elapsed, len(batch)
 
 
 def run_workload(workload: str, steps: int, rows: int) -> dict[str, Any]:
