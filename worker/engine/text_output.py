@@ -44,6 +44,7 @@ class StreamTexts:
         self._on_stop = on_stop
         self.streams: dict[int, _Stream] = {}
         self.tokens_seen = 0
+        self.rows_dropped = 0  # rows of streams already ended here (the stop-string step)
 
     def open(self, opened: list[StreamOpen]) -> None:
         for o in opened:
@@ -65,6 +66,7 @@ class StreamTexts:
         for row, (stream, token) in enumerate(zip(batch.streams, batch.token_ids, strict=True)):
             s = self.streams.get(stream)
             if s is None:
+                self.rows_dropped += 1
                 continue
             self.tokens_seen += 1
             s.num_output_tokens += 1
