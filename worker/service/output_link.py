@@ -11,6 +11,7 @@ log like after any crash.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import subprocess
@@ -83,7 +84,7 @@ class OutputLink:
 
     def poll(self) -> list[tuple[int, str]]:
         """The stop strings found since the last call; raises ``OutputDied``."""
-        stops = []
+        stops: list[tuple[int, str]] = []
         while True:
             try:
                 message = self._back.get_nowait()
@@ -109,15 +110,11 @@ class OutputLink:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Ask the process to finish what it has, wait for its last stats, reap it."""
-        try:
+        with contextlib.suppress(OSError):
             m.write_all(self._wfd, m.frame([m.QUIT]))
-        except OSError:
-            pass
         try:
             self.proc.wait(timeout_s)
         finally:
             os.close(self._wfd)
-        try:
+        with contextlib.suppress(OutputDied):
             self.poll()
-        except OutputDied:
-            pass

@@ -1,9 +1,10 @@
 """The messages between a worker's engine process and its output process, msgpack-framed.
 
 Frames are ``<u32 length><msgpack>`` on a pipe; a message is a list whose first item is
-its kind. Engine -> output: ``CONFIG`` (once), ``BATCH`` (one ``StepBatch``; ends outside a
-step, aborts, travel as a batch without rows), ``QUIT``. Output -> engine: ``READY`` (the tokenizer is
-loaded), ``STOP`` (a stop string ended a stream: ``Engine.finish_stream``), ``STATS``.
+its kind. Engine -> output: ``CONFIG`` (once), ``BATCH`` (one ``StepBatch``; ends outside
+a step, aborts, travel as a batch without rows), ``QUIT``. Output -> engine: ``READY``
+(the tokenizer is loaded), ``STOP`` (a stop string ended a stream:
+``Engine.finish_stream``), ``STATS``.
 Torch-free: the output process imports this and the engine's ``step_batch`` only.
 """
 

@@ -83,7 +83,8 @@ class _Publisher:
             self.seq[out.request_id] = seq + 1
             event = TokenEvent(
                 request_id=out.request_id, seq=seq, token_ids=out.new_token_ids, text=out.text,
-                finish_reason=out.finish_reason if out.finished else None, index=out.index,
+                finish_reason=out.finish_reason if out.finished else None,  # type: ignore[arg-type]
+                index=out.index,
                 error=out.error, stop_reason=out.stop_reason,
             )
             if out.finished:
