@@ -114,6 +114,7 @@ class Engine:
                 request.parent_id, request.index = request_id, index
                 request.report_logprobs = params.logprobs is not None
                 self._groups.add(request_id, request.request_id)
+            self.streams.open(request)  # after its parent id and index are known
             first = first or request
         if first is None:
             raise ValueError("skip_choices: every candidate has already finished")
@@ -131,7 +132,6 @@ class Engine:
         self.structured.attach(request)  # [structured output] compile starts off the loop
         self.scoring.add(request)
         self.scheduler.add(request)
-        self.streams.open(request)
         return request
 
     def abort(
