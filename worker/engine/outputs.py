@@ -1,4 +1,4 @@
-"""What the engine hands back: per-step deltas and finished completions."""
+"""Text outputs: per-step deltas and finished completions (``text_output.py`` makes them from the engine's token ids)."""
 
 from __future__ import annotations
 
