@@ -1,4 +1,4 @@
-"""Text outputs: per-step deltas and finished completions (``text_output.py`` makes them from the engine's token ids)."""
+"""Text outputs: per-step deltas and finished completions (made by ``text_output.py``)."""
 
 from __future__ import annotations
 
