@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Any
 
+import msgpack
+
 from worker.engine.outputs import StepOutput
 from worker.engine.step_batch import EngineEnd
 from worker.engine.text_output import StreamTexts
@@ -81,22 +83,34 @@ class _Publisher:
         for out in outputs:
             seq = self.seq.get(out.request_id, 0)
             self.seq[out.request_id] = seq + 1
-            event = TokenEvent(
-                request_id=out.request_id, seq=seq, token_ids=out.new_token_ids, text=out.text,
-                finish_reason=out.finish_reason if out.finished else None,  # type: ignore[arg-type]
-                index=out.index,
-                error=out.error, stop_reason=out.stop_reason,
-            )
             if out.finished:
                 del self.seq[out.request_id]
+                data = encode_event(TokenEvent(
+                    request_id=out.request_id, seq=seq, token_ids=out.new_token_ids,
+                    text=out.text, finish_reason=out.finish_reason,  # type: ignore[arg-type]
+                    index=out.index, error=out.error, stop_reason=out.stop_reason,
+                ))
+            else:
+                data = token_event_bytes(out.request_id, seq, out.new_token_ids, out.text,
+                                         out.index)
             if pipe is not None:
-                data = encode_event(event)
                 pipe.rpush(self.keys.events(out.request_id), data)
                 pipe.expire(self.keys.events(out.request_id), self.ttl_s)
                 pipe.publish(self.keys.tokens(out.request_id), data)
         if pipe is not None:
             pipe.execute()
         self.published_tokens += sum(len(out.new_token_ids) for out in outputs)
+
+
+def token_event_bytes(request_id: str, seq: int, token_ids: list[int], text: str,
+                      index: int) -> bytes:
+    """A non-final ``TokenEvent``'s msgpack, the bytes ``encode_event`` gives, without
+    building and validating a pydantic model per token (the output process's hot path)."""
+    from protocol.models import PROTOCOL_VERSION
+
+    return msgpack.packb({"version": PROTOCOL_VERSION, "request_id": request_id, "seq": seq,
+                          "token_ids": token_ids, "text": text, "index": index},
+                         use_bin_type=True)  # type: ignore[no-any-return]
 
 
 class OutputProcess:

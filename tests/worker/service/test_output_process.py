@@ -125,3 +125,15 @@ def test_a_killed_output_process_is_output_died(checkpoint: str) -> None:
     with pytest.raises(OutputDied):
         for _ in range(100):
             link.step(engine)
+
+
+def test_fast_token_event_bytes_equal_the_codec() -> None:
+    from protocol.codec import encode_event
+    from protocol.models import TokenEvent
+    from worker.service.output_process import token_event_bytes
+
+    for rid, seq, ids, text, index in (("a", 0, [1], "x", 0), ("t::b-c", 7, [5, 6], "é😀", 2),
+                                       ("z", 3, [9], "", 0)):
+        want = encode_event(TokenEvent(request_id=rid, seq=seq, token_ids=ids, text=text,
+                                       index=index))
+        assert token_event_bytes(rid, seq, ids, text, index) == want
