@@ -39,6 +39,7 @@ def generate(
 
     from protocol.sampling import SamplingParams
     from worker import Engine, EngineConfig
+    from worker.engine.text_output import TextOutputs
 
     try:
         params = SamplingParams(
@@ -65,12 +66,13 @@ def generate(
     except ValueError as exc:
         typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(2) from exc
+    text = TextOutputs(engine)
     if not chat:
         sys.stdout.write(prompt)
     start = time.perf_counter()
     n, reason = 0, None
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in text.step():
             sys.stdout.write(out.text)
             sys.stdout.flush()
             n += len(out.new_token_ids)

@@ -10,20 +10,29 @@ that end are replaced at once, so the batch stays full. One JSON line per worklo
   ``penalties`` — 10% of rows with a frequency penalty; ``grammar`` — 10% of rows with a
   JSON-schema grammar; ``logprobs`` — every row asks for 5 logprobs.
 
-Fields: ``engine_ms_per_step`` (median wall time of ``Engine.step()``), ``phases_ms`` (mean
-per step of each engine phase), ``sampling_bytes_per_step`` (device traffic of the
-sampling ops at 256 x 128k, ``sampling_traffic.py``). Results go to
-``ops/bench/results/host_step.json``.
+Fields: ``engine_ms_per_step`` (median wall time of ``Engine.step()``, which emits token
+ids only), ``phases_ms`` (mean per step of each engine phase), ``sampling_bytes_per_step`` (device
+traffic of the sampling ops at 256 x 128k, ``sampling_traffic.py``). Each step's batch also goes
+to a real output process (``worker/service/output_process.py``) publishing to a real
+redis-server the bench starts: ``output_ms_per_step`` (its busy time per batch: text,
+events, Redis), ``published_tok_s`` (tokens that reached Redis per second of the measured
+run), ``output_capacity_tok_s`` (tokens per second of its busy time) and
+``texts_identical`` (every stream's text from the output process equals the in-process
+path's, ``TextOutputs``' ``StreamTexts`` over the same batches). ``--no-output`` skips
+it. Results go to ``ops/bench/results/host_step.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +82,11 @@ def _default_model() -> str:
 class Feeder:
     """Keeps ``rows`` requests in the engine: a finished one is replaced at once."""
 
-    def __init__(self, engine: Any, workload: str, rows: int) -> None:
+    def __init__(self, engine: Any, workload: str, rows: int, link: Any = None) -> None:
         import random
 
-        self.engine, self.workload = engine, workload
+        self.engine, self.workload, self.link = engine, workload, link
+        self.batches: list[Any] = []  # what went to the output process (the identity check)
         self.rng = random.Random(0)
         self.count = 0
         for _ in range(rows):
@@ -92,17 +102,20 @@ class Feeder:
 
     def step(self) -> tuple[float, int]:
         start = time.perf_counter()
-        outputs = self.engine.step()
+        batch = self.engine.step()  # token ids only: text is the output side's
         elapsed = time.perf_counter() - start
-        ended = sum(1 for out in outputs if out.finished)
-        for _ in range(ended):
+        if self.link is not None:
+            self.link.send(batch)
+            self.batches.append(batch)
+        for _ in range(len(batch.ends)):
             self.add()
-        return elapsed, sum(len(out.new_token_ids) for out in outputs)
+        return elapsed, len(batch)
 
 
-def run_workload(workload: str, steps: int, rows: int) -> dict[str, Any]:
+def run_workload(workload: str, steps: int, rows: int, redis_url: str | None) -> dict[str, Any]:
     engine = make_engine(rows)
-    feeder = Feeder(engine, workload, rows)
+    link = start_output(engine, redis_url) if redis_url else None
+    feeder = Feeder(engine, workload, rows, link)
     while len(engine.scheduler.running) < rows or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         feeder.step()  # prefill everything first
@@ -111,12 +124,15 @@ def run_workload(workload: str, steps: int, rows: int) -> dict[str, Any]:
     engine.timer.reset()
     times: list[float] = []
     tokens = 0
+    before = wait_caught_up(link, len(feeder.batches)) if link is not None else {}
+    run_start = time.perf_counter()
     for _ in range(steps):
         elapsed, n = feeder.step()
         times.append(elapsed)
         tokens += n
     phases = {k: round(v / steps * 1e3, 3) for k, v in engine.timer.totals.items()}
-    return {
+    out = output_fields(link, feeder, before, run_start, steps) if link is not None else {}
+    return out | {
         "workload": workload, "rows": rows, "steps": steps,
         "engine_ms_per_step": round(statistics.median(times) * 1e3, 3),
         "engine_ms_p90": round(sorted(times)[int(0.9 * len(times))] * 1e3, 3),
@@ -136,6 +152,49 @@ def sampling_bytes(workload: str, rows: int) -> int:
                                     for i in range(rows)])
 
 
+def start_output(engine: Any, redis_url: str) -> Any:
+    from worker.engine.rust_decode import decode_spec
+    from worker.service.output_link import OutputLink
+
+    return OutputLink.start({"tokenizer": engine.config.model.model, "redis_url": redis_url,
+                             "collect": True, "decode_spec": decode_spec(engine.tokenizer)})
+
+
+def wait_caught_up(link: Any, batches: int) -> dict[str, Any]:
+    """The output process's stats once it has taken ``batches`` batches."""
+    while True:
+        link.poll()
+        if link.stats.get("batches", -1) >= batches:
+            return dict(link.stats)
+        time.sleep(0.05)
+
+
+def output_fields(link: Any, feeder: Feeder, before: dict[str, Any], run_start: float,
+                  steps: int) -> dict[str, Any]:
+    """The output process's share: busy ms per batch, tokens that reached Redis per second
+    (until it caught up with the run's last batch), and every stream's text against the
+    in-process path over the same batches."""
+    after = wait_caught_up(link, len(feeder.batches))
+    wall = time.perf_counter() - run_start
+    link.close()
+    from worker.engine.text_output import StreamTexts
+
+    texts = StreamTexts(feeder.engine.tokenizer, lambda stream, stop: None)
+    local: dict[str, str] = {}
+    for batch in feeder.batches:
+        for o in texts.apply(batch):
+            local[f"{o.request_id}/{o.index}"] = local.get(f"{o.request_id}/{o.index}", "") + o.text
+    published = after["published"] - before["published"]
+    busy = after["busy_s"] - before["busy_s"]
+    return {
+        "output_ms_per_step": round(busy / steps * 1e3, 3),
+        "published_tok_s": round(published / wall),
+        "output_capacity_tok_s": round(published / busy) if busy else None,
+        "output_batches_per_pass": round(steps / max(1, after["passes"] - before["passes"]), 2),
+        "texts_identical": link.texts == local, "output_torch_loaded": after["torch_loaded"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -143,20 +202,39 @@ def main() -> None:
     parser.add_argument("--workload", action="append", choices=WORKLOADS)
     parser.add_argument("--quick", action="store_true", help="30 steps")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--no-output", action="store_true", help="engine half only")
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(2)
     steps = 30 if args.quick else args.steps
     results = []
-    for workload in args.workload or WORKLOADS:
-        row = run_workload(workload, steps, args.rows)
-        print(json.dumps(row), flush=True)
-        results.append(row)
+    with redis_for(not args.no_output) as url:
+        for workload in args.workload or WORKLOADS:
+            row = run_workload(workload, steps, args.rows, url)
+            print(json.dumps(row), flush=True)
+            results.append(row)
     if not args.no_write:
         RESULTS.write_text(json.dumps({
             "machine": platform.processor() or platform.machine(),
             "python": platform.python_version(), "results": results}, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def redis_for(wanted: bool) -> Iterator[str | None]:
+    """A throwaway redis-server for the output process to publish to (None: no output)."""
+    if not wanted:
+        yield None
+        return
+    from ops.bench.gateway_procs import start_redis
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = start_redis(Path(tmp))
+        try:
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(10)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from worker.engine.text_output import TextOutputs  # noqa: E402
+
 RESULTS = ROOT / "ops" / "bench" / "results" / "kv_tier.json"
 BLOCK = 16
 HOST_BYTES = 1 << 30
@@ -65,7 +67,7 @@ def preemption(path: str, tier: bool, n: int, vocab: int) -> dict[str, Any]:
         engine.add_request(str(i), prompt, _params(out_len))
     outs: dict[str, list[int]] = {str(i): [] for i in range(n)}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in TextOutputs.of(engine).step():
             outs[out.request_id] += out.new_token_ids
     wall = time.perf_counter() - start
     return {"tok_s": n * out_len / wall, "wall_s": wall, "outputs": outs,
@@ -94,7 +96,7 @@ def multi_turn(path: str, tier: bool, conversations: int, turns: int,
             engine.add_request(rid, prompt, _params(answer))
             tokens: list[int] = []
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                for out in TextOutputs.of(engine).step():
                     if not tokens and out.new_token_ids:
                         ttfts.append(time.perf_counter() - start)
                     tokens += out.new_token_ids

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from ops.bench.workload import Job, build_bench_model, main_workload  # noqa: E402
+from worker.engine.text_output import TextOutputs  # noqa: E402
 
 ADAPTERS = 4
 RANK = 16
@@ -61,7 +62,7 @@ def _run(engine: Any, jobs: list[Job], adapters: int) -> tuple[float, float, int
             lora.attach(str(i), f"a{i % adapters}")
     tokens = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in TextOutputs.of(engine).step():
             tokens += len(out.new_token_ids)
             if out.finished and adapters:
                 lora.detach(out.request_id)

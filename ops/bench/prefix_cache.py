@@ -56,8 +56,10 @@ def run(path: str, jobs: list[Job], caching: bool, num_blocks: int) -> dict[str,
             temperature=0, max_tokens=job.max_tokens, ignore_eos=True))
     outs: list[list[int]] = [[] for _ in jobs]
     ttft: list[float] = [0.0] * len(jobs)
+    from worker.engine.text_output import TextOutputs
+
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in TextOutputs.of(engine).step():
             i = int(out.request_id)
             if not outs[i]:
                 ttft[i] = time.perf_counter() - start

@@ -74,8 +74,10 @@ def run(engine: Any, kind: str) -> dict[str, float]:
     for i, p in enumerate(params):
         engine.add_request(f"{kind}-{i}-{time.monotonic_ns()}", PROMPTS[i % len(PROMPTS)], p)
     tokens = 0
+    from worker.engine.text_output import TextOutputs
+
     while engine.has_unfinished_requests():
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        tokens += sum(len(o.new_token_ids) for o in TextOutputs.of(engine).step())
     seconds = time.perf_counter() - start
     cpu = time.process_time() - cpu_start
     sample = engine.timer.totals.get("sample", 0.0) - before.get("sample", 0.0)

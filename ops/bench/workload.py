@@ -70,7 +70,9 @@ def run_jobs(engine: object, jobs: list[Job]) -> list[list[int]]:
         engine.add_request(str(i), job.prompt, SamplingParams(  # type: ignore[attr-defined]
             temperature=0, max_tokens=job.max_tokens, ignore_eos=True))
     outs: list[list[int]] = [[] for _ in jobs]
+    from worker.engine.text_output import TextOutputs
+
     while engine.has_unfinished_requests():  # type: ignore[attr-defined]
-        for out in engine.step():  # type: ignore[attr-defined]
+        for out in TextOutputs.of(engine).step():  # type: ignore[arg-type]
             outs[int(out.request_id)] += out.new_token_ids
     return outs

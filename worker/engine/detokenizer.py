@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _WINDOW = 6  # tokens of left context when decoding a new token
+PROMPT_CONTEXT = _WINDOW  # prompt tokens a detokenizer needs (the output side gets these)
 
 
 @dataclass
@@ -111,3 +112,16 @@ class IncrementalDetokenizer:
                     longest = n
                     break
         return longest
+
+
+def make_detokenizer(
+    tokenizer: Any, prompt_token_ids: list[int], *, stop: list[str] | None = None,
+    include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+    prior_output_ids: list[int] | None = None,
+) -> IncrementalDetokenizer:
+    """The detokenizer of one stream (the output side's single way to build one)."""
+    return IncrementalDetokenizer(
+        tokenizer, prompt_token_ids, stop=stop,
+        include_stop_str_in_output=include_stop_str_in_output,
+        skip_special_tokens=skip_special_tokens, prior_output_ids=prior_output_ids,
+    )

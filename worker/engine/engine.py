@@ -3,8 +3,10 @@
 ``step()`` is schedule -> execute -> sample -> update. The service drives it from one
 thread; anything arriving from other threads (new requests, cancels) is handed over
 between steps. With ``async_scheduling`` (on for CUDA) a step is launched before the
-previous one is read back, and ``step()`` returns the previous step's outputs
-(``inflight.py``).
+previous one is read back, and ``step()`` returns the previous step's tokens
+(``inflight.py``). A step returns token ids, nothing else (``step_batch.py``): text and
+stop strings are the output side's (``text_output.py``, the worker's output process),
+which ends a request on a stop string with ``finish_stream``.
 """
 
 from __future__ import annotations
@@ -15,17 +17,17 @@ from protocol.sampling import SamplingParams
 from worker.engine.block_manager import BlockManager
 from worker.engine.choices import CandidateGroups, candidate_id, candidate_params
 from worker.engine.config import EngineConfig
-from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.health import raise_if_device_fault
 from worker.engine.inflight import InflightStep
 from worker.engine.kv_host_tier import HostTier, host_tier_bytes
 from worker.engine.model_runner import ModelRunner
-from worker.engine.outputs import EngineStats, StepOutput
+from worker.engine.outputs import EngineStats
 from worker.engine.prompt_logprobs import PromptScoring, take
 from worker.engine.prompts import PromptBuilder, PromptLimits, PromptOptions
 from worker.engine.request import FinishReason, Request
 from worker.engine.sampler import Sampler, SamplingRow
 from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.step_batch import EngineEnd, StepBatch, StreamRegistry
 from worker.engine.step_timer import StepTimer
 from worker.engine.structured import StructuredOutputs
 
@@ -54,7 +56,7 @@ class Engine:
         self.timer = StepTimer()
         self.structured = StructuredOutputs(  # [structured output]
             self.tokenizer, self.runner.shape.vocab_size, self.runner.loaded.eos_token_ids)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.streams = StreamRegistry()  # request <-> the small int its rows carry
         self._groups = CandidateGroups()  # n > 1: the candidates an abort must reach
         self.scoring = PromptScoring()  # requests still missing prompt logprobs
         overlap = config.scheduler.async_scheduling
@@ -115,6 +117,7 @@ class Engine:
                 request.parent_id, request.index = request_id, index
                 request.report_logprobs = params.logprobs is not None
                 self._groups.add(request_id, request.request_id)
+            self.streams.open(request)  # after its parent id and index are known
             first = first or request
         if first is None:
             raise ValueError("skip_choices: every candidate has already finished")
@@ -132,42 +135,51 @@ class Engine:
         self.structured.attach(request)  # [structured output] compile starts off the loop
         self.scoring.add(request)
         self.scheduler.add(request)
-        self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-            skip_special_tokens=params.skip_special_tokens, prior_output_ids=prior,
-        )
         return request
 
     def abort(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT
-    ) -> list[StepOutput]:
-        """Drop a waiting or running request (every candidate of it) now; returns the final
-        output of each one still unfinished (none if unknown)."""
+    ) -> list[EngineEnd]:
+        """Drop a waiting or running request (every candidate of it) now; returns the end
+        of each one still unfinished (none if unknown)."""
         ids = self._groups.take(request_id)
-        outputs = []
+        ends = []
         for rid in ids:
             request = self.scheduler.requests.get(rid)
             if request is not None:
                 self.scheduler.finish(request, reason)
-                outputs.append(self._final(request, [], ""))
-        return outputs
+                ends.append(self._final(request))
+        return ends
+
+    def finish_stream(
+        self, stream: int, reason: str = "stop", stop_reason: str | int | None = None
+    ) -> EngineEnd | None:
+        """The output side ended a stream (a stop string): finish its request now. With the
+        output in another process this lands a step late; the token sampled meanwhile is
+        dropped there. Returns the end (None if the request had already ended)."""
+        request = self.streams.requests.get(stream)
+        if request is None or request.is_finished:
+            return None
+        request.stop_reason = stop_reason
+        self.scheduler.finish(request, FinishReason(reason))
+        return self._final(request)
 
     # -- stepping ----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
-    def step(self) -> list[StepOutput]:
-        """Schedule and launch a step; return the outputs of the step read back (this one,
-        or with overlap the one launched before it)."""
-        outputs = self._grammar_failures()  # [structured output]
+    def step(self) -> StepBatch:
+        """Schedule and launch a step; return the tokens of the step read back (this one,
+        or with overlap the one launched before it) and the requests that ended."""
+        outputs = StepBatch(ends=self._grammar_failures())  # [structured output]
         with self.timer.phase("schedule"):
             sched = self.scheduler.schedule()
         if sched.is_empty:
             if self._inflight is not None:
-                return outputs + self._read_back()
-            if not outputs and self.structured.has_pending:
+                outputs = self._read_back(outputs)
+            elif outputs.is_empty and self.structured.has_pending:
                 self.structured.wait(_GRAMMAR_WAIT_S)  # [structured output] nothing else to do
+            outputs.opened = self.streams.take_opened()
             return outputs
         self._steps += 1
         try:
@@ -175,16 +187,18 @@ class Engine:
         except Exception as exc:  # a failed forward fails its batch, not the worker...
             raise_if_device_fault(exc)  # ...unless the device itself is gone
             if self._inflight is not None:
-                outputs += self._read_back()
-            return outputs + self._fail_batch(sched, exc)
+                outputs = self._read_back(outputs)
+            outputs.opened = self.streams.take_opened()
+            return outputs.extend_ends(self._fail_batch(sched, exc))
         if self._inflight is not None:
-            outputs += self._read_back()
+            outputs = self._read_back(outputs)
         self._inflight = launched
         if not self.overlap:
-            outputs += self._read_back()
+            outputs = self._read_back(outputs)
+        outputs.opened = self.streams.take_opened()
         return outputs
 
-    def _launch(self, sched: SchedulerOutput, outputs: list[StepOutput]) -> InflightStep:
+    def _launch(self, sched: SchedulerOutput, outputs: StepBatch) -> InflightStep:
         """Forward and sample without waiting for the device; placeholders for the tokens.
 
         Overlap is never switched off (``inflight.py``): penalties count the token in
@@ -206,7 +220,7 @@ class Engine:
             logits, prompt = self.scoring.collect(extra, logits, len(sampling))
         if known:  # the forward runs meanwhile; then the masks from the known tokens
             self.scheduler.advance(sched)
-            outputs += self._read_back()
+            self._read_back(outputs)
             for row, request in zip(rows, sampling, strict=True):
                 row.refresh(request)
             mask = self.structured.start_bitmask(sampling)  # [structured output]
@@ -218,8 +232,8 @@ class Engine:
         return InflightStep(sched, sample, {r.request_id: i for i, r in enumerate(sampling)},
                             prompt)
 
-    def _read_back(self) -> list[StepOutput]:
-        """Wait for the launched step's tokens, then stops, detokenizing and outputs."""
+    def _read_back(self, batch: StepBatch) -> StepBatch:
+        """Wait for the launched step's tokens, then the finish checks; rows into ``batch``."""
         step, self._inflight = self._inflight, None
         assert step is not None
         with self.timer.phase("update"):
@@ -229,20 +243,21 @@ class Engine:
                     self.scoring.finish(step.prompt)
             except Exception as exc:  # an asynchronous device error surfaces here
                 raise_if_device_fault(exc)
-                return self._fail_batch(step.sched, exc)
-            return self._update(step.sched, result.token_ids, result.logprobs)
+                return batch.extend_ends(self._fail_batch(step.sched, exc))
+            self._update(batch, step.sched, result.token_ids, result.logprobs)
+            return batch
 
-    def _grammar_failures(self) -> list[StepOutput]:
+    def _grammar_failures(self) -> list[EngineEnd]:
         """[structured output] Finish requests whose grammar failed to compile: their fault."""
-        outputs = []
+        ends = []
         for request in self.structured.poll():
             self.scheduler.finish(request, FinishReason.ERROR, error=request.grammar.error)
-            outputs.append(self._final(request, [], "", error_kind="invalid_request"))
-        return outputs
+            ends.append(self._final(request, error_kind="invalid_request"))
+        return ends
 
     def _update(
-        self, sched: SchedulerOutput, tokens: list[int], logprobs: list[Any]
-    ) -> list[StepOutput]:
+        self, batch: StepBatch, sched: SchedulerOutput, tokens: list[int], logprobs: list[Any]
+    ) -> None:
         it = iter(zip(tokens, logprobs, strict=True))
         aligned: list[int | None] = []
         lp_by_id: dict[str, Any] = {}
@@ -253,13 +268,9 @@ class Engine:
                 lp_by_id[item.request.request_id] = lp
             else:
                 aligned.append(None)
-        outputs = []
+        stream_of = self.streams.by_request
         for request, token in self.scheduler.resolve(sched, aligned):
             self._tokens_generated += 1
-            result = self._detok[request.request_id].step(token)
-            if result.stopped and not request.is_finished:
-                request.stop_reason = result.stop_str
-                self.scheduler.finish(request, FinishReason.STOP)
             grammar_end = self.structured.advance(request)  # [structured output]
             if grammar_end is not None:
                 self.scheduler.finish(request, grammar_end[0], error=grammar_end[1])
@@ -267,50 +278,36 @@ class Engine:
             if lp is not None:
                 request.cumulative_logprob += lp[0]
                 lp = lp if request.report_logprobs else None
+            stream = stream_of[request.request_id]
+            row = batch.add_row(stream, token, lp)
             if request.is_finished:
-                outputs.append(self._final(request, [token], result.text_delta, lp))
-            else:
-                outputs.append(StepOutput(
-                    request.public_id, [token], result.text_delta,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_output_tokens=request.num_output_tokens,
-                    logprobs=[lp] if lp is not None else None, index=request.index,
-                    prompt_logprobs=None if request.prompt_logprobs is None else take(request),
-                ))
-        return outputs
+                batch.ends.append(self._final(request, row))
+            elif request.prompt_logprobs is not None:
+                first = take(request)
+                if first is not None:
+                    batch.prompt_logprobs[stream] = first
 
-    def _final(
-        self, request: Request, tokens: list[int], text: str, lp: Any = None,
-        error_kind: str | None = None,
-    ) -> StepOutput:
-        detok = self._detok.pop(request.request_id, None)
-        if detok is not None and request.finish_reason is not FinishReason.STOP:
-            text += detok.flush()
+    def _final(self, request: Request, row: int = -1, error_kind: str | None = None) -> EngineEnd:
+        stream = self.streams.close(request)
         if request.parent_id is not None:
             self._groups.finished(request.public_id, request.request_id)
         self.scoring.forget(request.request_id)
         ranked = request.parent_id is not None and request.params.logprobs is not None
-        return StepOutput(
-            request.public_id, tokens, text, finished=True,
-            finish_reason=str(request.finish_reason), error=request.error,
-            stop_reason=request.stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            logprobs=[lp] if lp is not None else None, error_kind=error_kind,
-            index=request.index,
-            cumulative_logprob=request.cumulative_logprob if ranked else None,
-            prompt_logprobs=take(request),
+        return EngineEnd(
+            stream, str(request.finish_reason), request.stop_reason, request.error,
+            request.num_prompt_tokens, request.num_output_tokens, row, error_kind,
+            request.cumulative_logprob if ranked else None, take(request),
         )
 
-    def _fail_batch(self, sched: SchedulerOutput, exc: Exception) -> list[StepOutput]:
+    def _fail_batch(self, sched: SchedulerOutput, exc: Exception) -> list[EngineEnd]:
         message = f"{type(exc).__name__}: {exc}"
         self.block_manager.forget_step()  # what this step registered was never computed
-        outputs = []
+        ends = []
         for item in sched.scheduled:
             if not item.request.is_finished:
                 self.scheduler.finish(item.request, FinishReason.ERROR, error=message)
-                outputs.append(self._final(item.request, [], ""))
-        return outputs
+                ends.append(self._final(item.request))
+        return ends
 
     def stats(self) -> EngineStats:
         return EngineStats(

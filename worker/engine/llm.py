@@ -10,6 +10,7 @@ from protocol.sampling import SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.outputs import ChoiceOutput, CompletionOutput
+from worker.engine.text_output import TextOutputs
 
 Prompt = str | list[int]
 
@@ -38,6 +39,7 @@ class LLM:
             dtype=dtype, device=device, attention_backend=attention_backend, **kwargs,
         )
         self.engine = Engine(config)
+        self.text = TextOutputs(self.engine)  # token ids -> text, in this process
         self._ids = itertools.count()
 
     @property
@@ -73,7 +75,7 @@ class LLM:
             choices[rid] = {i: ChoiceOutput(i) for i in range(p.num_candidates)}
             order.append(rid)
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.text.step():
                 choice = choices[out.request_id][out.index]
                 choice.token_ids.extend(out.new_token_ids)
                 choice.text += out.text

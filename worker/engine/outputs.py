@@ -1,4 +1,4 @@
-"""What the engine hands back: per-step deltas and finished completions."""
+"""Text outputs: per-step deltas and finished completions (made by ``text_output.py``)."""
 
 from __future__ import annotations
 

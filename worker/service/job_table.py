@@ -18,6 +18,7 @@ from protocol.models import ErrorKind, FinishReason
 from worker.engine.engine import Engine
 from worker.engine.outputs import StepOutput
 from worker.engine.prompts import PromptError
+from worker.engine.text_output import TextOutputs
 from worker.service.active_job import ActiveJob
 from worker.service.jobs import Admission, Command, Outgoing
 from worker.service.leases import HeldEntries
@@ -36,6 +37,7 @@ class JobTable:
         token_text: Callable[[int], str], log: Any,
     ) -> None:
         self.engine = engine
+        self.text = TextOutputs(engine)  # the engine's token ids as text outputs
         self.outbox = outbox
         self.slots = slots
         self.held = held
@@ -79,7 +81,7 @@ class JobTable:
             return [self._end(job, reason, out, out.error, kind)]
         if reason not in ("stop", "length"):  # one candidate failed: so does the request
             job.absorb(out)
-            for other in self.engine.abort(job.request_id):
+            for other in self.text.abort(job.request_id):
                 job.absorb(other)
             return [self._end(job, reason, None, out.error, kind)]
         item = job.choice_event(out, self.token_text)
@@ -90,7 +92,7 @@ class JobTable:
 
     def _stop_in_engine(self, job: ActiveJob) -> StepOutput | None:
         """Abort a request's candidates; the output to close its event with (n = 1)."""
-        outs = self.engine.abort(job.request_id)
+        outs = self.text.abort(job.request_id)
         if not job.multi:
             return outs[0] if outs else None
         for out in outs:
@@ -154,7 +156,7 @@ class JobTable:
             if job is not None:
                 self.jobs.pop(cmd.request_id)
                 self._deadlines.pop(cmd.request_id, None)
-                self.engine.abort(cmd.request_id)
+                self.text.abort(cmd.request_id)
                 self.slots.release()
                 self.log.warning("request_dropped_lease_lost", request_id=cmd.request_id)
             return
@@ -207,7 +209,7 @@ class JobTable:
         """Shutdown: drop every request from the engine (their entries are handed back)."""
         count = len(self.jobs)
         for rid in list(self.jobs):
-            self.engine.abort(rid)
+            self.text.abort(rid)
         self.jobs.clear()
         self._deadlines.clear()
         return count

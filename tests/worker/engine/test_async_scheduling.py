@@ -19,6 +19,7 @@ import pytest
 from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from worker import Engine, EngineConfig
+from worker.engine.text_output import TextOutputs
 
 Finals = dict[str, tuple[Any, ...]]
 
@@ -68,7 +69,7 @@ def _run(engine: Engine, jobs: list[SamplingParams], cancel: str | None = None) 
         # cancelled once the caller has seen 3 of its tokens (a 4th may be in flight)
         if cancel is not None and len(tokens.get((cancel, 0), [])) >= 3 \
                 and f"{cancel}/0" not in finals:
-            _collect(engine.abort(cancel))
+            _collect(TextOutputs.of(engine).abort(cancel))
 
     def _collect(outputs: list[Any]) -> None:
         for out in outputs:
@@ -81,9 +82,9 @@ def _run(engine: Engine, jobs: list[SamplingParams], cancel: str | None = None) 
     for i, params in enumerate(jobs * 2):
         engine.add_request(f"r{i}", _prompt(i, vocab, 5 + 3 * i), params, priority=i % 3 - 1)
         if i % 3 == 2:  # arrivals while others run
-            take(engine.step())
+            take(TextOutputs.of(engine).step())
     while engine.has_unfinished_requests():
-        take(engine.step())
+        take(TextOutputs.of(engine).step())
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     engine.block_manager.check_invariants()
     return finals
@@ -97,7 +98,7 @@ def _stop_token(path: str) -> int:
         max_tokens=20, temperature=0, ignore_eos=True))
     out: list[int] = []
     while engine.has_unfinished_requests():
-        for o in engine.step():
+        for o in TextOutputs.of(engine).step():
             out += o.new_token_ids
     return out[6]
 
@@ -132,7 +133,7 @@ def test_stop_strings_end_the_same_step(checkpoint: str) -> None:
                                                                 ignore_eos=True))
     text = ""
     while probe.has_unfinished_requests():
-        text += "".join(o.text for o in probe.step())
+        text += "".join(o.text for o in TextOutputs.of(probe).step())
     stop = text[len(text) // 2:len(text) // 2 + 3]
     assert stop.strip()
     results = []
@@ -145,7 +146,7 @@ def test_stop_strings_end_the_same_step(checkpoint: str) -> None:
         texts: dict[str, str] = {}
         reasons: dict[str, str | None] = {}
         while engine.has_unfinished_requests():
-            for o in engine.step():
+            for o in TextOutputs.of(engine).step():
                 texts[o.request_id] = texts.get(o.request_id, "") + o.text
                 if o.finished:
                     reasons[o.request_id] = o.finish_reason
@@ -164,7 +165,7 @@ def test_a_failing_forward_fails_its_batch_and_the_step_before_is_delivered(
             max_tokens=30, temperature=0, ignore_eos=True))
     got: dict[str, list[int]] = {}
     for _ in range(4):
-        for o in engine.step():
+        for o in TextOutputs.of(engine).step():
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
     before = {rid: len(t) for rid, t in got.items()}
     real = engine.runner.execute
@@ -173,7 +174,7 @@ def test_a_failing_forward_fails_its_batch_and_the_step_before_is_delivered(
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(engine.runner, "execute", broken)
-    outputs = engine.step()
+    outputs = TextOutputs.of(engine).step()
     # the step launched before the failure is read back first: one more token each
     assert [o.finished for o in outputs] == [False] * 3 + [True] * 3
     assert all(len(o.new_token_ids) == 1 for o in outputs[:3])
@@ -184,7 +185,7 @@ def test_a_failing_forward_fails_its_batch_and_the_step_before_is_delivered(
     monkeypatch.setattr(engine.runner, "execute", real)
     engine.add_request("after", _prompt(9, vocab, 6), SamplingParams(max_tokens=3))
     while engine.has_unfinished_requests():
-        engine.step()
+        TextOutputs.of(engine).step()
 
 
 def test_default_is_overlap_on_cuda_only(checkpoint: str) -> None:

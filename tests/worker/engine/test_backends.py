@@ -15,6 +15,7 @@ from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from worker import Engine, EngineConfig
 from worker.engine.attention import triton_interpreting
+from worker.engine.text_output import TextOutputs
 
 
 def run(path: str, **kw: object) -> dict[str, list[int]]:
@@ -29,7 +30,7 @@ def run(path: str, **kw: object) -> dict[str, list[int]]:
                            SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True))
     outs: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in TextOutputs.of(engine).step():
             outs.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     return outs

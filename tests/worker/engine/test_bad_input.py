@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from worker import LLM, Engine, EngineConfig
+from worker.engine.text_output import TextOutputs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -25,7 +26,7 @@ def engine(ckpt):
 def run_all(engine: Engine) -> dict[str, list[int]]:
     got: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in TextOutputs.of(engine).step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
     return got
 
@@ -137,13 +138,14 @@ def test_aborts_and_finishes_return_every_block(engine):
             rid = f"w{wave}-{i}"
             engine.add_request(rid, [1 + i % 50] * (1 + i % 13),
                                SamplingParams(temperature=0, max_tokens=1 + i % 4, ignore_eos=True))
-        engine.step()
+        TextOutputs.of(engine).step()
         for i in range(0, 50, 3):
-            engine.abort(f"w{wave}-{i}")
+            TextOutputs.of(engine).abort(f"w{wave}-{i}")
         run_all(engine)
         assert bm.num_free_blocks == bm.num_blocks
         bm.check_invariants()
-    assert not engine.scheduler.requests and not engine._detok
+    assert not engine.scheduler.requests and not engine.streams.requests
+    assert not TextOutputs.of(engine).texts.streams
 
 
 def test_device_faults_are_told_apart_from_failures_of_one_batch():
@@ -171,10 +173,10 @@ def test_a_device_fault_ends_the_step_loop_instead_of_one_batch(ckpt, monkeypatc
     with monkeypatch.context() as patch:
         patch.setattr(engine.runner, "execute", lambda *a: (_ for _ in ()).throw(
             RuntimeError("a bug in one forward")))
-        (out,) = engine.step()
+        (out,) = TextOutputs.of(engine).step()
     assert out.finish_reason == "error" and "a bug" in (out.error or "")
     engine.add_request("b", "hello", GREEDY)
     monkeypatch.setattr(engine.runner, "execute", lambda *a: (_ for _ in ()).throw(
         torch.AcceleratorError("CUDA error: an illegal memory access was encountered")))
     with pytest.raises(DeviceFault, match="illegal memory access"):
-        engine.step()
+        TextOutputs.of(engine).step()

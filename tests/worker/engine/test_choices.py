@@ -9,6 +9,7 @@ import pytest
 from protocol.sampling import SamplingParams
 from worker import LLM
 from worker.engine.choices import derive_seed
+from worker.engine.text_output import TextOutputs
 
 PROMPT = "def parse_config(path):\n    "
 
@@ -65,12 +66,12 @@ def test_best_of_returns_the_n_best_by_cumulative_logprob(llm: LLM) -> None:
 def test_aborting_a_request_aborts_every_candidate(llm: LLM) -> None:
     engine = llm.engine
     engine.add_request("many", PROMPT, SamplingParams(n=3, max_tokens=50, ignore_eos=True))
-    engine.step()
-    finals = engine.abort("many")
+    TextOutputs.of(engine).step()
+    finals = TextOutputs.of(engine).abort("many")
     assert sorted(o.index for o in finals) == [0, 1, 2]
     assert all(o.finished and o.request_id == "many" for o in finals)
     assert not engine.has_unfinished_requests()
-    assert engine.abort("many") == []
+    assert TextOutputs.of(engine).abort("many") == []
 
 
 def test_bad_n_and_best_of_are_refused() -> None:

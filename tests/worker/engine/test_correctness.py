@@ -16,6 +16,7 @@ import torch
 from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from worker import Engine, EngineConfig
+from worker.engine.text_output import TextOutputs
 
 NEAR_TIE = 1e-3
 
@@ -66,7 +67,7 @@ def test_greedy_matches_transformers(arch, tmp_path_factory):
     def drain(steps: int | None) -> None:
         n = 0
         while engine.has_unfinished_requests() and (steps is None or n < steps):
-            for out in engine.step():
+            for out in TextOutputs.of(engine).step():
                 results[out.request_id] += out.new_token_ids
                 if out.finished:
                     finish[out.request_id] = out.finish_reason

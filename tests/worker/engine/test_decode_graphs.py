@@ -25,6 +25,7 @@ from tests.worker.engine.triton_launches import RunningCapturer, recorded_launch
 from worker import Engine, EngineConfig
 from worker.engine import health
 from worker.engine.decode_graphs import CudaGraphCapturer, DecodeGraphs, bucket_sizes
+from worker.engine.text_output import TextOutputs
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +67,10 @@ def _run(path: str, static: bool, backend: str, sizes: list[int] | None = None,
         engine.add_request(str(i), [rng.randrange(vocab) for _ in range(plen)],
                            SamplingParams(temperature=0, max_tokens=5 + 3 * i, ignore_eos=True))
         if i % 2:
-            for out in engine.step():
+            for out in TextOutputs.of(engine).step():
                 outs.setdefault(out.request_id, []).extend(out.new_token_ids)
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in TextOutputs.of(engine).step():
             outs.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert engine.block_manager.num_free_blocks == 40
     return outs

@@ -85,3 +85,25 @@ def test_resume_with_prior_output_sends_only_new_text(tok):
     d = IncrementalDetokenizer(tok, [], prior_output_ids=full[:3])  # 'h' + both bytes of 'é'
     rest = "".join(d.step(t).text_delta for t in full[3:]) + d.flush()
     assert rest == "llo there"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_rust_backend_streams_the_same_text(tok, skip):
+    """The output process decodes with the tokenizers library alone (no transformers, no
+    torch): every stream's pieces must equal those through the transformers tokenizer."""
+    import random
+
+    from worker.engine.rust_decode import RustDecoder, decode_spec
+
+    rust = RustDecoder(decode_spec(tok))
+    rng = random.Random(0)
+    vocab = len(tok)
+    texts = ["héllo wörld, it's 😀 ok?", "a . b , c ! don't I'm", "日本語のテキスト\n\t x"]
+    for i in range(60):
+        if i < len(texts):
+            ids = tok.encode(texts[i], add_special_tokens=False)
+        else:
+            ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        kw = {"skip_special_tokens": skip, "stop": ["e,"] if i % 3 == 0 else None}
+        assert stream(rust, ids, prompt, **kw) == stream(tok, ids, prompt, **kw), i

@@ -18,6 +18,7 @@ from tests.checkpoints import build_checkpoint
 from tests.worker.engine.triton_launches import recorded_launches
 from worker import Engine, EngineConfig
 from worker.engine import warmup
+from worker.engine.text_output import TextOutputs
 from worker.engine.warmup import warm_up_kernels
 
 
@@ -43,9 +44,9 @@ def _serve(engine: Engine) -> None:
         engine.add_request(str(i), [rng.randrange(vocab) for _ in range(plen)],
                            SamplingParams(temperature=0, max_tokens=3 + i % 4, ignore_eos=True))
         for _ in range(i % 3):
-            engine.step()
+            TextOutputs.of(engine).step()
     while engine.has_unfinished_requests():
-        engine.step()
+        TextOutputs.of(engine).step()
 
 
 def test_warm_up_compiles_every_variant_serving_launches(
@@ -110,6 +111,6 @@ def _generate(engine: Engine) -> list[list[int]]:
                                                        ignore_eos=True))
     outs: dict[str, list[int]] = {rid: [] for rid in ids}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in TextOutputs.of(engine).step():
             outs[out.request_id] += out.new_token_ids
     return [outs[rid] for rid in ids]

@@ -26,6 +26,7 @@ from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.manager import LoraManager
 from worker.engine.lora.targets import base_targets
 from worker.engine.packed_linear import pack_linears
+from worker.engine.text_output import TextOutputs
 
 CFG = LoraConfig(max_loras=4, max_lora_rank=16, max_cpu_loras=4)
 # name -> (rank, alpha, targets, rsLoRA); scales 2.0, 8/sqrt(16) = 2.0, 1.0
@@ -118,7 +119,7 @@ def test_engine_greedy_matches_merged_generate(setup) -> None:
             lora.attach(rid, name)
     results: dict[str, list[int]] = {rid: [] for rid, _, _ in jobs}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in TextOutputs.of(engine).step():
             results[out.request_id] += out.new_token_ids
             if out.finished:
                 lora.detach(out.request_id)

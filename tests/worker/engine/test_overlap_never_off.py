@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from worker import Engine, EngineConfig
+from worker.engine.text_output import TextOutputs
 
 _READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy, torch.Tensor.cpu,
           torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__bool__,
@@ -84,7 +85,7 @@ def _run(engine: Engine, jobs: list[SamplingParams]) -> dict[str, Any]:
         prompt = [(13 * i + 7 * k) % (vocab - 3) + 3 for k in range(6 + 5 * i)]
         engine.add_request(f"r{i}", prompt, params)
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in TextOutputs.of(engine).step():
             entry = got.setdefault(out.request_id, {"tokens": [], "text": "", "lp": []})
             entry["tokens"] += out.new_token_ids
             entry["text"] += out.text

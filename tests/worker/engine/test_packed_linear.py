@@ -9,6 +9,7 @@ from torch import nn
 from tests.checkpoints import build_checkpoint
 from worker import Engine, EngineConfig
 from worker.engine.packed_linear import PackedLinear, bucket_rows, pack_linears
+from worker.engine.text_output import TextOutputs
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 127, 129, 513, 1100])
@@ -56,7 +57,7 @@ def test_engine_tokens_do_not_depend_on_packing(tmp_path):
             engine.add_request(str(i), prompt, {"temperature": 0, "max_tokens": 8,
                                                 "ignore_eos": True})
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            for out in TextOutputs.of(engine).step():
                 outs.setdefault(out.request_id, []).extend(out.new_token_ids)
         return [outs[str(i)] for i in range(3)]
 

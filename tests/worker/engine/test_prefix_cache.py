@@ -18,6 +18,7 @@ from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from tests.worker.engine.test_correctness import assert_matches, reference_greedy
 from worker import Engine, EngineConfig
+from worker.engine.text_output import TextOutputs
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +52,15 @@ def _run(engine: Engine, jobs: list[tuple[list[int], int, int]]) -> dict[str, li
         engine.add_request(f"r{i}", prompt, params, priority=priority)
         outputs[f"r{i}"] = []
         if i % 4 == 3:  # arrivals while others run
-            for out in engine.step():
+            for out in TextOutputs.of(engine).step():
                 outputs[out.request_id] += out.new_token_ids
     engine.add_request("gone", jobs[0][0], SamplingParams(max_tokens=30, ignore_eos=True))
-    for out in engine.step():
+    for out in TextOutputs.of(engine).step():
         outputs[out.request_id] += out.new_token_ids
-    engine.abort("gone")
+    TextOutputs.of(engine).abort("gone")
     outputs.pop("gone", None)
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in TextOutputs.of(engine).step():
             if out.request_id in outputs:
                 outputs[out.request_id] += out.new_token_ids
     return outputs
@@ -96,7 +97,7 @@ def test_resumed_request_hits_its_prompt_and_continues_exactly(checkpoint: str) 
     engine.add_request("again", prompt, params, prior_output_ids=full[:5])
     rest: list[int] = []
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in TextOutputs.of(engine).step():
             rest += out.new_token_ids
     assert full[:5] + rest == full
     assert engine.stats().prefix_cache_hits - hits_before >= 14 * 8  # the prompt's blocks

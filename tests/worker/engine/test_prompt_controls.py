@@ -21,6 +21,7 @@ from worker.engine.bad_words import word_token_ids
 from worker.engine.logits_processors import apply_bad_words
 from worker.engine.prompts import PromptBuilder, PromptError, PromptLimits, PromptOptions
 from worker.engine.sampler import SamplingRow
+from worker.engine.text_output import TextOutputs
 from worker.models import default_model_path
 
 PROMPT = "def fibonacci(n):"
@@ -89,7 +90,7 @@ def test_bad_words_with_overlapped_steps(plain: list[int]) -> None:
     engine.add_request("r", PROMPT, SamplingParams(temperature=0, max_tokens=32,
                                                    bad_words=[word]))
     while engine.has_unfinished_requests():
-        ids += [t for out in engine.step() for t in out.new_token_ids]
+        ids += [t for out in TextOutputs.of(engine).step() for t in out.new_token_ids]
     assert _contains(ids, seq) == -1
     assert engine.overlap
 

@@ -19,6 +19,7 @@ import torch
 from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from worker import Engine, EngineConfig
+from worker.engine.text_output import TextOutputs
 
 TOL = 1e-4
 
@@ -55,7 +56,7 @@ def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]
         engine.add_request(rid, prompt, params)
     got: dict[str, list[Any]] = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in TextOutputs.of(engine).step():
             if out.prompt_logprobs is not None:
                 assert out.request_id not in got, "prompt logprobs sent twice"
                 got[out.request_id] = out.prompt_logprobs

@@ -24,6 +24,7 @@ from worker.engine.logits_processors import (
     apply_token_bitmask,
 )
 from worker.engine.outputs import StepOutput
+from worker.engine.text_output import TextOutputs
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -151,7 +152,7 @@ def test_request_waits_for_its_grammar_without_stalling_the_batch(llm: Any) -> N
     engine.add_request("free", "def ", SamplingParams(temperature=0, max_tokens=6))
     free_done = False
     for _ in range(50):
-        for out in engine.step():
+        for out in TextOutputs.of(engine).step():
             assert out.request_id == "free", "the constrained request ran before its grammar"
             free_done = free_done or out.finished
         if free_done:
@@ -216,5 +217,5 @@ def test_bitmask_applies_to_constrained_rows_only(apply: Any) -> None:
 def _drain(engine: Any) -> list[StepOutput]:
     outs: list[StepOutput] = []
     while engine.has_unfinished_requests():
-        outs += engine.step()
+        outs += TextOutputs.of(engine).step()
     return outs

@@ -57,7 +57,7 @@ class Reference:
         ids: list[int] = []
         text = ""
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            for out in self.llm.text.step():
                 ids += out.new_token_ids
                 text += out.text
         return ids, text

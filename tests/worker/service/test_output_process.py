@@ -1,0 +1,139 @@
+"""The output process: token ids in, the same text out, published to a real Redis.
+
+One engine runs its steps with text made in-process (``TextOutputs``), a second one with
+its batches sent to ``python -m worker.service.output_process``; every stream's text and
+tokens must be equal, a stop string must end its request a step late without the extra
+token ever reaching Redis, a stalled output process must coalesce batches (not lose
+them), it must never import torch, and its death must surface as ``OutputDied``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+
+from protocol.codec import decode_event
+from protocol.keys import Keys
+from protocol.sampling import SamplingParams
+from tests.worker.service.conftest import make_engine
+from worker.engine.rust_decode import decode_spec
+from worker.engine.text_output import TextOutputs
+from worker.service.output_link import OutputDied, OutputLink
+
+
+def _workload(vocab: int) -> list[tuple[str, list[int], SamplingParams]]:
+    out = []
+    for i in range(10):
+        prompt = [(13 * i + 7 * k) % (vocab - 3) + 3 for k in range(5 + i)]
+        params: dict[str, Any] = {"max_tokens": 6 + i, "ignore_eos": True}
+        if i % 2:
+            params |= {"temperature": 0.8, "top_p": 0.95, "seed": i}
+        else:
+            params |= {"temperature": 0.0}
+        out.append((f"r{i}", prompt, SamplingParams(**params)))
+    return out
+
+
+def _in_process(checkpoint: str, work: list[Any]) -> dict[str, tuple[str, list[int]]]:
+    engine = make_engine(checkpoint)
+    text = TextOutputs(engine)
+    for rid, prompt, params in work:
+        engine.add_request(rid, prompt, params)
+    got: dict[str, tuple[str, list[int]]] = {rid: ("", []) for rid, _, _ in work}
+    while engine.has_unfinished_requests():
+        for out in text.step():
+            s, ids = got[out.request_id]
+            got[out.request_id] = (s + out.text, ids + out.new_token_ids)
+    return got
+
+
+def _with_stop(checkpoint: str, work: list[Any]) -> list[Any]:
+    """Give r0 a stop string: the text of its third token onwards (so it ends early)."""
+    plain = _in_process(checkpoint, work)
+    text = plain["r0"][0]
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop.strip(), text
+    rid, prompt, params = work[0]
+    work[0] = (rid, prompt, params.model_copy(update={"stop": [stop]}))
+    return work
+
+
+def _published(redis_client: Any, rid: str) -> tuple[str, list[int], list[int]]:
+    events = [decode_event(x) for x in redis_client.lrange(Keys("ferry").events(rid), 0, -1)]
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert events[-1].finish_reason is not None
+    return ("".join(e.text for e in events), [t for e in events for t in e.token_ids],
+            [len(e.token_ids) for e in events])
+
+
+def _start(engine: Any, url: str | None) -> OutputLink:
+    return OutputLink.start({"tokenizer": engine.config.model.model, "redis_url": url,
+                             "collect": True, "decode_spec": decode_spec(engine.tokenizer)})
+
+
+def test_same_streams_and_a_stop_string_ends_one_step_late(
+        checkpoint: str, redis_server: Any, redis_client: Any) -> None:
+    engine = make_engine(checkpoint)
+    work = _with_stop(checkpoint, _workload(engine.runner.shape.vocab_size))
+    want = _in_process(checkpoint, work)
+    link = _start(engine, redis_server.url)
+    for rid, prompt, params in work:
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+        link.step(engine)
+    link.close()
+    assert link.stats["torch_loaded"] is False
+    assert link.stats["dropped"] >= 1  # r0's token after the stop: sampled, never published
+    for rid, _, _ in work:
+        text, ids, _ = _published(redis_client, rid)
+        assert (text, ids) == want[rid], rid
+        assert link.texts is not None and link.texts[f"{rid}/0"] == want[rid][0]
+    assert link.stats["published"] == sum(len(ids) for _, ids in want.values())
+
+
+def test_a_stalled_output_process_coalesces_and_loses_nothing(checkpoint: str) -> None:
+    engine = make_engine(checkpoint)
+    work = _workload(engine.runner.shape.vocab_size)
+    want = _in_process(checkpoint, work)
+    link = _start(engine, None)
+    os.kill(link.proc.pid, signal.SIGSTOP)
+    try:
+        for rid, prompt, params in work:
+            engine.add_request(rid, prompt, params)
+        steps = 0
+        while engine.has_unfinished_requests():
+            link.send(engine.step())  # the 1 MiB pipe holds them: the engine never waits
+            steps += 1
+    finally:
+        os.kill(link.proc.pid, signal.SIGCONT)
+    link.close()
+    assert link.stats["batches"] == steps
+    assert link.stats["passes"] < steps  # several batches per pass once it woke
+    assert link.texts == {f"{rid}/0": want[rid][0] for rid in want}
+
+
+def test_a_killed_output_process_is_output_died(checkpoint: str) -> None:
+    engine = make_engine(checkpoint)
+    link = _start(engine, None)
+    engine.add_request("k", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+    link.step(engine)
+    os.kill(link.proc.pid, signal.SIGKILL)
+    link.proc.wait(10)
+    with pytest.raises(OutputDied):
+        for _ in range(100):
+            link.step(engine)
+
+
+def test_fast_token_event_bytes_equal_the_codec() -> None:
+    from protocol.codec import encode_event
+    from protocol.models import TokenEvent
+    from worker.service.output_process import token_event_bytes
+
+    for rid, seq, ids, text, index in (("a", 0, [1], "x", 0), ("t::b-c", 7, [5, 6], "é😀", 2),
+                                       ("z", 3, [9], "", 0)):
+        want = encode_event(TokenEvent(request_id=rid, seq=seq, token_ids=ids, text=text,
+                                       index=index))
+        assert token_event_bytes(rid, seq, ids, text, index) == want

@@ -1,0 +1,201 @@
+"""The output process: a worker's token ids become text and Redis events off the engine's GIL.
+
+``python -m worker.service.output_process RFD WFD``: started by the engine process
+(``output_link.py``) with a pipe each way. It loads the tokenizer (never torch), answers
+``READY``, then turns ``StepBatch``es into text (``StreamTexts``: incremental
+detokenizing, stop strings), publishes each output as a ``TokenEvent`` (pub/sub and the
+replay list, one pipeline per pass) and sends back ``STOP`` for every stop string it
+finds (the engine ends the request a step late; rows of a stream already ended here are
+dropped, never published) and ``STATS``. A reader thread drains the pipe at once, so
+when publishing falls behind, the next pass takes every batch waiting (coalescing): the
+engine's write never blocks on Redis. It exits when the engine's end of the pipe closes.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import msgpack
+
+from worker.engine.outputs import StepOutput
+from worker.engine.step_batch import EngineEnd
+from worker.engine.text_output import StreamTexts
+from worker.service import output_messages as m
+
+_STATS_EVERY_S = 0.5
+
+
+class _Inbox:
+    """Frames read off the pipe by a thread of their own; ``take`` empties it at once."""
+
+    def __init__(self, reader: m.FrameReader) -> None:
+        self._reader = reader
+        self._items: collections.deque[list[Any] | None] = collections.deque()
+        self._ready = threading.Condition()
+        threading.Thread(target=self._run, name="output-reader", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            message = self._reader.read()
+            with self._ready:
+                self._items.append(message)
+                self._ready.notify()
+            if message is None or message[0] == m.QUIT:
+                return
+
+    def take(self, timeout: float) -> list[list[Any] | None]:
+        with self._ready:
+            if not self._items:
+                self._ready.wait(timeout)
+            items = list(self._items)
+            self._items.clear()
+        return items
+
+
+class _Publisher:
+    """Per-request event numbering and the Redis writes of one pass."""
+
+    def __init__(self, redis_url: str | None, prefix: str, ttl_s: int) -> None:
+        from protocol.keys import Keys
+
+        self.redis = None
+        if redis_url:
+            import redis
+
+            self.redis = redis.Redis.from_url(redis_url)
+        self.keys = Keys(prefix)
+        self.ttl_s = ttl_s
+        self.seq: dict[str, int] = {}
+        self.published_tokens = 0
+
+    def publish(self, outputs: list[StepOutput]) -> None:
+        from protocol.codec import encode_event
+        from protocol.models import TokenEvent
+
+        if not outputs:
+            return
+        pipe = self.redis.pipeline(transaction=False) if self.redis is not None else None
+        for out in outputs:
+            seq = self.seq.get(out.request_id, 0)
+            self.seq[out.request_id] = seq + 1
+            if out.finished:
+                del self.seq[out.request_id]
+                data = encode_event(TokenEvent(
+                    request_id=out.request_id, seq=seq, token_ids=out.new_token_ids,
+                    text=out.text, finish_reason=out.finish_reason,  # type: ignore[arg-type]
+                    index=out.index, error=out.error, stop_reason=out.stop_reason,
+                ))
+            else:
+                data = token_event_bytes(out.request_id, seq, out.new_token_ids, out.text,
+                                         out.index)
+            if pipe is not None:
+                pipe.rpush(self.keys.events(out.request_id), data)
+                pipe.expire(self.keys.events(out.request_id), self.ttl_s)
+                pipe.publish(self.keys.tokens(out.request_id), data)
+        if pipe is not None:
+            pipe.execute()
+        self.published_tokens += sum(len(out.new_token_ids) for out in outputs)
+
+
+def token_event_bytes(request_id: str, seq: int, token_ids: list[int], text: str,
+                      index: int) -> bytes:
+    """A non-final ``TokenEvent``'s msgpack, the bytes ``encode_event`` gives, without
+    building and validating a pydantic model per token (the output process's hot path)."""
+    from protocol.models import PROTOCOL_VERSION
+
+    return msgpack.packb({"version": PROTOCOL_VERSION, "request_id": request_id, "seq": seq,
+                          "token_ids": token_ids, "text": text, "index": index},
+                         use_bin_type=True)  # type: ignore[no-any-return]
+
+
+class OutputProcess:
+    def __init__(self, rfd: int, wfd: int) -> None:
+        self._wfd = wfd
+        self._reader = m.FrameReader(rfd)
+        self._stops: list[list[Any]] = []
+        self.texts: dict[str, str] = {}  # with ``collect``: every stream's text (tests, bench)
+        self.stats = {"tokens": 0, "published": 0, "passes": 0, "batches": 0, "busy_s": 0.0}
+
+    def _send(self, message: list[Any]) -> None:
+        m.write_all(self._wfd, m.frame(message))
+
+    def _on_stop(self, stream: int, stop_str: str) -> EngineEnd | None:
+        self._stops.append([m.STOP, stream, stop_str])
+        return None  # the engine hears of it with the next message: this stream ends here
+
+    def run(self) -> int:
+        config = self._reader.read()
+        if config is None or config[0] != m.CONFIG:
+            return 2
+        options: dict[str, Any] = config[1]
+        tokenizer = _load_tokenizer(options)
+        texts = StreamTexts(tokenizer, self._on_stop)
+        publisher = _Publisher(options.get("redis_url"), options.get("prefix", "ferry"),
+                               int(options.get("ttl_s", 3600)))
+        collect = bool(options.get("collect"))
+        self._send([m.READY, os.getpid()])
+        inbox = _Inbox(self._reader)
+        last_stats = time.monotonic()
+        while True:
+            messages = inbox.take(_STATS_EVERY_S)
+            start = time.perf_counter()
+            outputs: list[StepOutput] = []
+            done = False
+            for message in messages:
+                if message is None or message[0] == m.QUIT:
+                    done = True
+                    break
+                if message[0] == m.BATCH:
+                    self.stats["batches"] += 1
+                    outputs += texts.apply(m.unpack_batch(message))
+            for stop in self._stops:
+                self._send(stop)
+            self._stops.clear()
+            publisher.publish(outputs)
+            if collect:
+                for out in outputs:
+                    key = f"{out.request_id}/{out.index}"
+                    self.texts[key] = self.texts.get(key, "") + out.text
+            if messages:
+                self.stats["passes"] += 1
+                self.stats["busy_s"] += time.perf_counter() - start
+            self.stats["tokens"] = texts.tokens_seen
+            self.stats["dropped"] = texts.rows_dropped
+            self.stats["torch_loaded"] = "torch" in sys.modules
+            self.stats["published"] = publisher.published_tokens
+            now = time.monotonic()
+            if done or now - last_stats >= _STATS_EVERY_S:
+                last_stats = now
+                self._send([m.STATS, dict(self.stats), self.texts if done and collect else None])
+            if done:
+                return 0
+
+
+def _load_tokenizer(options: dict[str, Any]) -> Any:
+    """The engine's tokenizer's Rust backend when it sent one (no transformers, no torch),
+    else the tokenizer loaded the engine's way."""
+    if options.get("decode_spec") is not None:
+        from worker.engine.rust_decode import RustDecoder
+
+        return RustDecoder(options["decode_spec"])
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(options["tokenizer"])
+
+
+def main(argv: list[str]) -> int:
+    rfd, wfd = int(argv[1]), int(argv[2])
+    m.widen_pipe(rfd)
+    try:
+        return OutputProcess(rfd, wfd).run()
+    except BrokenPipeError:
+        return 0  # the engine process is gone: so is our reason to run
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
