@@ -82,7 +82,8 @@ def tool_grammar(spec: ToolCalls, syntax: Syntax) -> str:
     fam = FAMILIES[spec.syntax or syntax]
     offered = spec.offered()
     lines = ["%llguidance {}"]
-    calls = "call" if not spec.parallel else f'call ({json.dumps(fam.sep)} call)*'
+    more = spec.max_calls - 1 if spec.parallel else 0
+    calls = "call" if more == 0 else f"call ({json.dumps(fam.sep)} call){{0,{more}}}"
     alternatives = " | ".join(f"fn{i}" for i in range(len(offered)))
     if spec.mode == "auto":
         other = "final" if spec.final_schema is not None else "TEXT"
@@ -112,15 +113,17 @@ Call = tuple[str, str]
 """(function name, arguments as compact JSON text)."""
 
 
-def parse_calls(text: str, names: set[str]) -> tuple[str | None, list[Call]] | None:
+def parse_calls(text: str, names: set[str],
+                cut: bool = False) -> tuple[str | None, list[Call]] | None:
     """(text before the calls or None, the calls) if ``text`` is a complete list of calls
-    in any family, to functions in ``names``; None if it is plain text (or malformed)."""
+    in any family, to functions in ``names``; None if it is plain text (or malformed).
+    ``cut``: the output was cut short (``max_tokens``): the calls it completed."""
     for fam in FAMILIES.values():
         at = _start(text, fam)
         if at is None:
             continue
         calls, end = _decode(text, at, fam, names)
-        if calls and text[end:].strip() == fam.close:
+        if calls and (cut or text[end:].strip() == fam.close):
             return (text[:at].strip() or None), calls
     return None
 

@@ -17,6 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"  # OpenAI's rule for function names
 MAX_TOOLS = 128
+MAX_CALLS = 8
+"""Calls one turn may make when parallel calls are allowed, unless ``max_calls`` says
+otherwise: a model that never learned to stop after a call (the default model) would
+otherwise repeat calls until ``max_tokens`` and end in a call cut in half."""
 ToolMode = Literal["auto", "required", "named"]
 Syntax = Literal["hermes", "llama3_json", "mistral"]
 """How a model writes a call (its chat template's family; docs/tools.md):
@@ -62,6 +66,8 @@ class ToolCalls(BaseModel):
     mode: ToolMode = "auto"
     name: str | None = Field(default=None, pattern=NAME_PATTERN)
     parallel: bool = True
+    max_calls: int = Field(default=MAX_CALLS, ge=1, le=MAX_TOOLS, description=(
+        "With parallel: the most calls one output may hold."))
     final_schema: dict[str, Any] | None = Field(default=None, description=(
         "mode auto: a non-tool answer must be JSON following this schema."))
     syntax: Syntax | None = Field(default=None, description=(

@@ -126,7 +126,8 @@ class Formatter:
         if self.chat:
             lp = chat_content(entries_of(events), self.shape.token_ids_as_text) \
                 if any(e.logprobs is not None for e in events) else None
-            message = {"role": "assistant", **message_fields(echo + text, self.shape.tools)}
+            message = {"role": "assistant", **message_fields(
+                echo + text, self.shape.tools, reason == "length")}
             if message.get("tool_calls") and reason == "stop":
                 reason = "tool_calls"
             return {"index": index, "message": message,
@@ -247,7 +248,8 @@ class Formatter:
         rest = b""
         if index in self._tools:  # tools: what was held back, then the reason
             tools = self._tools[index]
-            rest = b"".join(sse(self._chunk(index, d)) for d in tools.finish())
+            rest = b"".join(sse(self._chunk(index, d))
+                            for d in tools.finish(reason == "length"))
             reason = "tool_calls" if tools.has_calls and reason == "stop" else reason
         chunk = self._chunk(index, delta, finish_reason=reason)
         chunk["choices"][0]["stop_reason"] = stop_reason

@@ -26,9 +26,10 @@ def call_body(call: Call, call_id: str | None = None) -> dict[str, Any]:
             "function": {"name": name, "arguments": arguments}}
 
 
-def message_fields(text: str, names: tuple[str, ...]) -> dict[str, Any]:
-    """The assistant message's ``content`` and ``tool_calls`` for a whole output."""
-    parsed = parse_calls(text, set(names)) if names else None
+def message_fields(text: str, names: tuple[str, ...], cut: bool = False) -> dict[str, Any]:
+    """The assistant message's ``content`` and ``tool_calls`` for a whole output
+    (``cut``: ended by ``max_tokens``: the calls completed before the cut)."""
+    parsed = parse_calls(text, set(names), cut) if names else None
     if parsed is None:
         return {"content": text}
     content, calls = parsed
@@ -63,9 +64,9 @@ class ToolStream:
             return self._calls(complete_calls(self.buffer, self.names) or [])
         return []
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self, cut: bool = False) -> list[dict[str, Any]]:
         """At the choice's end: what is left (a whole list of calls, or the text)."""
-        parsed = parse_calls(self.buffer, self.names)
+        parsed = parse_calls(self.buffer, self.names, cut)
         if parsed is not None and self.mode != "text":
             return self._calls(parsed[1])
         if self.sent:  # calls cut short (max_tokens): the rest as text, nothing lost
