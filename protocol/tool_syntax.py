@@ -70,8 +70,8 @@ def call_schema(tool: FunctionTool, args_key: str) -> dict[str, Any]:
     """The JSON schema of one call to ``tool``: its name, then its arguments. The
     arguments' ``$defs``/``definitions`` move to the root, where their ``$ref``s
     (``#/$defs/...``) point once the schema is nested."""
-    args = prepare(dict(tool.schema()))
-    hoisted = {k: args.pop(k) for k in ("$defs", "definitions") if k in args}
+    args = prepare(dict(tool.args_schema()))
+    hoisted: dict[str, Any] = {k: args.pop(k) for k in ("$defs", "definitions") if k in args}
     return {"type": "object", "properties": {"name": {"const": tool.name}, args_key: args},
             "required": ["name", args_key], "additionalProperties": False,
             "x-guidance": _COMPACT, **hoisted}

@@ -44,12 +44,12 @@ class FunctionTool(BaseModel):
     def template_dict(self) -> dict[str, Any]:
         """The tool as ``apply_chat_template(tools=...)`` takes it (OpenAI's shape)."""
         function: dict[str, Any] = {"name": self.name,
-                                    "parameters": self.schema()}
+                                    "parameters": self.args_schema()}
         if self.description:
             function["description"] = self.description
         return {"type": "function", "function": function}
 
-    def schema(self) -> dict[str, Any]:
+    def args_schema(self) -> dict[str, Any]:
         return self.parameters if self.parameters is not None else {"type": "object"}
 
 

@@ -19,7 +19,7 @@ from gateway.errors import APIError
 from gateway.openai_api.structured import _model, check
 from protocol.codec import describe_validation_error
 from protocol.structured import StructuredOutput
-from protocol.tools import NAME_PATTERN, FunctionTool, ToolCall, ToolCalls
+from protocol.tools import NAME_PATTERN, FunctionTool, ToolCall, ToolCalls, ToolMode
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
 
@@ -91,8 +91,8 @@ class ToolFields(BaseModel):
         if choice == "none":
             return final
         functions = [self._function(i, t) for i, t in enumerate(self.tools)]
-        mode, name = ("named", choice.function.name) if isinstance(choice, NamedChoice) \
-            else (choice or "auto", None)
+        mode: ToolMode = "named" if isinstance(choice, NamedChoice) else choice or "auto"
+        name = choice.function.name if isinstance(choice, NamedChoice) else None
         if final is not None and final.kind not in ("json_schema", "json_object"):
             raise APIError(400, f"{final.kind}: cannot be combined with tools (only a "
                            "response_format JSON schema can)", param="tools")

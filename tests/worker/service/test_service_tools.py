@@ -127,8 +127,8 @@ def test_tools_with_response_format(stack: Any) -> None:
     for seed in range(3):
         out = stack.client.chat.completions.create(
             model="default", messages=history, tools=TOOLS, temperature=1.0, seed=seed,
-            parallel_tool_calls=False, max_tokens=80, response_format={"type": "json_schema", "json_schema": {
-                "name": "answer", "schema": schema}})
+            parallel_tool_calls=False, max_tokens=80, response_format={
+                "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
         message = out.choices[0].message
         if message.tool_calls:
             _valid(message.tool_calls)
