@@ -1,7 +1,8 @@
 """Tool calling against ``ferry up`` with the default model: the Done-when table of
 issue 31 (docs/tools.md).
 
-Rows (temperature 1 throughout, the official openai SDK as the client):
+Rows (temperature 1 throughout, the official openai SDK as the client, 25 requests in
+flight at a time):
 
 * required / named: N requests alternating ``tool_choice="required"`` and a named
   function; a request passes when it returns at least one call and every call names an
@@ -23,6 +24,7 @@ Without ``--base-url`` it starts ``ferry up`` on a free port and stops it at the
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import contextlib
 import json
 import os
@@ -30,7 +32,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ import jsonschema
 import openai
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOLS = [
+TOOLS: list[Any] = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "The weather in a city.",
         "parameters": {"type": "object", "properties": {
@@ -55,13 +57,14 @@ TOOLS = [
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}},
           "required": ["answer"], "additionalProperties": False}
-ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
-HISTORY = ASK + [
+ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
+HISTORY: list[Any] = ASK + [
     {"role": "assistant", "content": None, "tool_calls": [{
         "id": "call_1", "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city":"Paris","unit":"c"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}]
 MAX_TOKENS = 300
+CONCURRENCY = 25
 
 
 def valid_calls(calls: Any) -> list[tuple[str, Any]] | None:
@@ -79,9 +82,14 @@ def valid_calls(calls: Any) -> list[tuple[str, Any]] | None:
     return out
 
 
+def each(n: int, one: Callable[[int], Any]) -> list[Any]:
+    """``one(i)`` for i < n, ``CONCURRENCY`` at a time: the worker batches them."""
+    with cf.ThreadPoolExecutor(CONCURRENCY) as pool:
+        return list(pool.map(one, range(n)))
+
+
 def required_named(client: openai.OpenAI, n: int) -> int:
-    ok = 0
-    for i in range(n):
+    def one(i: int) -> bool:
         choice: Any = "required" if i % 2 == 0 else {
             "type": "function", "function": {"name": ("add", "get_weather")[i // 2 % 2]}}
         out = client.chat.completions.create(
@@ -90,28 +98,27 @@ def required_named(client: openai.OpenAI, n: int) -> int:
         calls = valid_calls(out.choices[0].message.tool_calls)
         named = isinstance(choice, dict) and calls is not None and any(
             name != choice["function"]["name"] for name, _ in calls)
-        ok += bool(calls) and not named
-    return ok
+        return bool(calls) and not named
+
+    return sum(each(n, one))
 
 
 def auto(client: openai.OpenAI, n: int) -> tuple[int, int, int]:
     """(well-formed, of which text, of which calls)."""
-    ok = text = calls = 0
-    for _ in range(n):
+    def one(_: int) -> str:
         out = client.chat.completions.create(
             model="default", messages=ASK, tools=TOOLS, temperature=1.0, max_tokens=80)
         message = out.choices[0].message
         if message.tool_calls:
-            good = valid_calls(message.tool_calls) is not None
-            ok, calls = ok + good, calls + good
-        elif "<tool_call>" not in (message.content or ""):
-            ok, text = ok + 1, text + 1
-    return ok, text, calls
+            return "calls" if valid_calls(message.tool_calls) is not None else "malformed"
+        return "text" if "<tool_call>" not in (message.content or "") else "malformed"
+
+    got = each(n, one)
+    return n - got.count("malformed"), got.count("text"), got.count("calls")
 
 
 def streamed_equal(client: openai.OpenAI, n: int) -> int:
-    ok = 0
-    for seed in range(n):
+    def one(seed: int) -> bool:
         body: dict[str, Any] = dict(model="default", messages=ASK, tools=TOOLS,
                                     tool_choice="required", temperature=1.0, seed=seed,
                                     max_tokens=MAX_TOKENS)
@@ -122,26 +129,29 @@ def streamed_equal(client: openai.OpenAI, n: int) -> int:
                 pass
             # the helper's own reassembly (get_final_completion refuses a length cut)
             snapshot = stream.current_completion_snapshot
-        ok += whole is not None and valid_calls(snapshot.choices[0].message.tool_calls) == whole
-    return ok
+        return whole is not None and valid_calls(snapshot.choices[0].message.tool_calls) == whole
+
+    return sum(each(n, one))
 
 
 def with_response_format(client: openai.OpenAI, n: int) -> tuple[int, int]:
     """(valid, of which JSON answers)."""
-    ok = answers = 0
-    for _ in range(n):
+    def one(_: int) -> str:
         out = client.chat.completions.create(
             model="default", messages=HISTORY, tools=TOOLS, temperature=1.0, max_tokens=120,
-            response_format={"type": "json_schema",
+            response_format={"type": "json_schema",  # type: ignore[typeddict-item]
                              "json_schema": {"name": "answer", "schema": ANSWER}})
         message = out.choices[0].message
         if message.tool_calls:
-            ok += valid_calls(message.tool_calls) is not None
-            continue
-        with contextlib.suppress(ValueError, jsonschema.ValidationError):
+            return "calls" if valid_calls(message.tool_calls) is not None else "bad"
+        try:
             jsonschema.validate(json.loads(message.content or ""), ANSWER)
-            ok, answers = ok + 1, answers + 1
-    return ok, answers
+        except (ValueError, jsonschema.ValidationError):
+            return "bad"
+        return "answer"
+
+    got = each(n, one)
+    return n - got.count("bad"), got.count("answer")
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ def _tokenizer() -> Any:
     from worker.models import default_model_path
 
     hf = AutoTokenizer.from_pretrained(default_model_path())
-    return hf, llguidance.hf.from_tokenizer(hf)
+    return hf, llguidance.hf.from_tokenizer(hf)  # type: ignore[arg-type]
 
 
 def _accepts(spec: ToolCalls, family: str, text: str) -> bool:

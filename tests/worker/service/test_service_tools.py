@@ -25,13 +25,13 @@ from tests.gateway.server import GatewayServer
 from tests.worker.service.procs import WorkerProcess
 from worker.models import default_model_path
 
-WEATHER = {"type": "function", "function": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 20},
         "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
         "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
+ADD: dict[str, Any] = {"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
     "parameters": {"type": "object", "properties": {
         "a": {"type": "integer", "minimum": 0, "maximum": 100},
