@@ -19,9 +19,9 @@ from tests.redis_server import RedisServer
 
 gateway = h.gateway
 sdk, post = h.sdk, h.post
-TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+TOOL: Any = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+MESSAGES: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
 CALLS = {
     "hermes": ['<tool_call>\n{"name":"get_weather",', '"arguments":{"city":"Paris"}}',
                '\n</tool_call>\n<tool_call>\n{"name":"get_weather","arguments":',
@@ -43,22 +43,22 @@ def scripted(redis_server: RedisServer, request: Any) -> Iterator[FakeWorker]:
 def test_tool_choice_reaches_the_wire(gateway: GatewayServer, redis_server: RedisServer) -> None:
     with FakeWorker(redis_server.url, Script(tokens=["Hi"])) as worker:
         client = sdk(gateway)
-        client.chat.completions.create(model="fake-model", messages=MESSAGES, tools=[TOOL])  # type: ignore[list-item]
+        client.chat.completions.create(model="fake-model", messages=MESSAGES, tools=[TOOL])
         spec = worker.seen[-1].params.structured_output
         assert spec is not None and spec.tools is not None
         assert spec.tools.mode == "auto" and spec.tools.parallel and spec.tools.max_calls == 8
         client.chat.completions.create(
-            model="fake-model", messages=MESSAGES, tools=[TOOL], parallel_tool_calls=False,  # type: ignore[list-item]
+            model="fake-model", messages=MESSAGES, tools=[TOOL], parallel_tool_calls=False,
             tool_choice={"type": "function", "function": {"name": "get_weather"}})
         spec = worker.seen[-1].params.structured_output
         assert spec is not None and spec.tools is not None
         assert (spec.tools.mode, spec.tools.name, spec.tools.parallel) == (
             "named", "get_weather", False)
-        client.chat.completions.create(model="fake-model", messages=MESSAGES, tools=[TOOL],  # type: ignore[list-item]
+        client.chat.completions.create(model="fake-model", messages=MESSAGES, tools=[TOOL],
                                        tool_choice="none")
         assert worker.seen[-1].params.structured_output is None
         client.chat.completions.create(
-            model="fake-model", messages=MESSAGES, tools=[TOOL],  # type: ignore[list-item]
+            model="fake-model", messages=MESSAGES, tools=[TOOL],
             response_format={"type": "json_object"})
         spec = worker.seen[-1].params.structured_output
         assert spec is not None and spec.tools is not None
@@ -72,7 +72,7 @@ def test_history_turns_reach_the_wire(gateway: GatewayServer, redis_server: Redi
             "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     with FakeWorker(redis_server.url, Script(tokens=["Sunny."])) as worker:
-        sdk(gateway).chat.completions.create(model="fake-model", messages=history, tools=[TOOL])  # type: ignore[arg-type, list-item]
+        sdk(gateway).chat.completions.create(model="fake-model", messages=history, tools=[TOOL])
         sent = worker.seen[-1].messages
         assert sent is not None and sent[1].tool_calls is not None
         assert sent[1].tool_calls[0].arguments == '{"city":"Paris"}'
@@ -88,7 +88,7 @@ def test_calls_are_read_back_whole_and_streamed(gateway: GatewayServer,
     whole = client.chat.completions.create(**body).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
     calls = whole.message.tool_calls or []
-    assert [(c.function.name, c.function.arguments) for c in calls] == WANT  # type: ignore[union-attr]
+    assert [(c.function.name, c.function.arguments) for c in calls] == WANT
     assert all(c.id.startswith("call_") and len(c.id) == 29 for c in calls)
     with client.chat.completions.stream(**body) as stream:
         for _ in stream:
@@ -98,7 +98,7 @@ def test_calls_are_read_back_whole_and_streamed(gateway: GatewayServer,
     assert [(c.function.name, c.function.arguments)
             for c in final.message.tool_calls or []] == WANT
     out = client.responses.create(model="fake-model", input="Weather?", tools=[{
-        "type": "function", "name": "get_weather", "parameters": TOOL["function"][  # type: ignore[index]
+        "type": "function", "name": "get_weather", "parameters": TOOL["function"][
             "parameters"], "strict": False}], tool_choice="required")
     assert [(i.name, i.arguments) for i in out.output if i.type == "function_call"] == WANT
 
@@ -106,11 +106,11 @@ def test_calls_are_read_back_whole_and_streamed(gateway: GatewayServer,
 @pytest.mark.parametrize("scripted", [["Sunny", " in Paris."]], indirect=True)
 def test_text_stays_text(gateway: GatewayServer, scripted: FakeWorker) -> None:
     client = sdk(gateway)
-    whole = client.chat.completions.create(model="fake-model", messages=MESSAGES, tools=[TOOL])  # type: ignore[list-item]
+    whole = client.chat.completions.create(model="fake-model", messages=MESSAGES, tools=[TOOL])
     assert whole.choices[0].message.content == "Sunny in Paris."
     assert whole.choices[0].finish_reason == "stop" and not whole.choices[0].message.tool_calls
     deltas = [c.choices[0].delta.content for c in client.chat.completions.create(
-        model="fake-model", messages=MESSAGES, tools=[TOOL], stream=True) if c.choices]  # type: ignore[list-item]
+        model="fake-model", messages=MESSAGES, tools=[TOOL], stream=True) if c.choices]
     assert "".join(d or "" for d in deltas) == "Sunny in Paris."
     events = [e.type for e in client.responses.create(model="fake-model", input="x", stream=True)]
     assert events[0] == "response.created" and events[-1] == "response.completed"
