@@ -19,7 +19,7 @@ from gateway.queue_client import QueueClient
 from gateway.redis_client import ferry_client
 from gateway.request_id import HEADER as REQUEST_ID_HEADER
 from gateway.request_id import RequestIdMiddleware
-from gateway.routes import batches, files, health, jobs, openai, tokenize
+from gateway.routes import batches, files, health, jobs, openai, responses, tokenize
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
 from gateway.tenancy.tenants import tenant_directory
@@ -58,6 +58,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     _install_fallback_handlers(app, settings.retry_after_s)
     app.include_router(health.router)
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(jobs.router)
     app.include_router(files.router)
     app.include_router(batches.router)

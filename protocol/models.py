@@ -17,18 +17,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from protocol.chat_template import check_template_kwargs
 from protocol.sampling import SamplingParams
 from protocol.tenancy import TENANT_PATTERN, check_scoped
+from protocol.tools import ToolCall
 from protocol.values import first_path, out_of_int64, unencodable
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on any incompatible change; decoders refuse versions they do not know. Version 2
 added fields (logit_bias, structured_output, n, best_of; per-choice events), version 3 more
 (prompt logprobs, echo, fit_to_context; the first event's prompt fields; error codes),
 version 4 the request's ``tenant`` and tenant-scoped request ids (``protocol.tenancy``),
 version 5 the prompt controls (chat template switches and kwargs, ``suffix``;
-``truncate_prompt_tokens``, ``bad_words``, ``allowed_token_ids``) and ``stop_reason``:
-older messages are still read, and mean the same."""
+``truncate_prompt_tokens``, ``bad_words``, ``allowed_token_ids``) and ``stop_reason``,
+version 6 tool calls (``structured_output.tools``; a chat message's ``tool_calls``,
+``tool_call_id`` and ``name``): older messages are still read, and mean the same."""
 
-SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, PROTOCOL_VERSION})
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5, PROTOCOL_VERSION})
 
 ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 """Request and worker ids become part of Redis key names: only key-safe characters."""
@@ -74,6 +76,21 @@ class ChatMessage(_Wire):
 
     role: str = Field(min_length=1, max_length=64)
     content: str
+    # tool calling (docs/tools.md): the calls an assistant turn made, the call a tool
+    # turn answers, and the name of the function that answered
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    name: str | None = Field(default=None, max_length=256)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: fields left out rather than null."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.template_dict() for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class GenerateRequest(_Wire):

@@ -17,6 +17,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.json_schema import prepare
+from protocol.tool_syntax import DEFAULT_SYNTAX, tool_grammar
+from protocol.tools import Syntax, ToolCalls
 from protocol.values import first_path, unencodable
 
 MAX_SCHEMA_BYTES = 256 * 1024
@@ -24,7 +26,7 @@ MAX_PATTERN_CHARS = 16 * 1024
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 4096
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools")
 
 # JSON is generated compact (no whitespace between tokens): a model left free to emit
 # whitespace can fill max_tokens with newlines and never close the object. A schema may
@@ -45,6 +47,8 @@ class StructuredOutput(BaseModel):
     grammar: str | None = Field(
         default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS,
         description="EBNF (GBNF, as llama.cpp and vLLM) or Lark grammar text.")
+    tools: ToolCalls | None = Field(default=None, description=(
+        "Tool calls (protocol/tools.py): calls to these functions, or text per its mode."))
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutput:
@@ -53,7 +57,7 @@ class StructuredOutput(BaseModel):
             raise ValueError(
                 f"give exactly one of {', '.join(KINDS)} "
                 f"(got {', '.join(given) or 'none'})")
-        broken = first_path({given[0]: getattr(self, given[0])}, unencodable)
+        broken = first_path({given[0]: self._value(given[0])}, unencodable)
         if broken:  # llguidance (and msgpack) take UTF-8 only: keys are text too
             raise ValueError(f"{broken}: not valid Unicode text (a lone surrogate?)")
         if self.json_schema is not None:
@@ -73,14 +77,19 @@ class StructuredOutput(BaseModel):
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
+    def _value(self, kind: str) -> Any:
+        value = getattr(self, kind)
+        return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+
     def cache_key(self) -> str:
         """Canonical text of the constraint: equal constraints compile once."""
-        value = getattr(self, self.kind)
+        value = self._value(self.kind)
         return self.kind + ":" + json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def grammar_for(spec: StructuredOutput) -> str:
+def grammar_for(spec: StructuredOutput, syntax: Syntax = DEFAULT_SYNTAX) -> str:
     """llguidance grammar text for ``spec``; ValueError naming the field if it cannot be built.
+    ``syntax``: how the model writes tool calls (its chat template's family).
 
     Building does not check the grammar; ``check_grammar`` (or constructing a matcher) does.
     """
@@ -99,6 +108,8 @@ def grammar_for(spec: StructuredOutput) -> str:
             return matcher.grammar_from_regex(spec.regex or "")
         if kind == "choice":
             return llguidance.grammar_from("choice", json.dumps(spec.choice))
+        if kind == "tools":
+            return matcher.grammar_from_lark(tool_grammar(spec.tools, syntax))  # type: ignore[arg-type]
         return llguidance.grammar_from("ebnf", spec.grammar or "")
     except Exception as exc:  # the GBNF converter raises plain Exception
         raise ValueError(f"{kind}: {_one_line(exc)}") from None

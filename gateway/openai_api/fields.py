@@ -23,7 +23,8 @@ from gateway.errors import APIError
 
 # field -> the values that ask for nothing (any other value is refused)
 REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
-    # tool calling and other OpenAI features
+    # tool calling on /v1/completions (chat honours tools: gateway/openai_api/tools.py),
+    # the legacy function-calling fields, and other OpenAI features
     "tools": (None, []),
     "functions": (None, []),
     "function_call": (None, "none"),
@@ -70,7 +71,7 @@ IGNORED: dict[str, str] = {
     "service_tier": "OpenAI's billing tier",
     "prompt_cache_key": "OpenAI's cache routing hint",
     "safety_identifier": "end-user id, for abuse monitoring",
-    "parallel_tool_calls": "meaningful only with tools (refused)",
+    "parallel_tool_calls": "completions: meaningful only with tools (refused there)",
     "include_reasoning": "vLLM: reasoning parser output (none here)",
     "guided_decoding_backend": "vLLM: which grammar engine (llguidance here)",
 }

@@ -23,6 +23,7 @@ from gateway.openai_api.logprobs import (
     vllm_prompt_logprobs,
 )
 from gateway.openai_api.response_shape import ResponseShape
+from gateway.openai_api.tool_output import ToolStream, message_fields
 from gateway.sse import json_bytes, sse
 from protocol.models import ChoiceResult, PromptLogprob, StopReason, TokenEvent, Usage
 
@@ -78,6 +79,7 @@ class Formatter:
         self._finished: set[int] = set()  # choices whose finish chunk was sent
         self._prompts = [_Prompt() for _ in range(shape.prompts)]
         self._logprobs: dict[int, CompletionLogprobs] = {}
+        self._tools: dict[int, ToolStream] = {}  # chat with tools: per choice index
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -124,7 +126,11 @@ class Formatter:
         if self.chat:
             lp = chat_content(entries_of(events), self.shape.token_ids_as_text) \
                 if any(e.logprobs is not None for e in events) else None
-            return {"index": index, "message": {"role": "assistant", "content": echo + text},
+            message = {"role": "assistant", **message_fields(
+                echo + text, self.shape.tools, reason == "length")}
+            if message.get("tool_calls") and reason == "stop":
+                reason = "tool_calls"
+            return {"index": index, "message": message,
                     "logprobs": lp, "finish_reason": reason, "stop_reason": stop_reason}
         choice = {"index": index, "text": echo + text,
                   "logprobs": self._completion_logprobs(p, events, echo, CompletionLogprobs(
@@ -174,7 +180,9 @@ class Formatter:
                 parts += self._echo_frames(p)
             state.completion_tokens += len(event.token_ids)
             index = self.shape.index(p, event.index)
-            if (event.text or event.logprobs) and self.shape.generate:
+            if self.chat and self.shape.tools and event.text:
+                parts += [sse(self._chunk(index, d)) for d in self._tool(index).feed(event.text)]
+            elif (event.text or event.logprobs) and self.shape.generate:
                 parts.append(self._token_frame(p, index, event))
             if event.choice_finish_reason is not None:
                 parts.append(self.finish_frame(p, index, event.choice_finish_reason,
@@ -237,9 +245,20 @@ class Formatter:
         if not self.shape.generate:
             reason, stop_reason = "length", None
         delta: dict[str, Any] | None = {} if self.chat else None
+        rest = b""
+        if index in self._tools:  # tools: what was held back, then the reason
+            tools = self._tools[index]
+            rest = b"".join(sse(self._chunk(index, d))
+                            for d in tools.finish(reason == "length"))
+            reason = "tool_calls" if tools.has_calls and reason == "stop" else reason
         chunk = self._chunk(index, delta, finish_reason=reason)
         chunk["choices"][0]["stop_reason"] = stop_reason
-        return sse(self._with_usage(p, chunk))
+        return rest + sse(self._with_usage(p, chunk))
+
+    def _tool(self, index: int) -> ToolStream:
+        if index not in self._tools:
+            self._tools[index] = ToolStream(self.shape.tools)
+        return self._tools[index]
 
     def _close_prompt(self, p: int, final: TokenEvent) -> list[bytes]:
         """At prompt ``p``'s terminal event: finish chunks for its choices still open."""

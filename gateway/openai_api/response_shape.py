@@ -27,6 +27,7 @@ class ResponseShape:
     generate: bool = True  # False: max_tokens 0 with echo; the one generated token is dropped
     token_ids_as_text: bool = False  # vLLM's return_tokens_as_token_ids
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in each choice
+    tools: tuple[str, ...] = ()  # chat: the functions the output may call (parsed back)
 
     def index(self, prompt: int, choice: int) -> int:
         return prompt * self.n + choice

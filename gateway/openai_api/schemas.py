@@ -20,9 +20,11 @@ from gateway.errors import APIError
 from gateway.openai_api.fields import refuse_unsupported
 from gateway.openai_api.response_shape import ResponseShape
 from gateway.openai_api.structured import StructuredFields, check_params
+from gateway.openai_api.tools import ToolCallIn, ToolFields
 from gateway.settings import GatewaySettings
 from protocol.models import ID_PATTERN, ChatMessage, GenerateRequest, new_request_id
 from protocol.sampling import MAX_LOGPROBS, SamplingParams
+from protocol.structured import StructuredOutput
 
 log = structlog.get_logger("ferry.gateway")
 
@@ -200,6 +202,9 @@ class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: ChatRole  # anything else: a 400 naming messages.<i>.role
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
     def to_protocol(self, index: int) -> ChatMessage:
         content = self.content
@@ -209,10 +214,12 @@ class ChatMessageIn(BaseModel):
                     raise APIError(400, f"messages.{index}.content: only text parts are "
                                    f"supported, got {part.type!r}", param="messages")
             content = "\n".join(part.text or "" for part in content)
-        return ChatMessage(role=self.role, content=content or "")
+        calls = [c.to_protocol() for c in self.tool_calls] if self.tool_calls else None
+        return ChatMessage(role=self.role, content=content or "", tool_calls=calls,
+                           tool_call_id=self.tool_call_id, name=self.name)
 
 
-class ChatCompletionRequest(_OpenAIBase):
+class ChatCompletionRequest(ToolFields, _OpenAIBase):
     route: ClassVar[str] = "chat"
 
     messages: list[ChatMessageIn] = Field(min_length=1)
@@ -251,7 +258,12 @@ class ChatCompletionRequest(_OpenAIBase):
             chat_template_kwargs=self.chat_template_kwargs or None,
         )
         echo = last.content if self.echo and last.role == "assistant" else None
-        return [request], self._shape(True, request_id=request.request_id, chat_echo=echo)
+        return [request], self._shape(True, request_id=request.request_id, chat_echo=echo,
+                                      tools=self.tool_names())
+
+    def structured_output(self) -> StructuredOutput | None:
+        """``response_format`` and friends, with the tools on top (docs/tools.md)."""
+        return self.with_tools(super().structured_output())
 
 
 class JobCreate(BaseModel):

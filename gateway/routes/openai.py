@@ -14,7 +14,7 @@ the 200 goes out and a late refusal comes in-band as before.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -33,7 +33,7 @@ from gateway.served_models import ServedModels
 from gateway.sse import DONE, PING, EventStreamResponse, sse
 from gateway.tenancy.principal import scoped, tenant
 from protocol.codec import ProtocolError
-from protocol.models import GenerateRequest
+from protocol.models import GenerateRequest, TokenEvent
 from protocol.streaming import StreamTimeout
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -101,23 +101,32 @@ async def _model_cards(served: ServedModels, fresh: bool = False) -> list[dict[s
              "owned_by": "ferry"} for name in await served.names()]
 
 
-async def _serve(requests: list[GenerateRequest], shape: ResponseShape, http: Request,
-                 queue: QueueClient) -> Response:
+async def start(requests: list[GenerateRequest], http: Request,
+                queue: QueueClient) -> tuple[str, Generations]:
+    """Resolve the model, scope to the tenant, admit and enqueue: (model, the group)."""
     received_at = time.time()
     model = await get_served(http).resolve(requests[0].model)
     who = tenant(http)
     requests = scoped(who, [r.model_copy(update={"model": model}) for r in requests])
     await queue.admit(requests, who)
-    group = await Generations.start(queue, requests, received_at)
-    fmt = Formatter(shape.request_id, model, shape)
+    return model, await Generations.start(queue, requests, received_at)
+
+
+async def held_or_collected(
+    group: Generations, http: Request, stream: bool,
+    streamer: Callable[[Batch], AsyncIterator[bytes]],
+) -> Response | list[list[TokenEvent]]:
+    """A stream (once every request has said something) or every request's events;
+    errors before the first byte are HTTP errors. Shared by /v1/responses."""
+    queue = group.queue
     try:
-        if shape.stream:
+        if stream:
             held = await group.first(http, queue.settings.stream_hold_s)
             for _, events in held:
                 error = failure(events[-1])
                 if error is not None:
                     raise error
-            return EventStreamResponse(_stream(group, fmt, held), on_close=group.close)
+            return EventStreamResponse(streamer(held), on_close=group.close)
         per_prompt = await group.collect(http)
     except StreamTimeout as exc:
         await group.close()
@@ -133,7 +142,16 @@ async def _serve(requests: list[GenerateRequest], shape: ResponseShape, http: Re
         error = failure(events[-1]) if events else None
         if error is not None:
             raise error
-    return JSONResponse(fmt.response(per_prompt))
+    return per_prompt
+
+
+async def _serve(requests: list[GenerateRequest], shape: ResponseShape, http: Request,
+                 queue: QueueClient) -> Response:
+    model, group = await start(requests, http, queue)
+    fmt = Formatter(shape.request_id, model, shape)
+    got = await held_or_collected(group, http, shape.stream,
+                                  lambda held: _stream(group, fmt, held))
+    return got if isinstance(got, Response) else JSONResponse(fmt.response(got))
 
 
 async def _stream(group: Generations, fmt: Formatter, held: Batch) -> AsyncIterator[bytes]:

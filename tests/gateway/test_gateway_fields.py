@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from gateway.openai_api.fields import IGNORED, REFUSED_UNLESS, ROUTE_ONLY
+from gateway.openai_api.schemas import ChatCompletionRequest
 from tests.gateway import openai_helpers as h
 from tests.gateway.server import GatewayServer
 from tests.protocol.fake_worker import FakeWorker
@@ -69,7 +70,10 @@ _NOT_DEFAULT: dict[str, Any] = {
 @pytest.mark.parametrize("name", sorted(REFUSED_UNLESS))
 def test_every_refused_field_is_a_400_naming_it(gateway: GatewayServer, name: str) -> None:
     value = _NOT_DEFAULT.get(name, {"something": 1})
-    reply = post(gateway, "/v1/chat/completions", {"messages": MESSAGES, name: value})
+    if name in ChatCompletionRequest.model_fields:  # honoured by chat (tools): completions
+        reply = post(gateway, "/v1/completions", {"prompt": "x", name: value})
+    else:
+        reply = post(gateway, "/v1/chat/completions", {"messages": MESSAGES, name: value})
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == name
 
@@ -78,7 +82,7 @@ def test_harmless_values_and_ignored_fields_pass(gateway: GatewayServer,
                                                  worker: FakeWorker) -> None:
     harmless = {name: values[0] if values[0] is not None or len(values) == 1 else values[1]
                 for name, values in REFUSED_UNLESS.items()}
-    ignored = {name: "x" for name in IGNORED}
+    ignored = {name: "x" for name in IGNORED if name not in ChatCompletionRequest.model_fields}
     reply = post(gateway, "/v1/chat/completions", {"messages": MESSAGES, **harmless, **ignored,
                                                     "add_special_tokens": False})
     assert reply.status_code == 200, reply.text

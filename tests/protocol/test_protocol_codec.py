@@ -73,7 +73,7 @@ def test_request_round_trip(request_: GenerateRequest) -> None:
 def test_request_defaults() -> None:
     a, b = GenerateRequest(prompt="x"), GenerateRequest(prompt="x")
     assert a.request_id != b.request_id and len(a.request_id) == 32
-    assert a.version == PROTOCOL_VERSION == 5 and a.tenant is None
+    assert a.version == PROTOCOL_VERSION == 6 and a.tenant is None
     assert a.created_at > 1.6e9 and a.priority == 0
 
 

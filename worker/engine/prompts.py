@@ -20,13 +20,15 @@ tokenizer with FIM tokens; anything else is a refusal naming ``suffix``), and
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from protocol.sampling import SamplingParams
 from worker.engine.bad_words import BadWords
+from worker.engine.tool_prompts import knows_tools, template_messages
 
 _BOUND_MARGIN = 4  # refuse by the cheap bound only when it exceeds the context this much
 FIM_TOKENS = (  # (prefix, suffix, middle): prefix-suffix-middle order, as these models train
@@ -84,6 +86,7 @@ class PromptOptions:
     continue_final_message: bool = False
     chat_template_kwargs: Mapping[str, Any] | None = None
     suffix: str | None = None  # fill-in-the-middle: the text after the completion
+    tools: Sequence[Mapping[str, Any]] | None = None  # the template's ``tools`` (OpenAI shape)
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,10 @@ class PromptBuilder:
             "prompt" if prompt is not None else "prompt_token_ids"
         if options.suffix and prompt is None:
             raise PromptError("suffix: only for a text prompt (fill-in-the-middle)")
+        spec = params.structured_output
+        if spec is not None and spec.tools is not None and options.tools is None:
+            options = dataclasses.replace(
+                options, tools=[t.template_dict() for t in spec.tools.tools])
         if prompt_token_ids is not None:
             ids = list(prompt_token_ids)
         else:
@@ -181,11 +188,15 @@ class PromptBuilder:
         template that refuses them (``raise_exception``, a bad variable) is their fault."""
         import jinja2
 
-        if not getattr(tok, "chat_template", None):
+        template = getattr(tok, "chat_template", None)
+        if not template:
             raise PromptError("messages: this model has no chat template")
+        tools = [dict(t) for t in options.tools] if options.tools else None
+        messages, tools = template_messages(messages, tools, knows_tools(template))
+        extra = {"tools": tools} if tools else {}
         try:
             rendered = tok.apply_chat_template(
-                messages, add_generation_prompt=options.add_generation_prompt,
+                messages, **extra, add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message,
                 tokenize=not add_special_tokens, return_dict=False,
                 **dict(options.chat_template_kwargs or {}))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from protocol.structured import StructuredOutput, grammar_for
+from protocol.tool_syntax import detect_syntax
 from worker.engine.request import FinishReason, Request
 
 CACHE_SIZE = 256  # distinct constraints kept compiled (LRU); a pristine matcher is small
@@ -44,6 +45,8 @@ class GrammarCompiler:
         self._tokenizer_lock = threading.Lock()  # building the tokenizer (pool threads only)
         self._cache: OrderedDict[str, cf.Future[Any]] = OrderedDict()
         self._cache_size = cache_size
+        # how this model writes tool calls: its chat template's family (docs/tools.md)
+        self.syntax = detect_syntax(getattr(tokenizer, "chat_template", None))
         self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="ferry-grammar")
         self.compiles = 0  # cache misses, for tests and metrics
 
@@ -66,7 +69,7 @@ class GrammarCompiler:
         """Runs on the pool: grammar text -> matcher; ValueError naming the field if invalid."""
         import llguidance
 
-        grammar = grammar_for(spec)
+        grammar = grammar_for(spec, self.syntax)
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             message = " ".join(matcher.get_error().split())[:500]
