@@ -70,7 +70,10 @@ def _prefix(stats: dict[str, Any]) -> Text:
     if "prefix_hit_rate" not in stats:
         return Text("-", style="dim")
     rate, cached = _num(stats, "prefix_hit_rate"), int(_num(stats, "kv_blocks_cached"))
-    return Text(f"{rate * 100:4.0f}% {cached}b", style="green" if rate >= 0.5 else "")
+    text = f"{rate * 100:4.0f}% {cached}b"
+    if _num(stats, "kv_host_blocks_total"):  # the host tier: blocks it holds
+        text += f" +{int(_num(stats, 'kv_host_blocks_cached'))}h"
+    return Text(text, style="green" if rate >= 0.5 else "")
 
 
 # (header, justify, narrowest terminal that shows it); the worker cell holds the model too.

@@ -189,3 +189,11 @@ def test_ferry_top_once_via_the_installed_cli(server: RedisServer, live: redis.R
                          "PATH": str(exe.parent)})
     assert out.returncode == 0, out.stderr
     assert "gpu-0" in out.stdout and "depth 4" in out.stdout
+
+
+def test_prefix_cell_shows_the_host_tier() -> None:
+    """A worker with a KV host tier shows the blocks it holds next to the device's."""
+    base = dict(prefix_hit_rate=0.5, kv_blocks_cached=40)
+    assert top_cmd._prefix(base).plain == "  50% 40b"
+    tier = dict(base, kv_host_blocks_total=500, kv_host_blocks_cached=120)
+    assert top_cmd._prefix(tier).plain == "  50% 40b +120h"

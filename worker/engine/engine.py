@@ -309,6 +309,14 @@ class Engine:
                 ends.append(self._final(item.request))
         return ends
 
+    def _tier_stats(self) -> dict[str, int]:
+        tier = self.block_manager.tier
+        if tier is None:
+            return {}
+        return {"prefix_cache_host_hits": tier.stats.hit_tokens,
+                "kv_host_blocks_cached": tier.num_cached,
+                "kv_host_blocks_total": tier.num_blocks}
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -319,6 +327,7 @@ class Engine:
             prefix_cache_queries=self.block_manager.stats.queries,
             prefix_cache_hits=self.block_manager.stats.hits,
             kv_blocks_cached=self.block_manager.num_cached_blocks,
+            **self._tier_stats(),
             degraded=self.runner.health.degraded,
             decode_graphs_active=self.runner.health.decode_graphs_active,
         )

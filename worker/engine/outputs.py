@@ -73,6 +73,11 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens looked up when requests were admitted
     prefix_cache_hits: int = 0  # of which found in the prefix cache (not computed)
     kv_blocks_cached: int = 0  # blocks holding a reusable prefix (held or evictable)
+    # The KV host tier (kv_host_tier.py): hits taken from it (tokens, also counted in
+    # prefix_cache_hits), blocks it holds, its size in blocks (0: off).
+    prefix_cache_host_hits: int = 0
+    kv_host_blocks_cached: int = 0
+    kv_host_blocks_total: int = 0
     # Degraded states (worker/engine/health.py: DEGRADED_REASONS), empty when healthy, and
     # whether pure-decode steps replay CUDA graphs.
     degraded: tuple[str, ...] = ()

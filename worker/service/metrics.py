@@ -77,6 +77,7 @@ class WorkerMetrics:
         self._preemptions = _Cumulative(self.preemptions)
         self._prefix_queries = _Cumulative(self.prefix_queries)
         self._prefix_hits = _Cumulative(self.prefix_hits)
+        self._prefix_host_hits = _Cumulative(self.prefix_host_hits)
 
     def _build_gauges(self) -> None:
         reg, p = self.registry, PREFIX
@@ -152,6 +153,12 @@ class WorkerMetrics:
             "Tokens served from the prefix cache instead of computed; hit rate = "
             "rate(hits) / rate(queries).", registry=reg
         )
+        self.prefix_host_hits = Counter(
+            p + "prefix_cache_host_hits",
+            "Of the prefix-cache hits, tokens copied back from the KV host tier.", registry=reg
+        )
+        self.kv_host_cached = Gauge(
+            p + "kv_host_blocks_cached", "KV blocks held by the host tier.", registry=reg)
 
     def _build_tenant_metrics(self) -> None:
         reg, p = self.registry, PREFIX
@@ -273,6 +280,8 @@ class WorkerMetrics:
         self.kv_cached.set(getattr(stats, "kv_blocks_cached", 0))
         self._prefix_queries.sync(getattr(stats, "prefix_cache_queries", 0))
         self._prefix_hits.sync(getattr(stats, "prefix_cache_hits", 0))
+        self._prefix_host_hits.sync(getattr(stats, "prefix_cache_host_hits", 0))
+        self.kv_host_cached.set(getattr(stats, "kv_host_blocks_cached", 0))
         self.decode_graphs_active.set(int(getattr(stats, "decode_graphs_active", False)))
         degraded = set(getattr(stats, "degraded", ()))
         for reason in DEGRADED_REASONS:

@@ -119,4 +119,8 @@ def test_outputs_identical_with_swaps_and_host_hits(checkpoint: str) -> None:
     assert small_on.scheduler.num_preemptions > 0
     # the tier saved computing: fewer prompt tokens run than with the tier off
     assert small_on.block_manager.stats.hits > small_off.block_manager.stats.hits
+    stats = small_on.stats()  # what the heartbeat, /metrics and ferry top show
+    assert stats.prefix_cache_host_hits == tier.stats.hit_tokens > 0
+    assert stats.kv_host_blocks_total == tier.num_blocks and stats.kv_host_blocks_cached > 0
+    assert small_off.stats().kv_host_blocks_total == 0
     small_on.block_manager.check_invariants()

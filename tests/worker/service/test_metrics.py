@@ -42,6 +42,8 @@ EXPECTED = {
     "ferry_worker_kv_blocks_cached": "gauge",
     "ferry_worker_prefix_cache_queries": "counter",
     "ferry_worker_prefix_cache_hits": "counter",
+    "ferry_worker_prefix_cache_host_hits": "counter",
+    "ferry_worker_kv_host_blocks_cached": "gauge",
     "ferry_worker_decode_graphs_active": "gauge",
     "ferry_worker_degraded": "gauge",
 }
@@ -61,6 +63,9 @@ class Stats:
     prefix_cache_queries: int = 400
     prefix_cache_hits: int = 300
     kv_blocks_cached: int = 12
+    prefix_cache_host_hits: int = 96
+    kv_host_blocks_cached: int = 30
+    kv_host_blocks_total: int = 500
     degraded: tuple[str, ...] = ()
     decode_graphs_active: bool = False
 
@@ -120,6 +125,8 @@ def test_values_after_one_request() -> None:
     assert s["ferry_worker_prefix_cache_queries_total"] == 400
     assert s["ferry_worker_prefix_cache_hits_total"] == 300
     assert s["ferry_worker_kv_blocks_cached"] == 12
+    assert s["ferry_worker_prefix_cache_host_hits_total"] == 96
+    assert s["ferry_worker_kv_host_blocks_cached"] == 30
 
 
 def test_step_events_and_engine_totals_do_not_double_count() -> None:
