@@ -43,8 +43,8 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | bfloat16 | float16 | float32
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
     # The KV cache's host tier (kv_host_tier.py): evicted cached blocks copied to host
-    # memory and restored instead of recomputed. None: 10% of the memory available at
-    # start, at most 16 GiB; 0: off.
+    # memory and restored instead of recomputed. None: on CUDA 10% of the memory available
+    # at start, at most 16 GiB, on a CPU none; 0: off.
     host_memory_bytes: int | None = None
     # Reuse the KV of full blocks whose token prefix was computed before (block_manager.py)
     enable_prefix_caching: bool = True

@@ -45,8 +45,8 @@ class Engine:
             enable_caching=config.cache.enable_prefix_caching,
             salt=f"{config.model.model}|{self.runner.loaded.dtype}|{self.runner.kv_dtype}",
         )
-        self.block_manager.attach_tier(HostTier.for_pool(
-            self.runner.kv_pool, host_tier_bytes(config.cache.host_memory_bytes)))
+        tier_bytes = host_tier_bytes(config.cache.host_memory_bytes, self.runner.device)
+        self.block_manager.attach_tier(HostTier.for_pool(self.runner.kv_pool, tier_bytes))
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.prompts = PromptBuilder(self.tokenizer, PromptLimits(
             vocab_size=self.runner.shape.vocab_size, max_model_len=self.max_model_len,

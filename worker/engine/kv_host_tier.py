@@ -34,13 +34,17 @@ DEFAULT_SHARE = 0.10  # of the memory available at start
 DEFAULT_CAP_BYTES = 16 << 30
 
 
-def host_tier_bytes(configured: int | None) -> int:
-    """The tier's size: ``configured`` bytes, or by default 10% of the memory available
-    now, at most 16 GiB (pinned on CUDA: it is taken from the host for good)."""
+def host_tier_bytes(configured: int | None, device: torch.device) -> int:
+    """The tier's size: ``configured`` bytes, or by default on CUDA 10% of the memory
+    available now, at most 16 GiB (pinned: taken from the host for good). On a CPU the
+    device pool already lives in host memory, so the default is no tier: a second pool in
+    the same memory is only worth it when asked for (a bigger pool does the same)."""
     if configured is not None:
         if configured < 0:
             raise ValueError(f"kv host tier bytes must be >= 0, got {configured}")
         return configured
+    if device.type != "cuda":
+        return 0
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):  # not POSIX: no default tier

@@ -86,10 +86,12 @@ def test_full_tier_keeps_slots_read_this_step() -> None:
 def test_sizes() -> None:
     pool = _pool(4)
     assert HostTier.for_pool(pool, 0) is None
-    assert host_tier_bytes(0) == 0 and host_tier_bytes(123) == 123
-    assert 0 <= host_tier_bytes(None) <= 16 << 30
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert host_tier_bytes(0, cuda) == 0 and host_tier_bytes(123, cpu) == 123
+    assert 0 < host_tier_bytes(None, cuda) <= 16 << 30
+    assert host_tier_bytes(None, cpu) == 0  # the device pool is host memory already
     with pytest.raises(ValueError):
-        host_tier_bytes(-1)
+        host_tier_bytes(-1, cpu)
     with pytest.raises(ValueError):
         HostTier(0, (1, 2, BS, 1, 1), torch.float32, torch.device("cpu"))
 
