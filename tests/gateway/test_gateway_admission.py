@@ -85,7 +85,7 @@ def test_body_too_large_gives_413(gateway: GatewayServer, redis_client: redis.Re
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 4},
          "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                  "tools": [{"type": "function"}]}, "tools"),
+                                  "tools": [{"type": "function"}]}, "tools.0.function"),
         ("/v1/jobs", {"prompt": "x", "params": {"max_tokens": 51}}, "max_tokens"),
     ],
 )
