@@ -2,9 +2,10 @@
 
 Workloads (seeded, greedy, every request exactly ``max_tokens``):
 
-* ``preemption``: 32 requests of 300-token prompts and 96 output tokens submitted at
-  t=0 to a device pool of a quarter of what they need together, so running requests are
-  preempted again and again; output tokens per second.
+* ``preemption``: 32 requests of 64-token prompts and 192 output tokens submitted at t=0
+  to a device pool of a quarter of what they need together: every prompt fits, and the
+  decodes growing into it preempt running requests again and again; output tokens per
+  second.
 * ``multi-turn``: 16 conversations of 4 turns, served round by round (every
   conversation's turn 1, then every turn 2, ...), each turn's prompt the conversation so far
   plus a new 48-token message; the conversations' KV is 4x the device pool, so a
@@ -58,9 +59,9 @@ def _params(max_tokens: int) -> Any:
 
 def preemption(path: str, tier: bool, n: int, vocab: int) -> dict[str, Any]:
     rng = random.Random(3)
-    jobs = [[rng.randrange(3, vocab) for _ in range(300)] for _ in range(n)]
-    out_len = 96
-    demand = n * -(-(300 + out_len) // BLOCK)
+    prompt_len, out_len = 64, 192
+    jobs = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(n)]
+    demand = n * -(-(prompt_len + out_len) // BLOCK)
     engine = _engine(path, demand // 4, tier)
     start = time.perf_counter()
     for i, prompt in enumerate(jobs):

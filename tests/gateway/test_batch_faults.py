@@ -57,14 +57,19 @@ def test_deep_lines_are_line_errors_and_another_tenant_still_runs(
     with tenants(redis_server) as (settings, a, b), FakeWorker(redis_server.url):
         assert settings.batch_max_active == 8
         attack = [submit(a, [DEEP] if i % 2 else [DEEP, line("ok", GOOD)]) for i in range(8)]
-        a.batches.cancel(attack[0].id)
+        try:
+            a.batches.cancel(attack[0].id)
+            cancel_taken = True
+        except openai.ConflictError:  # a loaded machine: it was finalizing already
+            cancel_taken = False
         mine = submit(b, [line("b", GOOD)])
         done = wait(b, mine.id, timeout=60)
         ended = [wait(a, batch.id, timeout=60) for batch in attack]
         errors = [results(a, batch.error_file_id) for batch in ended]
         outputs = [results(a, batch.output_file_id) for batch in ended[1:]]
     assert done.status == "completed" and done.request_counts.completed == 1
-    assert ended[0].status in ("cancelled", "failed")  # the cancel may come after the end
+    # the cancel may come after the end (failed), or once it is finalizing (a 409)
+    assert ended[0].status in (("cancelled", "failed") if cancel_taken else ("completed",))
     statuses = [batch.status for batch in ended[1:]]
     assert statuses == ["failed" if i % 2 else "completed" for i in range(1, 8)]
     for batch, error in zip(ended, errors, strict=True):
