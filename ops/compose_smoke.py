@@ -95,6 +95,23 @@ def stream(client: OpenAI, model: str, prompt: str, max_tokens: int,
     return out
 
 
+def running_worker(request_id: str) -> str:
+    """The worker that holds the request: read from its job hash in Redis (the jobs API no
+    longer shows worker ids to clients), on the smoke's loopback Redis."""
+    import redis
+
+    from protocol.keys import Keys
+
+    client = redis.Redis(host="127.0.0.1", port=int(os.environ["SMOKE_REDIS_PORT"]))
+    try:
+        worker_id = client.hget(Keys().job(request_id), "worker_id")
+    finally:
+        client.close()
+    if worker_id is None:
+        raise RuntimeError(f"job {request_id} has no worker_id in Redis")
+    return bytes(worker_id).decode()
+
+
 class Killer:
     """After ``KILL_AFTER_CHUNKS`` chunks, SIGKILL the container generating the stream."""
 
@@ -106,8 +123,7 @@ class Killer:
     def __call__(self, chunk: Any, out: Streamed) -> None:
         if self.killed_at is not None or out.chunks < KILL_AFTER_CHUNKS:
             return
-        job = get_json(f"{self.url}/v1/jobs/{chunk.id.split('-', 1)[1]}")
-        worker_id = job["worker_id"]
+        worker_id = running_worker(chunk.id.split("-", 1)[1])
         for cid in compose("ps", "-q", "worker-cpu", capture=True).split():
             logs = subprocess.run(["docker", "logs", cid], capture_output=True, text=True)
             if worker_id in logs.stdout + logs.stderr:
