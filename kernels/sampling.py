@@ -98,13 +98,15 @@ def _histogram(row_ptr, vocab, bias_tok, bias_val, b_lo, b_hi, temp, top, cut, k
         b = tl.where(width > 0, tl.floor((inc_hi - s) / step), 0.0)
         b = tl.where(ok, tl.minimum(tl.maximum(b, 0.0), NB - 1.0), -1.0).to(tl.int32)
         hit = b[:, None] == bins[None, :]  # [BLOCK, NB]
+        s2 = s[:, None]  # [BLOCK, 1]
+        q = tl.where(ok, e / _noise(key, offs), -1.0)  # the race's score, p / E up to 1/Z
+        q2 = q[:, None]
         count += tl.sum(hit.to(tl.float32), axis=0)
         mass += tl.sum(tl.where(hit, e[:, None], 0.0), axis=0)
-        low = tl.minimum(low, tl.min(tl.where(hit, s[:, None], float("inf")), axis=0))
-        high = tl.maximum(high, tl.max(tl.where(hit, s[:, None], float("-inf")), axis=0))
-        q = tl.where(ok, e / _noise(key, offs), -1.0)  # the race's score, p / E up to 1/Z
-        cand = tl.max(tl.where(hit, q[:, None], -1.0), axis=0)  # [NB]
-        first = tl.where(hit & (q[:, None] == cand[None, :]), offs[:, None], 2147483647)
+        low = tl.minimum(low, tl.min(tl.where(hit, s2, float("inf")), axis=0))
+        high = tl.maximum(high, tl.max(tl.where(hit, s2, float("-inf")), axis=0))
+        cand = tl.max(tl.where(hit, q2, -1.0), axis=0)  # [NB]
+        first = tl.where(hit & (q2 == cand[None, :]), offs[:, None], 2147483647)
         better = cand > best  # earlier chunks win ties: lower token ids
         best_i = tl.where(better, tl.min(first, axis=0), best_i)
         best = tl.where(better, cand, best)

@@ -91,6 +91,17 @@ def compile_variants() -> None:
     expand = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16)
     _compile(_expand_kernel, "bf16", expand, segments | {"t_ptr": "fp32", "scale_ptr": "fp32"})
 
+    from kernels import sampling
+
+    # Triton 3.6 (the CUDA image's) failed this kernel in TritonGPURemoveLayoutConversions
+    # ("operand does not dominate this use") until the 2-D views were built once per chunk
+    tables = dict(params_ptr="fp32", keys_ptr="i64", bias_off_ptr="i32", bias_tok_ptr="i32",
+                  bias_val_ptr="fp32", out_ptr="i64", passes_ptr="i32")
+    for dtype, bias in (("bf16", False), ("fp32", True)):
+        _compile(sampling._sample_kernel, dtype,
+                 dict(BLOCK=sampling.BLOCK, NB=sampling.NB, SPAN=sampling.SPAN,
+                      MAX_LEVELS=sampling.MAX_LEVELS, HAS_BIAS=bias), tables)
+
 
 class _Recorder:
     """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kw)`` is recorded."""

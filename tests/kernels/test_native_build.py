@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 GENERATE = """
 from worker import LLM, SamplingParams
-llm = LLM(max_num_seqs=2, kv_cache_blocks=64)
+llm = LLM(max_num_seqs=2, kv_cache_blocks=64, device="cpu")  # the CPU kernel, on any machine
 print("BACKEND", type(llm.engine.runner.backend).__name__)
 out = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=4))
 print("TEXT", repr(out[0].text))
