@@ -30,6 +30,7 @@ from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.step_batch import EngineEnd, StepBatch, StreamRegistry
 from worker.engine.step_timer import StepTimer
 from worker.engine.structured import StructuredOutputs
+from worker.engine.warmup import warm_up_sampling
 
 _GRAMMAR_WAIT_S = 0.005  # idle loop: how long to wait for a pending grammar compile
 
@@ -53,6 +54,7 @@ class Engine:
             num_blocks=self.block_manager.num_blocks, block_size=config.cache.block_size,
         ))
         self.sampler = Sampler(config.seed)
+        warm_up_sampling(self.runner, self.sampler)  # CUDA: the fused pass, or its twin
         self.timer = StepTimer()
         self.structured = StructuredOutputs(  # [structured output]
             self.tokenizer, self.runner.shape.vocab_size, self.runner.loaded.eos_token_ids)

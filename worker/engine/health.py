@@ -20,6 +20,7 @@ DEGRADED_REASONS = (
     "decode_graph_mismatch",  # a replay disagreed with the eager forward: graphs dropped
     "attention_kernel_failed",  # a Triton kernel failed to compile/run at start: torch attention
     "cpu_attention_fallback",  # no C++ compiler on a CPU worker: the slower torch attention
+    "sampling_kernel_failed",  # the fused sampling pass failed to build: its torch twin
 )
 """Every reason a worker may report; exported as gauge labels from the start (zeros)."""
 

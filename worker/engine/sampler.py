@@ -122,6 +122,9 @@ class PendingSample:
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)  # keys of unseeded rows
+        # the fused Triton pass on CUDA; False after it failed to build at start
+        # (warmup.warm_up_sampling): its torch twin draws the same tokens
+        self.fused = True
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow],
@@ -154,7 +157,8 @@ class Sampler:
             tokens = logits.argmax(dim=-1)  # [B]: nothing else to do, no parameters to send
         else:
             tensors = sampling_tensors(rows, [self._key(r) for r in rows], logits.device)
-            tokens = _sample_pass(logits, tensors)  # [B] int64; bias, filters, race inside
+            # [B] int64; bias, filters, race inside
+            tokens = _sample_pass(logits, tensors, self.fused)
         packed = None
         if model_logprobs is not None:
             packed = _pack_logprobs(model_logprobs, _rows_of(tokens, asked),
@@ -197,9 +201,10 @@ def sampling_tensors(rows: list[SamplingRow], keys: list[int],
                            to_device(values, torch.float32, device))
 
 
-def _sample_pass(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+def _sample_pass(logits: torch.Tensor, tensors: SamplingTensors,
+                 fused: bool = True) -> torch.Tensor:
     """The fused Triton pass on a GPU, its torch twin elsewhere (same tokens)."""
-    if logits.is_cuda:
+    if logits.is_cuda and fused:
         from kernels.sampling import sample  # imports triton: only where it runs
 
         return sample(logits, tensors)

@@ -17,6 +17,7 @@ model on this device: the worker falls back to the torch attention backend, degr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -77,3 +78,43 @@ def _forward(runner: Any, q_len: int, *, decode: bool, hint: int) -> None:
     runner.model.base_model(input_ids=torch.zeros(1, q_len, dtype=torch.long, device=dev),
                             position_ids=torch.arange(q_len, device=dev)[None],
                             use_cache=False, ferry_ctx=ctx)
+
+
+
+def warm_up_sampling(runner: Any, sampler: Any,
+                     build: Callable[[torch.device, torch.dtype, int], None] | None = None
+                     ) -> None:
+    """Build the fused sampling kernel at start (CUDA only) for the logits a step hands it.
+    A kernel that does not build (Triton 3.6 once rejected it) makes the worker degraded,
+    loudly, and it samples with the torch twin: the same tokens, more memory traffic,
+    never a failed step."""
+    if runner.device.type != "cuda":
+        return
+    try:
+        (build or _build_sampling)(runner.device, runner.loaded.dtype, runner.shape.vocab_size)
+    except Exception as exc:
+        if is_device_fault(exc):
+            raise
+        runner.health.degrade("sampling_kernel_failed", f"{type(exc).__name__}: {exc}"[:2000],
+                              fallback="torch")
+        sampler.fused = False
+
+
+def _build_sampling(dev: torch.device, dtype: torch.dtype, vocab: int) -> None:
+    """One sampled row through each variant a step launches: the model's dtype, and
+    float32 with a logit bias (the logits after penalties)."""
+    from kernels.sampling import sample  # Triton: GPU workers only
+    from kernels.sampling_reference import SamplingTensors
+
+    host = ((0.8, 0.9, 0.0, 50.0),)
+    params = torch.tensor(host, device=dev)
+    keys = torch.ones(1, dtype=torch.long, device=dev)
+    plain = SamplingTensors(params, keys, host)
+    biased = SamplingTensors(params, keys, host,
+                             torch.tensor([0, 1], dtype=torch.int32, device=dev),
+                             torch.zeros(2, 1, dtype=torch.int32, device=dev),
+                             torch.ones(1, device=dev))
+    sample(torch.zeros(1, vocab, dtype=dtype, device=dev), plain)
+    sample(torch.zeros(1, vocab, dtype=torch.float32, device=dev), biased)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)

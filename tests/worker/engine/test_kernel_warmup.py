@@ -114,3 +114,47 @@ def _generate(engine: Engine) -> list[list[int]]:
         for out in TextOutputs.of(engine).step():
             outs[out.request_id] += out.new_token_ids
     return [outs[rid] for rid in ids]
+
+
+def _as_if_on_cuda(engine: Engine) -> Any:
+    """The engine's runner as warm_up_sampling sees it on a GPU (the build is stubbed)."""
+    import torch
+
+    runner = engine.runner
+    return type("CudaRunner", (), dict(device=torch.device("cuda"), loaded=runner.loaded,
+                                        shape=runner.shape, health=runner.health))()
+
+
+def test_a_sampling_kernel_that_fails_to_build_leaves_its_torch_twin_and_a_loud_mark(
+        ckpt: str) -> None:
+    engine = _engine(ckpt)
+
+    def fails(*_: object) -> None:  # what Triton 3.6 raised on the H200 (#33)
+        raise RuntimeError("PassManager::run failed (simulated)")
+
+    warmup.warm_up_sampling(_as_if_on_cuda(engine), engine.sampler, build=fails)
+    assert engine.sampler.fused is False
+    assert engine.stats().degraded == ("sampling_kernel_failed",)
+    outs = _generate(engine)
+    assert all(len(o) == 6 for o in outs)
+
+
+def test_a_device_fault_while_building_the_sampling_kernel_is_raised(ckpt: str) -> None:
+    engine = _engine(ckpt)
+
+    def faults(*_: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        warmup.warm_up_sampling(_as_if_on_cuda(engine), engine.sampler, build=faults)
+    assert engine.sampler.fused is True and engine.stats().degraded == ()
+
+
+def test_the_sampling_warm_up_launches_both_variants(ckpt: str) -> None:
+    """The real build (here under the interpreter): the model's dtype, and float32 with a
+    logit bias."""
+    import torch
+
+    engine = _engine(ckpt)
+    warmup._build_sampling(torch.device("cpu"), torch.bfloat16, engine.runner.shape.vocab_size)
+    assert engine.stats().degraded == ()

@@ -177,7 +177,7 @@ def test_degraded_states_and_graphs_are_gauges() -> None:
     s = _samples(metrics)
     assert s["ferry_worker_decode_graphs_active"] == 1
     reasons = {k: v for k, v in s.items() if k.startswith("ferry_worker_degraded{")}
-    assert len(reasons) == 4 and set(reasons.values()) == {0}
+    assert len(reasons) == 5 and set(reasons.values()) == {0}
     metrics.set_engine(Stats(degraded=("decode_graphs_unavailable",)))
     s = _samples(metrics)
     assert s["ferry_worker_degraded{reason=decode_graphs_unavailable}"] == 1
