@@ -179,6 +179,12 @@ class Keys:
         serve ``model``; any one of them pops and answers each (TTL, refreshed per push)."""
         return f"{self.prefix}:tokenizer:{{{model_tag(model)}}}"
 
+    def lora_adapters(self, model: str) -> str:
+        """HASH: the LoRA adapters registered for served model ``model``, fleet-wide: name ->
+        JSON ``LoraRecord`` (``protocol/lora.py``). Workers, including ones started later,
+        load what it holds and drop what leaves it."""
+        return f"{self.prefix}:lora:{{{model_tag(model)}}}:adapters"
+
     def tokenizer_reply(self, model: str, reply_id: str) -> str:
         """LIST: the one msgpack TokenizerReply to request ``reply_id`` (short TTL); in the
         slot of the model's request list."""

@@ -28,7 +28,9 @@ REQUEST_TTL_S = 60
 REPLY_TTL_S = 60
 """A reply nobody popped (the gateway gave up) vanishes after this long."""
 
-TokenizerOp = Literal["tokenize", "detokenize", "info"]
+TokenizerOp = Literal["tokenize", "detokenize", "info", "check_lora"]
+"""``check_lora``: a worker loads the adapter at ``lora_path`` against its base model and
+answers 200 (its rank and modules) or 400 with the reason; nothing is registered."""
 
 
 class _Message(BaseModel):
@@ -54,13 +56,15 @@ class TokenizerRequest(_Message):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    lora_name: str | None = Field(default=None, max_length=128)
+    lora_path: str | None = Field(default=None, max_length=4096)
 
     @model_validator(mode="after")
     def _inputs_fit_op(self) -> TokenizerRequest:
-        given = {name for name in ("prompt", "messages", "tokens")
+        given = {name for name in ("prompt", "messages", "tokens", "lora_path")
                  if getattr(self, name) is not None}
         wanted = {"tokenize": ({"prompt"}, {"messages"}), "detokenize": ({"tokens"},),
-                  "info": (set(),)}[self.op]
+                  "info": (set(),), "check_lora": ({"lora_path"},)}[self.op]
         if given not in wanted:
             names = " or ".join(", ".join(sorted(w)) or "nothing" for w in wanted)
             raise ValueError(f"op: {self.op} takes {names}, got "

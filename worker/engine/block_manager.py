@@ -131,9 +131,17 @@ class BlockManager:
         hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else self._root
+            parent = hashes[-1] if hashes else self._root_of(request)
             hashes.append(chain_hash(parent, tokens[i * bs:(i + 1) * bs]))
         return hashes
+
+    def _root_of(self, request: Request) -> bytes:
+        """The hash chain's root: a LoRA adapter's blocks match only the same adapter's
+        (its ``cache_key``: name, path and registration), never the base model's."""
+        if request.lora is None:
+            return self._root
+        # ASCII after the root: never the bytes of a block (token ids' high bytes are 0)
+        return hashlib.sha256(self._root + b"lora|" + request.lora.cache_key.encode()).digest()
 
     def cached_prefix(self, request: Request) -> list[int | bytes]:
         """Cached blocks that continue the request's table from where it has computed, up

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from worker.engine.lora.config import LoraConfig
+
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
 
 
@@ -70,12 +72,16 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+    # multi-LoRA (#30): None = off; the adapters registered at start (name, path)
+    lora: LoraConfig | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def create(cls, model: str, **kwargs: object) -> EngineConfig:
         """Build from flat keyword arguments (the ``LLM(...)`` and CLI surface)."""
         groups: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}}
         top: dict[str, object] = {}
+        lora: dict[str, object] = {}
         fields = {
             "model": ModelConfig.__dataclass_fields__,
             "cache": CacheConfig.__dataclass_fields__,
@@ -88,12 +94,18 @@ class EngineConfig:
             target = next((g for g, f in fields.items() if key in f), None)
             if key == "kv_cache_blocks":
                 groups["cache"]["num_blocks"] = value
-            elif key == "seed":
-                top["seed"] = value
+            elif key in ("seed", "enable_lora", "lora_modules"):
+                top[key] = value
+            elif key in LoraConfig.__dataclass_fields__:
+                lora[key] = value
             elif target is None:
                 raise TypeError(f"unknown engine option: {key!r}")
             else:
                 groups[target][key] = value
+        modules = _lora_modules(top.pop("lora_modules", ()))
+        if top.pop("enable_lora", False) or lora or modules:
+            top["lora"] = LoraConfig(**lora)  # type: ignore[arg-type]
+            top["lora_modules"] = modules
         return cls(
             model=ModelConfig(model=model, **groups["model"]),  # type: ignore[arg-type]
             cache=CacheConfig(**groups["cache"]),  # type: ignore[arg-type]
@@ -136,11 +148,33 @@ class EngineConfig:
             max_num_seqs=_int("FERRY_MAX_NUM_SEQS"),
             max_num_batched_tokens=_int("FERRY_MAX_NUM_BATCHED_TOKENS"),
             async_scheduling=_bool("FERRY_ASYNC_SCHEDULING"),
+            enable_lora=_bool("FERRY_ENABLE_LORA"),
+            max_loras=_int("FERRY_MAX_LORAS"),
+            max_lora_rank=_int("FERRY_MAX_LORA_RANK"),
+            max_cpu_loras=_int("FERRY_MAX_CPU_LORAS"),
+            lora_modules=env.get("FERRY_LORA_MODULES") or None,
         )
         return cfg
 
     def with_model(self, model: str) -> EngineConfig:
         return replace(self, model=replace(self.model, model=model))
+
+
+def _lora_modules(value: object) -> tuple[tuple[str, str], ...]:
+    """``NAME=PATH`` pairs (vLLM's ``--lora-modules``): a comma- or space-separated string,
+    or a sequence of strings or (name, path) pairs."""
+    if isinstance(value, str):
+        value = value.replace(",", " ").split()
+    pairs = []
+    for item in value or ():  # type: ignore[attr-defined]
+        if isinstance(item, str):
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"a LoRA module is NAME=PATH, got {item!r}")
+            item = (name.strip(), path.strip())
+        name, path = item
+        pairs.append((str(name), str(path)))
+    return tuple(pairs)
 
 
 def _default_model() -> str:

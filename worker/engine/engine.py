@@ -17,15 +17,18 @@ from protocol.sampling import SamplingParams
 from worker.engine.block_manager import BlockManager
 from worker.engine.choices import CandidateGroups, candidate_id, candidate_params
 from worker.engine.config import EngineConfig
+from worker.engine.engine_stats import engine_stats
 from worker.engine.health import raise_if_device_fault
 from worker.engine.inflight import InflightStep
 from worker.engine.kv_host_tier import HostTier, host_tier_bytes
+from worker.engine.lora.engine_hooks import adapter_for, enable_lora
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats
 from worker.engine.prompt_logprobs import PromptScoring, take
 from worker.engine.prompts import PromptBuilder, PromptLimits, PromptOptions
 from worker.engine.request import FinishReason, Request
 from worker.engine.sampler import Sampler, SamplingRow
+from worker.engine.schedule_output import align_sampled
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.step_batch import EngineEnd, StepBatch, StreamRegistry
 from worker.engine.step_timer import StepTimer
@@ -49,6 +52,7 @@ class Engine:
         tier_bytes = host_tier_bytes(config.cache.host_memory_bytes, self.runner.device)
         self.block_manager.attach_tier(HostTier.for_pool(self.runner.kv_pool, tier_bytes))
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.lora = enable_lora(self.runner, self.scheduler, config)  # None: LoRA off
         self.prompts = PromptBuilder(self.tokenizer, PromptLimits(
             vocab_size=self.runner.shape.vocab_size, max_model_len=self.max_model_len,
             num_blocks=self.block_manager.num_blocks, block_size=config.cache.block_size,
@@ -64,8 +68,8 @@ class Engine:
         overlap = config.scheduler.async_scheduling
         self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._inflight: InflightStep | None = None  # launched, not read back
-        self._tokens_generated = 0
-        self._steps = 0
+        self.tokens_generated = 0
+        self.steps = 0
 
     # -- requests ----------------------------------------------------------------------
     def add_request(
@@ -73,12 +77,15 @@ class Engine:
         params: SamplingParams | dict[str, Any] | None = None, *,
         messages: list[dict[str, Any]] | None = None, priority: int = 0,
         prior_output_ids: list[int] | None = None, options: PromptOptions | None = None,
+        lora_name: str | None = None,
     ) -> Request:
-        """Tokenize, validate and queue a request; raises ValueError naming the problem.
+        """Tokenize, validate and queue a request; raises ValueError naming the problem
+        (``UnknownAdapter``, a ValueError, for a ``lora_name`` not loaded).
 
         ``prior_output_ids`` resumes a request whose first tokens were already produced
         (and sent) elsewhere: generation continues after them.
         """
+        lora = adapter_for(self.lora, lora_name)  # before any work: an unknown name fails
         params = SamplingParams.coerce(params)
         ids = self.prompts.build(
             prompt=prompt if isinstance(prompt, str) else None,
@@ -87,13 +94,13 @@ class Engine:
             options=options,
         )
         return self.add_tokens(request_id, ids, params, priority=priority,
-                               prior_output_ids=prior_output_ids)
+                               prior_output_ids=prior_output_ids, lora=lora)
 
     def add_tokens(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         priority: int = 0, prior_output_ids: list[int] | None = None,
         prior_by_choice: dict[int, list[int]] | None = None,
-        skip_choices: frozenset[int] = frozenset(),
+        skip_choices: frozenset[int] = frozenset(), lora: Any = None,
     ) -> Request:
         """Queue a prompt that ``self.prompts.build`` already tokenized and validated (on
         any thread): the engine loop's cost no longer depends on the prompt's text size.
@@ -113,7 +120,7 @@ class Engine:
             request = self._add_one(
                 candidate_id(request_id, index, count), prompt_token_ids,
                 candidate_params(params, index) if count > 1 else params, priority,
-                list(priors.get(index, [])),
+                list(priors.get(index, [])), lora,
             )
             if count > 1:
                 request.parent_id, request.index = request_id, index
@@ -127,12 +134,13 @@ class Engine:
 
     def _add_one(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        priority: int, prior: list[int],
+        priority: int, prior: list[int], lora: Any = None,
     ) -> Request:
         request = Request(
             request_id, prompt_token_ids, params,
             eos_token_ids=self.runner.loaded.eos_token_ids, priority=priority,
             output_token_ids=prior, bad_words_ids=self.prompts.bad_words_ids(params),
+            lora=lora,
         )
         self.structured.attach(request)  # [structured output] compile starts off the loop
         self.scoring.add(request)
@@ -183,7 +191,7 @@ class Engine:
                 self.structured.wait(_GRAMMAR_WAIT_S)  # [structured output] nothing else to do
             outputs.opened = self.streams.take_opened()
             return outputs
-        self._steps += 1
+        self.steps += 1
         try:
             launched = self._launch(sched, outputs)
         except Exception as exc:  # a failed forward fails its batch, not the worker...
@@ -260,19 +268,10 @@ class Engine:
     def _update(
         self, batch: StepBatch, sched: SchedulerOutput, tokens: list[int], logprobs: list[Any]
     ) -> None:
-        it = iter(zip(tokens, logprobs, strict=True))
-        aligned: list[int | None] = []
-        lp_by_id: dict[str, Any] = {}
-        for item in sched.scheduled:
-            if item.sample:
-                token, lp = next(it)
-                aligned.append(token)
-                lp_by_id[item.request.request_id] = lp
-            else:
-                aligned.append(None)
+        aligned, lp_by_id = align_sampled(sched, tokens, logprobs)
         stream_of = self.streams.by_request
         for request, token in self.scheduler.resolve(sched, aligned):
-            self._tokens_generated += 1
+            self.tokens_generated += 1
             grammar_end = self.structured.advance(request)  # [structured output]
             if grammar_end is not None:
                 self.scheduler.finish(request, grammar_end[0], error=grammar_end[1])
@@ -311,26 +310,6 @@ class Engine:
                 ends.append(self._final(item.request))
         return ends
 
-    def _tier_stats(self) -> dict[str, int]:
-        tier = self.block_manager.tier
-        if tier is None:
-            return {}
-        return {"prefix_cache_host_hits": tier.stats.hit_tokens,
-                "kv_host_blocks_cached": tier.num_cached,
-                "kv_host_blocks_total": tier.num_blocks}
-
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_blocks_total=self.block_manager.num_blocks,
-            kv_blocks_free=self.block_manager.num_free_blocks,
-            num_preemptions=self.scheduler.num_preemptions,
-            tokens_generated=self._tokens_generated, steps=self._steps,
-            prefix_cache_queries=self.block_manager.stats.queries,
-            prefix_cache_hits=self.block_manager.stats.hits,
-            kv_blocks_cached=self.block_manager.num_cached_blocks,
-            **self._tier_stats(),
-            degraded=self.runner.health.degraded,
-            decode_graphs_active=self.runner.health.decode_graphs_active,
-        )
+        return engine_stats(self)
 

@@ -50,8 +50,12 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[CompletionOutput]:
-        """Run every prompt to completion, sharing the batch; outputs in prompt order."""
+        """Run every prompt to completion, sharing the batch; outputs in prompt order.
+        ``lora_name``: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); adapters are loaded with ``LLM(lora_modules=["NAME=PATH"])`` or
+        ``llm.engine.lora.add_adapter(name, path)``."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -65,12 +69,16 @@ class LLM:
                 raise ValueError(
                     f"params: got {len(param_list)} SamplingParams for {len(prompt_list)} prompts"
                 )
+        names = [lora_name] * len(prompt_list) if lora_name is None or isinstance(
+            lora_name, str) else list(lora_name)
+        if len(names) != len(prompt_list):
+            raise ValueError(f"lora_name: got {len(names)} names for {len(prompt_list)} prompts")
         results: dict[str, CompletionOutput] = {}
         choices: dict[str, dict[int, ChoiceOutput]] = {}
         order: list[str] = []
-        for prompt, p in zip(prompt_list, param_list, strict=True):
+        for prompt, p, name in zip(prompt_list, param_list, names, strict=True):
             rid = f"llm-{next(self._ids)}"
-            request = self.engine.add_request(rid, prompt, p)
+            request = self.engine.add_request(rid, prompt, p, lora_name=name)
             results[rid] = CompletionOutput(rid, list(request.prompt_token_ids))
             choices[rid] = {i: ChoiceOutput(i) for i in range(p.num_candidates)}
             order.append(rid)

@@ -86,6 +86,9 @@ class Request:
     prompt_logprobs_sent: bool = False
     # params.bad_words as token sequences (worker/engine/bad_words.py)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # multi-LoRA (#30): the adapter the request runs with (a LoraAdapter: its host
+    # weights, kept even if the adapter is unloaded before the request ends)
+    lora: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids

@@ -23,6 +23,7 @@ import numpy as np
 from worker.engine.batch_rows import BatchRows
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import SchedulerConfig
+from worker.engine.lora.gate import AdapterGate
 from worker.engine.request import (
     FinishReason,
     Request,
@@ -49,6 +50,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.batch = BatchRows(max_model_len)  # the running requests' counters, by row
         self._running_rows: np.ndarray | None = None  # rows in ``running`` order (cache)
+        self.adapters: AdapterGate | None = None  # multi-LoRA: slots pinned while running
 
     # -- membership --------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -75,6 +77,8 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.drop_pending()
+        if self.adapters is not None:
+            self.adapters.release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
@@ -150,10 +154,15 @@ class Scheduler:
             if request.waiting_for_grammar or request.num_pending:
                 skip += 1  # a grammar to compile, or a token still being read back
                 continue
+            if self.adapters is not None and not self.adapters.admit(request):
+                skip += 1  # every LoRA slot is held by running rows: wait for one
+                continue
             item = None
             if len(self.running) < self.config.max_num_seqs:
                 item = self._allocate(request, budget, admitting=True)
             if item is None:
+                if self.adapters is not None:
+                    self.adapters.release(request)
                 refund = self._preempt_for(request, scheduled)
                 if refund is None:
                     break
@@ -202,6 +211,8 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         self.running.remove(request)
         self._running_rows = None
+        if self.adapters is not None:
+            self.adapters.release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -43,6 +43,9 @@ class LoraAdapter:
     rank: int
     scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A, B)
+    # the prefix cache's key for this adapter: name, path and registration number
+    # (AdapterCache), so a name registered again with other weights never reuses KV
+    cache_key: str = ""
 
     @property
     def nbytes(self) -> int:

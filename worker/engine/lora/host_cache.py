@@ -8,6 +8,8 @@ its path again when next needed.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections import OrderedDict
 
 from worker.engine.lora.adapter import LoraAdapter, LoraError, load_adapter
@@ -20,19 +22,25 @@ class AdapterCache:
         self.targets = targets
         self.cfg = cfg
         self.paths: dict[str, str] = {}  # every registered adapter
+        self.keys: dict[str, str] = {}  # its prefix-cache key (LoraAdapter.cache_key)
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self._registrations = itertools.count(1)
 
     def register(self, name: str, path: str) -> LoraAdapter:
         """Load and check ``path`` as adapter ``name``; raises ``LoraError``."""
         if not name:
             raise LoraError("a LoRA adapter needs a name")
         adapter = load_adapter(name, path, self.targets, self.cfg.max_lora_rank)
+        key = f"{name}|{path}|{next(self._registrations)}"
+        adapter = dataclasses.replace(adapter, cache_key=key)
         self.paths[name] = path
+        self.keys[name] = key
         self._keep(adapter)
         return adapter
 
     def unregister(self, name: str) -> None:
         self.paths.pop(name, None)
+        self.keys.pop(name, None)
         self._loaded.pop(name, None)
 
     def get(self, name: str) -> LoraAdapter:
@@ -45,6 +53,7 @@ class AdapterCache:
         if path is None:
             raise KeyError(f"unknown LoRA adapter {name!r}")
         adapter = load_adapter(name, path, self.targets, self.cfg.max_lora_rank)
+        adapter = dataclasses.replace(adapter, cache_key=self.keys[name])
         self._keep(adapter)
         return adapter
 

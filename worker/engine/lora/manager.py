@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from worker.engine.lora.adapter import LoraAdapter
+from worker.engine.lora.adapter import LoraAdapter, LoraError
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.host_cache import AdapterCache
 from worker.engine.lora.layer import wrap_projections
@@ -38,8 +38,19 @@ class LoraManager:
         self._slot_of: dict[str, int] = {}  # request id -> its pinned slot
 
     def add_adapter(self, name: str, path: str) -> LoraAdapter:
-        """Register ``name``; a bad adapter raises ``LoraError`` and changes nothing."""
+        """Register ``name``; a bad adapter raises ``LoraError`` and changes nothing. A
+        name already registered, or whose earlier weights still serve running rows, is
+        refused: unload it first, and let its rows finish."""
+        if name in self.cache.paths:
+            raise LoraError(f"LoRA adapter {name!r} is already loaded")
+        if self.slots.pinned(name):
+            raise LoraError(f"LoRA adapter {name!r} was unloaded but still serves running "
+                            "requests; load it again when they have finished")
         return self.cache.register(name, path)
+
+    def adapter(self, name: str) -> LoraAdapter:
+        """The registered adapter ``name`` (its host weights); ``KeyError`` if unknown."""
+        return self.cache.get(name)
 
     def remove_adapter(self, name: str) -> None:
         """Unregister ``name``: new requests cannot attach it; rows already running keep
@@ -53,10 +64,14 @@ class LoraManager:
     def attach(self, request_id: str, name: str) -> int:
         """Pin ``name`` into a slot for ``request_id``; raises ``KeyError`` for an
         unregistered name and ``LoraSlotsFull`` when every slot has running rows."""
+        return self.attach_adapter(request_id, self.cache.get(name))
+
+    def attach_adapter(self, request_id: str, adapter: LoraAdapter) -> int:
+        """``attach`` for weights already in hand (the request's own, see gate.py)."""
         if request_id in self._adapter_of:
             raise RuntimeError(f"request {request_id!r} already has a LoRA adapter")
-        slot = self.slots.acquire(self.cache.get(name))
-        self._adapter_of[request_id] = name
+        slot = self.slots.acquire(adapter)
+        self._adapter_of[request_id] = adapter.name
         self._slot_of[request_id] = slot
         return slot
 

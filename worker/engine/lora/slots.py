@@ -69,6 +69,11 @@ class LoraSlots:
             raise RuntimeError(f"LoRA adapter {name!r} released more often than acquired")
         self.pins[slot] -= 1
 
+    def pinned(self, name: str) -> bool:
+        """Whether ``name`` is resident with running rows."""
+        slot = self._slot_of.get(name)
+        return slot is not None and self.pins[slot] > 0
+
     def evict(self, name: str) -> bool:
         """Forget ``name``'s slot now if no row uses it (an unloaded adapter); False if
         it is pinned (its rows finish first) or not resident."""

@@ -1,0 +1,192 @@
+"""The engine runs LoRA adapters by name: each request names its adapter, the scheduler
+pins the adapter's slot while the request runs (waiting when every slot is held),
+preemption and aborts give slots back, the prefix cache never mixes adapters, and an
+adapter unloaded mid-flight still serves the requests it had accepted.
+
+References are transformers' ``generate`` on each adapter merged into the weights
+(``test_lora_exact.py``'s helpers), fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protocol.sampling import SamplingParams
+from tests.checkpoints import build_checkpoint
+from tests.worker.engine.lora_adapters import ATTN, write_adapter
+from tests.worker.engine.test_correctness import assert_matches, reference_greedy
+from tests.worker.engine.test_lora_exact import _load, _merged
+from worker import Engine, EngineConfig
+from worker.engine.lora.adapter import LoraError
+from worker.engine.lora.engine_hooks import UnknownAdapter
+from worker.engine.lora.targets import base_targets
+from worker.engine.text_output import TextOutputs
+
+SPECS = {"all8": (8, 16, None), "attn16": (16, 8, ATTN), "mlp4": (4, 4, ("gate_proj",))}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, tuple[str, float]]]:
+    root = tmp_path_factory.mktemp("lora-engine")
+    path = build_checkpoint("llama", root)
+    base = base_targets(_load(path), path)
+    adapters = {}
+    for seed, (name, (rank, alpha, targets)) in enumerate(SPECS.items(), start=11):
+        kwargs: dict[str, Any] = {"targets": targets} if targets else {}
+        adapters[name] = (write_adapter(root / name, base, rank=rank, alpha=alpha, seed=seed,
+                                        std=0.15, **kwargs), alpha / rank)
+    return path, adapters
+
+
+def _engine(path: str, adapters: dict[str, tuple[str, float]], **kw: Any) -> Engine:
+    opts: dict[str, Any] = dict(num_blocks=64, block_size=8, max_num_seqs=8,
+                                max_num_batched_tokens=48, long_prefill_token_threshold=24)
+    opts.update(kw)
+    return Engine(EngineConfig.create(
+        path, device="cpu", attention_backend="cpu", max_loras=2, max_lora_rank=16,
+        max_cpu_loras=4, lora_modules=[f"{n}={p}" for n, (p, _) in adapters.items()],
+        **opts))
+
+
+def _run(engine: Engine, jobs: list[tuple[str, str | None, list[int]]],
+         max_tokens: int = 10) -> dict[str, list[int]]:
+    for rid, name, prompt in jobs:
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                       ignore_eos=True), lora_name=name)
+    results: dict[str, list[int]] = {rid: [] for rid, _, _ in jobs}
+    while engine.has_unfinished_requests():
+        for out in TextOutputs.of(engine).step():
+            results[out.request_id] += out.new_token_ids
+        engine.scheduler.check_invariants()
+        running = {r.lora.name for r in engine.scheduler.running if r.lora is not None}
+        assert len(running) <= 2, f"{running} run at once on two slots"
+        _seen.append(running)
+    return results
+
+
+_seen: list[set[str]] = []  # the adapters running after each step (all tests)
+
+
+def _check(path: str, adapters: dict[str, tuple[str, float]], results: dict[str, list[int]],
+           jobs: list[tuple[str, str | None, list[int]]], max_tokens: int = 10) -> None:
+    for name in [*adapters, None]:
+        model = _merged(path, adapters[name] if name else None)
+        for rid, job_name, prompt in jobs:
+            if job_name == name:
+                want, gaps = reference_greedy(model, prompt, max_tokens)
+                assert_matches(results[rid], want, gaps, f"{rid} ({name})")
+
+
+def _jobs(vocab: int, names: list[str | None], seed: int = 3) -> list[tuple[str, str | None,
+                                                                        list[int]]]:
+    rng = random.Random(seed)
+    return [(f"q{i}", name, [rng.randrange(vocab) for _ in range(rng.choice([3, 17, 40]))])
+            for i, name in enumerate(names)]
+
+
+def test_three_adapters_and_the_base_model_over_two_slots(setup) -> None:
+    """Three adapters share two device slots: requests of the third wait for a slot, and
+    every output equals its merged model's."""
+    path, adapters = setup
+    engine = _engine(path, adapters)
+    jobs = _jobs(engine.runner.shape.vocab_size, [*adapters, None] * 2)
+    _seen.clear()
+    results = _run(engine, jobs)
+    _check(path, adapters, results, jobs)
+    assert engine.lora is not None and engine.lora.slots.pins == [0, 0]
+    assert set().union(*_seen) == set(adapters)  # the third adapter waited, then ran
+
+
+def test_preemption_gives_the_slot_back_and_outputs_stay_exact(setup) -> None:
+    path, adapters = setup
+    engine = _engine(path, adapters, num_blocks=14)  # 112 tokens for ~8 x 30: preemption
+    jobs = _jobs(engine.runner.shape.vocab_size, ["all8", "attn16", None, "mlp4"] * 2, seed=5)
+    results = _run(engine, jobs)
+    assert engine.scheduler.num_preemptions > 0
+    _check(path, adapters, results, jobs)
+    assert engine.lora is not None and engine.lora.slots.pins == [0, 0]
+
+
+def test_aborts_give_slots_back(setup) -> None:
+    path, adapters = setup
+    engine = _engine(path, adapters)
+    for i, name in enumerate(["all8", "attn16", "mlp4"]):
+        engine.add_request(f"a{i}", [5, 6, 7, 8], SamplingParams(max_tokens=50),
+                           lora_name=name)
+    TextOutputs.of(engine).step()
+    for i in range(3):
+        engine.abort(f"a{i}")
+    assert engine.lora is not None and engine.lora.slots.pins == [0, 0]
+    assert not engine.has_unfinished_requests()
+
+
+def test_the_prefix_cache_never_mixes_adapters(setup) -> None:
+    """The same 40-token prompt on adapter A, the base model, adapter B, then A again:
+    only the repeat of A (same adapter, same registration) hits the cache."""
+    path, adapters = setup
+    engine = _engine(path, adapters)
+    prompt = list(range(3, 43))
+    stats = engine.block_manager.stats
+    hits = []
+    for i, name in enumerate(["all8", None, "attn16", "all8"]):
+        before = stats.hits
+        _run(engine, [(f"p{i}", name, prompt)], max_tokens=2)
+        hits.append(stats.hits - before)
+    assert hits[:3] == [0, 0, 0] and hits[3] >= 32
+
+
+def test_unknown_adapter_and_lora_off_are_clear_errors(setup) -> None:
+    path, adapters = setup
+    engine = _engine(path, adapters)
+    with pytest.raises(UnknownAdapter, match="'nope' is not loaded.*all8"):
+        engine.add_request("x", [1, 2, 3], lora_name="nope")
+    plain = Engine(EngineConfig.create(path, device="cpu", num_blocks=16, block_size=8))
+    assert plain.lora is None
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        plain.add_request("x", [1, 2, 3], lora_name="all8")
+    assert not engine.has_unfinished_requests() and not plain.has_unfinished_requests()
+
+
+def test_unloaded_while_running_finishes_and_new_requests_are_refused(setup) -> None:
+    path, adapters = setup
+    engine = _engine(path, adapters)
+    assert engine.lora is not None
+    jobs = _jobs(engine.runner.shape.vocab_size, ["all8", "all8", None], seed=9)
+    for rid, name, prompt in jobs:
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=10,
+                                                       ignore_eos=True), lora_name=name)
+    results: dict[str, list[int]] = {rid: [] for rid, _, _ in jobs}
+    for out in TextOutputs.of(engine).step():  # admitted: the slot is pinned
+        results[out.request_id] += out.new_token_ids
+    engine.lora.remove_adapter("all8")
+    with pytest.raises(UnknownAdapter):
+        engine.add_request("late", [1, 2, 3], lora_name="all8")
+    with pytest.raises(LoraError, match="still serves running requests"):
+        engine.lora.add_adapter("all8", adapters["all8"][0])
+    while engine.has_unfinished_requests():
+        for out in TextOutputs.of(engine).step():
+            results[out.request_id] += out.new_token_ids
+    _check(path, adapters, results, jobs)
+    assert engine.lora.slots.pins == [0, 0] and "all8" not in engine.lora.adapters()
+    engine.lora.add_adapter("all8", adapters["all8"][0])  # free again: loads
+
+
+def test_bad_module_spec_and_bad_adapter_at_start(setup, tmp_path: Path) -> None:
+    path, adapters = setup
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        EngineConfig.create(path, lora_modules="all8")
+    with pytest.raises(LoraError, match="not a directory"):
+        _engine(path, {"ghost": (str(tmp_path / "missing"), 1.0)})
+
+
+def test_settings_from_the_environment() -> None:
+    cfg = EngineConfig.from_env("m", env={"FERRY_MAX_LORAS": "3", "FERRY_MAX_LORA_RANK": "32",
+                                          "FERRY_LORA_MODULES": "a=/x, b=/y"})
+    assert cfg.lora is not None and (cfg.lora.max_loras, cfg.lora.max_lora_rank) == (3, 32)
+    assert cfg.lora_modules == (("a", "/x"), ("b", "/y"))
+    assert EngineConfig.from_env("m", env={}).lora is None
+    assert EngineConfig.from_env("m", env={"FERRY_ENABLE_LORA": "1"}).lora is not None
