@@ -94,6 +94,9 @@ def _worker_cells(w: WorkerView, restarts: list[RestartRecord]) -> dict[str, Ren
     degraded = str(s.get("degraded") or "")
     if degraded:  # serving, but slower than it should: say why, in red
         name.append("\nDEGRADED " + degraded.replace(",", " "), style="bold red")
+    adapters = str(s.get("lora_adapters") or "")
+    if adapters:  # multi-LoRA: the adapters this worker has loaded
+        name.append("\nLoRA " + adapters.replace(",", " "), style="magenta")
     return {
         "worker": name, "batch": _occupancy(s), "wait": _count(s, "waiting"), "KV used": _kv(s),
         "tok/s": f"{_num(s, 'tokens_per_s'):.1f}",

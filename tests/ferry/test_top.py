@@ -197,3 +197,14 @@ def test_prefix_cell_shows_the_host_tier() -> None:
     assert top_cmd._prefix(base).plain == "  50% 40b"
     tier = dict(base, kv_host_blocks_total=500, kv_host_blocks_cached=120)
     assert top_cmd._prefix(tier).plain == "  50% 40b +120h"
+
+
+def test_a_workers_lora_adapters_are_listed(live: redis.Redis) -> None:
+    now = time.time()
+    beat = WorkerHeartbeat(worker_id="gpu-7", model="/models/base", started_at=now,
+                           updated_at=now, stats=STATS | {"lora_adapters": "sql,support"})
+    pipe = live.pipeline()
+    write_heartbeat(pipe, KEYS, beat, Ttls(heartbeat_s=300.0))
+    pipe.execute()
+    text = _text(top_cmd.render(top_cmd.collect(live, KEYS)))
+    assert [line for line in text.splitlines() if "LoRA sql support" in line]

@@ -16,12 +16,15 @@ from typing import Any
 
 from protocol.models import ErrorKind, FinishReason
 from worker.engine.engine import Engine
+from worker.engine.lora.engine_hooks import UnknownAdapter
 from worker.engine.outputs import StepOutput
 from worker.engine.prompts import PromptError
 from worker.engine.text_output import TextOutputs
 from worker.service.active_job import ActiveJob
 from worker.service.jobs import Admission, Command, Outgoing
 from worker.service.leases import HeldEntries
+from worker.service.lora_metrics import LoraMetrics
+from worker.service.lora_sync import LoraSync
 from worker.service.metrics import WorkerMetrics
 from worker.service.outbox import Outbox
 from worker.service.slots import Slots
@@ -49,6 +52,11 @@ class JobTable:
         self.jobs: dict[str, ActiveJob] = {}
         self._deadlines: dict[str, float] = {}
         self._early_cancels: dict[str, tuple[str, float]] = {}
+        # multi-LoRA (service.py sets both when LoRA is on): model name -> adapter, and
+        # the adapter of each running job (per-adapter metrics)
+        self.adapters: LoraSync | None = None
+        self.lora_metrics: LoraMetrics | None = None
+        self._adapter_of: dict[str, str] = {}
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -62,6 +70,9 @@ class JobTable:
             if job is None:
                 continue
             tokens += len(out.new_token_ids)
+            if self._adapter_of and out.request_id in self._adapter_of and self.lora_metrics:
+                self.lora_metrics.tokens.labels(adapter=self._adapter_of[out.request_id]) \
+                    .inc(len(out.new_token_ids))
             if out.new_token_ids and job.last_token_mono is not None:
                 self.metrics.observe_inter_token(now - job.last_token_mono)
             if out.new_token_ids:
@@ -127,11 +138,15 @@ class JobTable:
         elif admission.prompt_text is not None:
             job.prompt_fields["prompt_text"] = admission.prompt_text
         try:
+            lora = self.adapters.adapter_for(request.model) if self.adapters else None
             self.engine.add_tokens(
                 rid, admission.prompt_token_ids, params, priority=request.priority,
                 prior_by_choice=admission.prior,
-                skip_choices=frozenset(admission.finished_choices),
+                skip_choices=frozenset(admission.finished_choices), lora=lora,
             )
+        except UnknownAdapter as exc:  # registered, but it cannot run here
+            self._finish_now(job, "error", str(exc), "invalid_request")
+            return
         except Exception as exc:  # a bug must fail the request, not the worker
             self.log.exception("add_request_failed", request_id=rid)
             self._finish_now(job, "error", f"{type(exc).__name__}: {exc}", "internal")
@@ -139,6 +154,10 @@ class JobTable:
         self.jobs[rid] = job
         if job.deadline is not None:
             self._deadlines[rid] = job.deadline
+        if lora is not None:
+            self._adapter_of[rid] = lora.name
+            if self.lora_metrics is not None:
+                self.lora_metrics.admitted(lora.name)
 
     def _refuse(self, job: ActiveJob, error: Exception | None) -> None:
         """A prompt the pool could not build: invalid input is the client's fault."""
@@ -192,6 +211,7 @@ class JobTable:
         """Forget a job that the engine no longer holds; its terminal event."""
         self.jobs.pop(job.request_id, None)
         self._deadlines.pop(job.request_id, None)
+        self._adapter_of.pop(job.request_id, None)
         try:
             item = job.final_event(reason, out, error, kind, self.token_text)
             self.book.finished(job, item)  # its cost is in the fair ledger...

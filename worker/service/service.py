@@ -29,6 +29,8 @@ from worker.service.intake import Intake
 from worker.service.job_table import JobTable
 from worker.service.jobs import Admission, Command
 from worker.service.leases import HeldEntries, hand_back
+from worker.service.lora_metrics import LoraMetrics
+from worker.service.lora_sync import LoraSync
 from worker.service.metrics import WorkerMetrics
 from worker.service.outbox import Observer, Outbox
 from worker.service.prompt_pool import PromptPool, build_with
@@ -76,13 +78,17 @@ class WorkerService:
         self.book = StatsBook(engine.stats, self.metrics, self.ledger)
         self.control = Control(settings, self.held, self.mailbox, self._heartbeat_stats,
                                self.gate)
-        self.tokenizer_responder = TokenizerResponder(settings, engine.prompts, engine.tokenizer)
+        self.tokenizer_responder = TokenizerResponder(settings, engine.prompts, engine.tokenizer,
+                                                      lora=engine.lora)
+        self.lora = LoraSync(settings, engine.lora, engine.config.lora_modules)
+        self.lora.metrics = LoraMetrics(self.metrics.registry)
         self._stop = threading.Event()
         self._drain_until: float | None = None
         self.metrics_port = 0
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
         self.table = JobTable(engine, self.outbox, self.slots, self.held, self.book,
                               self.metrics, settings.worker_id, self.token_text, self.log)
+        self.table.adapters, self.table.lora_metrics = self.lora, self.lora.metrics
 
     def _heartbeat_stats(self) -> dict[str, float | int | str]:
         """Control thread: the heartbeat's ``stats``, from the engine and the threads."""
@@ -92,7 +98,7 @@ class WorkerService:
             queue_lag=self.control.queue_lag, reclaimed=self.intake.reclaimed,
             dead_lettered=self.dead.count, outbox_depth=self.outbox.depth,
             draining=self.draining, metrics_port=self.metrics_port,
-        ))
+        )) | ({"lora_adapters": self.lora.names} if self.lora.manager is not None else {})
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -121,6 +127,7 @@ class WorkerService:
         self.outbox.start()
         self.control.start()
         self.tokenizer_responder.start()
+        self.lora.start()
         self.intake.start()
         if self.settings.redis_cluster:
             self.watch.start()
@@ -169,6 +176,7 @@ class WorkerService:
         while True:
             busy = self.engine.has_unfinished_requests()
             self._drain_mailbox(0.0 if busy else 0.05)
+            self.lora.apply()  # adapters the sync thread loaded or dropped
             self.table.expire()
             if self._stop.is_set() and self._drained():
                 return
@@ -227,6 +235,7 @@ class WorkerService:
                   if self.gate.usable(self.gate.shard_of_stream(entry[0]))]
         handed = hand_back(self.settings, usable)
         self.tokenizer_responder.stop()
+        self.lora.stop()
         self.control.stop()
         self.log.info("worker_stopped", unfinished=unfinished, handed_back=handed,
                       events_flushed=flushed)

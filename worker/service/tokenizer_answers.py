@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from protocol.tokenizer import TokenizerReply, TokenizerRequest
+from worker.engine.lora.adapter import LoraError
+from worker.engine.lora.manager import LoraManager
 from worker.engine.prompts import PromptBuilder, PromptError, PromptOptions
 
 _PRIVATE_CONFIG = frozenset({
@@ -23,9 +25,12 @@ caller's business (vLLM drops the file paths too)."""
 _INT64 = 2**63  # msgpack's integers end here
 
 
-def answer(request: TokenizerRequest, prompts: PromptBuilder, tokenizer: Any) -> TokenizerReply:
+def answer(request: TokenizerRequest, prompts: PromptBuilder, tokenizer: Any,
+           lora: LoraManager | None = None) -> TokenizerReply:
     """The reply to one request; a refusal is a 400 naming the field, never an exception."""
     try:
+        if request.op == "check_lora":
+            return check_lora(request, lora)
         if request.op == "info":
             return TokenizerReply(status=200, body=tokenizer_info(tokenizer))
         if request.op == "detokenize":
@@ -93,3 +98,18 @@ def _plain(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return str(value)
+
+
+def check_lora(request: TokenizerRequest, lora: LoraManager | None) -> TokenizerReply:
+    """Load the adapter at ``lora_path`` against this worker's base model without
+    registering it (the gateway registers it fleet-wide when this says 200)."""
+    if lora is None:
+        return TokenizerReply(status=400, param="lora_name", error=(
+            "LoRA is not enabled on this model's workers (FERRY_ENABLE_LORA=1 or "
+            "FERRY_LORA_MODULES)"))
+    try:
+        adapter = lora.load(request.lora_name or "adapter", request.lora_path or "")
+    except LoraError as exc:
+        return TokenizerReply(status=400, error=str(exc), param="lora_path")
+    return TokenizerReply(status=200, body={"name": adapter.name, "rank": adapter.rank,
+                                            "modules": sorted(adapter.weights)})

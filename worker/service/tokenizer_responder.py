@@ -28,6 +28,7 @@ from protocol.tokenizer import (
     decode_tokenizer_request,
     encode_tokenizer_message,
 )
+from worker.engine.lora.manager import LoraManager
 from worker.engine.prompts import PromptBuilder
 from worker.service.redis_io import TRANSIENT_ERRORS, Backoff, WorkerSettings, recover
 from worker.service.tokenizer_answers import answer
@@ -43,10 +44,11 @@ class TokenizerResponder:
     tokenizer requests with ``prompts`` (``tokenizer`` for ``/tokenizer_info``)."""
 
     def __init__(self, settings: WorkerSettings, prompts: PromptBuilder, tokenizer: Any,
-                 threads: int = 2) -> None:
+                 threads: int = 2, lora: LoraManager | None = None) -> None:
         self.settings = settings
         self.prompts = prompts
         self.tokenizer = tokenizer
+        self.lora = lora  # answers check_lora (an adapter checked, never registered here)
         self.model = settings.model_name
         self.key = settings.keys.tokenizer_requests(self.model)
         self.answered = 0  # replies sent (for tests and logs; += under the GIL)
@@ -98,7 +100,8 @@ class TokenizerResponder:
             log.info("tokenizer_request_expired", op=request.op, reply_id=request.reply_id)
             return
         try:
-            payload = encode_tokenizer_message(answer(request, self.prompts, self.tokenizer))
+            payload = encode_tokenizer_message(answer(request, self.prompts, self.tokenizer,
+                                                           self.lora))
         except TemplateError as exc:  # a chat template refusing the messages
             payload = encode_tokenizer_message(TokenizerReply(
                 status=400, error=f"messages: {exc}", param="messages"))

@@ -28,9 +28,18 @@ class AdapterCache:
 
     def register(self, name: str, path: str) -> LoraAdapter:
         """Load and check ``path`` as adapter ``name``; raises ``LoraError``."""
+        return self.install(self.load(name, path))
+
+    def load(self, name: str, path: str) -> LoraAdapter:
+        """Read and check an adapter without registering it (any thread: file reads and
+        host tensors only); raises ``LoraError``."""
         if not name:
             raise LoraError("a LoRA adapter needs a name")
-        adapter = load_adapter(name, path, self.targets, self.cfg.max_lora_rank)
+        return load_adapter(name, path, self.targets, self.cfg.max_lora_rank)
+
+    def install(self, adapter: LoraAdapter) -> LoraAdapter:
+        """Register an adapter ``load`` returned; it gets its prefix-cache key here."""
+        name, path = adapter.name, adapter.path
         key = f"{name}|{path}|{next(self._registrations)}"
         adapter = dataclasses.replace(adapter, cache_key=key)
         self.paths[name] = path

@@ -41,12 +41,25 @@ class LoraManager:
         """Register ``name``; a bad adapter raises ``LoraError`` and changes nothing. A
         name already registered, or whose earlier weights still serve running rows, is
         refused: unload it first, and let its rows finish."""
+        self._check_free(name)
+        return self.cache.register(name, path)
+
+    def load(self, name: str, path: str) -> LoraAdapter:
+        """Read and check an adapter, registering nothing (safe off the engine loop: the
+        slow part of ``add_adapter``, for a sync thread or a load check)."""
+        return self.cache.load(name, path)
+
+    def install(self, adapter: LoraAdapter) -> LoraAdapter:
+        """Register what ``load`` returned (the engine loop; cheap)."""
+        self._check_free(adapter.name)
+        return self.cache.install(adapter)
+
+    def _check_free(self, name: str) -> None:
         if name in self.cache.paths:
             raise LoraError(f"LoRA adapter {name!r} is already loaded")
         if self.slots.pinned(name):
             raise LoraError(f"LoRA adapter {name!r} was unloaded but still serves running "
                             "requests; load it again when they have finished")
-        return self.cache.register(name, path)
 
     def adapter(self, name: str) -> LoraAdapter:
         """The registered adapter ``name`` (its host weights); ``KeyError`` if unknown."""
