@@ -196,6 +196,8 @@ class BlockManager:
             if self._ref_counts[block] == 0:
                 del self._free[block]
             self._ref_counts[block] += 1
+        if restores and self.tier is not None:  # no restore may evict the next one
+            self.tier.hold([entry for entry in cached if isinstance(entry, bytes)])
         hits = [entry if isinstance(entry, int) else self._restore(entry) for entry in cached]
         table.extend(hits)
         if hits:

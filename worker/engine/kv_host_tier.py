@@ -128,6 +128,13 @@ class HostTier:
         self._outs.append((block, slot))
         self.stats.offloaded += 1
 
+    def hold(self, block_hashes: list[bytes]) -> None:
+        """Keep these copies until the flush: a request's host hits, before the first is
+        restored (restoring takes a device block, whose eviction copies out here, and a
+        full tier would otherwise give up the least recently used slot: maybe the next
+        hit)."""
+        self._busy.update(self._slot_of[h] for h in block_hashes)
+
     def restore(self, block_hash: bytes, block: int) -> None:
         """Copy the host copy of ``block_hash`` into device ``block`` before the forward."""
         slot = self._slot_of[block_hash]

@@ -83,6 +83,39 @@ def test_full_tier_keeps_slots_read_this_step() -> None:
     assert b"v" in tier
 
 
+def test_restoring_into_a_full_tier_keeps_the_other_hits() -> None:
+    """A host hit of two blocks, the tier full: the block the first restore evicts from
+    the device is copied out, and the tier's LRU slot then is the second hit. It must stay
+    (a worker died here of a KeyError, #32's kill-mid-swap test)."""
+    pool = _pool(4)
+    bm = BlockManager(4, BS, watermark=0)
+    tier = HostTier.for_pool(pool, 2 * pool[:, :, 0].numel() * pool.element_size())
+    assert tier is not None and tier.num_blocks == 2
+    bm.attach_tier(tier)
+    first = _request("a", list(range(9)))  # 2 full blocks + 1 token
+    assert bm.allocate_slots("a", 9, cached=bm.cached_prefix(first)) is not None
+    bm.cache_full_blocks(first, 9)
+    _fill(pool, bm.block_table("a"), 10.0)
+    saved = pool[:, :, bm.block_table("a")[:2]].clone()
+    bm.free("a")
+    other = _request("b", list(range(100, 116)))  # 4 full blocks: a's go to the tier
+    assert bm.allocate_slots("b", 16, cached=bm.cached_prefix(other)) is not None
+    bm.cache_full_blocks(other, 16)
+    bm.flush_copies(pool)
+    _fill(pool, bm.block_table("b"), 50.0)
+    bm.free("b")
+    assert tier.num_cached == 2
+    again = _request("c", list(range(9)))
+    hits = bm.cached_prefix(again)
+    assert len(hits) == 2 and all(isinstance(h, bytes) for h in hits)
+    assert bm.allocate_slots("c", 9, cached=hits) is not None
+    bm.flush_copies(pool)
+    assert torch.equal(pool[:, :, bm.block_table("c")[:2]], saved)
+    # the three of b's blocks c takes (two restored into, one fresh) found no free slot
+    assert tier.stats.restored == 2 and tier.stats.dropped == 3
+    bm.check_invariants()
+
+
 def test_sizes() -> None:
     pool = _pool(4)
     assert HostTier.for_pool(pool, 0) is None
@@ -117,7 +150,8 @@ def test_outputs_identical_with_swaps_and_host_hits(checkpoint: str) -> None:
     got_off, got_on = _run(small_off, jobs), _run(small_on, jobs)
     assert got_on == want and got_off == want
     tier = small_on.block_manager.tier
-    assert tier is not None and tier.stats.restored > 0, tier.stats
+    assert tier is not None
+    assert tier.stats.restored > 0, tier.stats
     assert small_on.scheduler.num_preemptions > 0
     # the tier saved computing: fewer prompt tokens run than with the tier off
     assert small_on.block_manager.stats.hits > small_off.block_manager.stats.hits
