@@ -115,20 +115,23 @@ class ShardHealth:
 def master_name(rc: Any, key: str) -> str | None:
     """``host:port`` of the master of ``key``'s slot in the client's slot map (no network),
     or None when no master serves that slot."""
+    node = _master(rc, key)
+    return None if node is None else str(node.name)
+
+
+def _master(rc: Any, key: str) -> Any:
+    """The master node of ``key``'s slot in the client's slot map (sync and asyncio
+    clients alike, no network); None when no master serves that slot."""
     try:
-        node = rc.get_node_from_key(key)
+        return rc.get_node_from_key(key)
     except Exception:  # SlotNotCoveredError, or no topology known yet
         return None
-    return None if node is None else str(node.name)
 
 
 def _ping(rc: Any, key: str, timeout: float) -> str | None:
     """None when the master of ``key``'s slot answers PING within ``timeout`` (a
     connection of its own, not the client's pool: no retries, no topology refresh)."""
-    try:
-        node = rc.get_node_from_key(key)
-    except Exception:
-        return "no master serves its slots"
+    node = _master(rc, key)
     if node is None:
         return "no master serves its slots"
     pool = rc.get_redis_connection(node).connection_pool
@@ -160,10 +163,7 @@ def probe(rc: Any, key: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
 
 
 async def _aping(rc: Any, key: str, timeout: float) -> str | None:
-    try:
-        node = rc.get_node_from_key(key)
-    except Exception:
-        return "no master serves its slots"
+    node = _master(rc, key)
     if node is None:
         return "no master serves its slots"
     try:  # a cancelled read disconnects its connection: none goes back half-read

@@ -64,7 +64,8 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     pres = to_device([r.params.presence_penalty for r in picked], torch.float32, device)
     index = to_device(targets, torch.long, device)
     sub = logits.index_select(0, index)  # [P, V]
-    seen = (counts > 0) | torch.stack([_prompt_mask(r, vocab, device) for r in picked])
+    prompts = [_token_mask(r, PROMPT_MASK, r.prompt_token_ids, vocab, device) for r in picked]
+    seen = (counts > 0) | torch.stack(prompts)
     rep = rep.unsqueeze(1)
     penalised = torch.where(sub > 0, sub / rep, sub * rep)
     sub = torch.where(seen, penalised, sub)
@@ -86,15 +87,18 @@ def _count_pending(counts: torch.Tensor, rows: Sequence[SamplingRow], vocab: int
                       torch.ones(len(lines), device=device), accumulate=True)
 
 
-def _prompt_mask(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:
-    """[V] bool: the tokens of the row's prompt; built once per request, then cached."""
-    mask = row.cache.get(PROMPT_MASK)
+def _token_mask(row: SamplingRow, key: str, token_ids: Sequence[int] | None, vocab: int,
+                device: torch.device) -> torch.Tensor:
+    """[V] bool: True at ``token_ids`` (those inside the vocabulary); built on the device
+    once per request, then cached in the row under ``key`` (the prompt's tokens, the
+    allowed ones: both fixed for the request's life)."""
+    mask = row.cache.get(key)
     if mask is None:
-        ids = [t for t in row.prompt_token_ids if 0 <= t < vocab]
+        ids = [t for t in token_ids or () if 0 <= t < vocab]
         mask = torch.zeros(vocab, dtype=torch.bool, device=device)
         if ids:
             mask[to_device(ids, torch.long, device)] = True
-        row.cache[PROMPT_MASK] = mask
+        row.cache[key] = mask
     return mask  # type: ignore[no-any-return]
 
 
@@ -127,21 +131,11 @@ def apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -
     if not targets:
         return logits
     device, vocab = logits.device, logits.shape[1]
-    allowed = torch.stack([_allowed_mask(rows[i], vocab, device) for i in targets])  # [A, V]
+    allowed = torch.stack([_token_mask(rows[i], ALLOWED_MASK, rows[i].params.allowed_token_ids,
+                                       vocab, device) for i in targets])  # [A, V]
     index = to_device(targets, torch.long, device)
     sub = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))  # [A, V]
     return logits.index_copy(0, index, sub)
-
-
-def _allowed_mask(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:
-    mask = row.cache.get(ALLOWED_MASK)
-    if mask is None:
-        ids = [t for t in row.params.allowed_token_ids or () if 0 <= t < vocab]
-        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-        if ids:
-            mask[to_device(ids, torch.long, device)] = True
-        row.cache[ALLOWED_MASK] = mask
-    return mask  # type: ignore[no-any-return]
 
 
 def apply_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -22,7 +22,8 @@ import numpy as np
 import structlog
 
 from worker.engine.speculative.draft_store import DraftStore
-from worker.service.redis_io import TRANSIENT_ERRORS, Backoff, WorkerSettings, recover
+from worker.service.read_loop import read_until_stopped
+from worker.service.redis_io import TRANSIENT_ERRORS, WorkerSettings, recover
 
 log = structlog.get_logger("ferry.worker.drafts")
 
@@ -54,6 +55,7 @@ class DraftFeed:
         self._pending: queue.Queue[list[int]] = queue.Queue(max_pending)
         self._stop = threading.Event()
         self._writer: Any = None
+        self._last_id: Any = "0-0"  # the tail reads from the oldest entry still held
         self._thread = threading.Thread(target=self._tail, name="ferry-drafts", daemon=True)
 
     def start(self) -> None:
@@ -92,25 +94,17 @@ class DraftFeed:
         return moved
 
     def _tail(self) -> None:
-        r = self.settings.connect()
-        backoff, last_id = Backoff(), "0-0"  # from the oldest entry still held
-        try:
-            while not self._stop.is_set():
-                try:
-                    reply = r.xread({self.key: last_id}, count=READ_COUNT, block=POLL_MS)
-                except TRANSIENT_ERRORS as exc:
-                    if backoff.failures == 0:
-                        log.warning("draft_feed_unavailable", error=str(exc))
-                    recover(r)
-                    backoff.wait(self._stop)
-                    continue
-                backoff.reset()
-                for _, entries in reply or ():
-                    for entry_id, fields in entries:
-                        last_id = entry_id
-                        self._take(fields)
-        finally:
-            r.close()
+        read_until_stopped(self.settings, self._stop, self._read, self._on_reply, log,
+                           "draft_feed_unavailable")
+
+    def _read(self, r: Any) -> Any:
+        return r.xread({self.key: self._last_id}, count=READ_COUNT, block=POLL_MS)
+
+    def _on_reply(self, r: Any, reply: Any) -> None:
+        for _, entries in reply or ():
+            for entry_id, fields in entries:
+                self._last_id = entry_id
+                self._take(fields)
 
     def _take(self, fields: dict[bytes, bytes]) -> None:
         if fields.get(b"w") == self.worker_id:

@@ -5,15 +5,16 @@ one process tree) build many workers; a per-instance ``CollectorRegistry`` keeps
 colliding on the global default registry. Torch-free so the metrics endpoint, ``ferry top``
 and the tests import it without loading a GPU stack.
 
-Counters that the engine also keeps cumulatively (output tokens, preemptions) can be fed
-either event by event (``observe_step``, ``preempted``) or from an ``EngineStats`` snapshot
-(``set_engine``); both paths advance one baseline, so calling both never double counts.
+The engine's own numbers (batch, KV cache, prefix cache, degraded state) are built and
+refreshed by ``engine_metrics.EngineMetrics`` (``self.engine``). Counters that the engine
+also keeps cumulatively (output tokens, preemptions) can be fed either event by event
+(``observe_step``, ``preempted``) or from an ``EngineStats`` snapshot (``set_engine``); both
+paths advance one baseline, so calling both never double counts.
 """
 
 from __future__ import annotations
 
 import errno
-import threading
 
 from prometheus_client import (
     CollectorRegistry,
@@ -24,8 +25,8 @@ from prometheus_client import (
     start_http_server,
 )
 
-from worker.engine.health import DEGRADED_REASONS  # torch-free
 from worker.engine.outputs import EngineStats  # a plain dataclass: no torch
+from worker.service.engine_metrics import EngineMetrics
 
 PREFIX = "ferry_worker_"
 METRICS_PORT_TRIES = 64
@@ -40,44 +41,16 @@ _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1
 _TOKENS_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-class _Cumulative:
-    """Turns a cumulative engine total into counter increments without double counting."""
-
-    def __init__(self, counter: Counter) -> None:
-        self.counter = counter
-        self.seen = 0
-        self.lock = threading.Lock()
-
-    def add(self, n: int) -> None:
-        if n <= 0:
-            return
-        with self.lock:
-            self.counter.inc(n)
-            self.seen += n
-
-    def sync(self, total: int) -> None:
-        with self.lock:
-            if total < self.seen and total == 0:
-                self.seen = 0  # a fresh engine restarted its count
-            elif total > self.seen:
-                self.counter.inc(total - self.seen)
-                self.seen = total
-
-
 class WorkerMetrics:
     """All worker metrics; cheap to call from the engine loop (no I/O, no allocation)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._build_gauges()
+        self.engine = EngineMetrics(self.registry, PREFIX)
         self._build_counters()
         self._build_histograms()
         self._build_tenant_metrics()
-        self._tokens = _Cumulative(self.output_tokens)
-        self._preemptions = _Cumulative(self.preemptions)
-        self._prefix_queries = _Cumulative(self.prefix_queries)
-        self._prefix_hits = _Cumulative(self.prefix_hits)
-        self._prefix_host_hits = _Cumulative(self.prefix_host_hits)
 
     def _build_gauges(self) -> None:
         reg, p = self.registry, PREFIX
@@ -89,36 +62,6 @@ class WorkerMetrics:
             "Stream entries not yet delivered to the consumer group (XINFO GROUPS lag).",
             registry=reg,
         )
-        self.running = Gauge(p + "running_requests", "Requests in the running batch.", registry=reg)
-        self.waiting = Gauge(
-            p + "waiting_requests",
-            "Requests taken from the stream, waiting for a batch slot.",
-            registry=reg,
-        )
-        self.kv_used = Gauge(p + "kv_blocks_used", "KV cache blocks in use.", registry=reg)
-        self.kv_free = Gauge(p + "kv_blocks_free", "KV cache blocks free.", registry=reg)
-        self.kv_usage = Gauge(
-            p + "kv_cache_usage_ratio", "Used / total KV cache blocks (0..1).", registry=reg
-        )
-        self.kv_cached = Gauge(
-            p + "kv_blocks_cached",
-            "KV blocks holding a reusable prefix (held by requests or evictable).",
-            registry=reg,
-        )
-        self.decode_graphs_active = Gauge(
-            p + "decode_graphs_active",
-            "1 when pure-decode steps replay CUDA graphs (0 on a CPU, with "
-            "FERRY_ENFORCE_EAGER, or when capture failed: see ferry_worker_degraded).",
-            registry=reg,
-        )
-        self.degraded = Gauge(
-            p + "degraded",
-            "1 per reason the worker serves slower than it should (graphs unavailable or "
-            "mismatched, a kernel that failed, the torch attention fallback on a CPU).",
-            ["reason"], registry=reg,
-        )
-        for reason in DEGRADED_REASONS:
-            self.degraded.labels(reason)  # every reason exported, 0 when healthy
 
     def _build_counters(self) -> None:
         reg, p = self.registry, PREFIX
@@ -130,12 +73,6 @@ class WorkerMetrics:
         )
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # export zeros so rate() works from the start
-        self.output_tokens = Counter(
-            p + "output_tokens", "Generated tokens; tokens/s = rate().", registry=reg
-        )
-        self.preemptions = Counter(
-            p + "preemptions", "Requests preempted (KV blocks ran out).", registry=reg
-        )
         self.reclaimed_total = Counter(
             p + "reclaimed",
             "Stream deliveries reclaimed from dead consumers (XAUTOCLAIM).",
@@ -144,21 +81,6 @@ class WorkerMetrics:
         self.dead_letters = Counter(
             p + "dead_letters", "Stream entries moved to the dead-letter stream.", registry=reg
         )
-        self.prefix_queries = Counter(
-            p + "prefix_cache_queries",
-            "Tokens of requests admitted from scratch (prefix-cache lookups).", registry=reg
-        )
-        self.prefix_hits = Counter(
-            p + "prefix_cache_hits",
-            "Tokens served from the prefix cache instead of computed; hit rate = "
-            "rate(hits) / rate(queries).", registry=reg
-        )
-        self.prefix_host_hits = Counter(
-            p + "prefix_cache_host_hits",
-            "Of the prefix-cache hits, tokens copied back from the KV host tier.", registry=reg
-        )
-        self.kv_host_cached = Gauge(
-            p + "kv_host_blocks_cached", "KV blocks held by the host tier.", registry=reg)
 
     def _build_tenant_metrics(self) -> None:
         reg, p = self.registry, PREFIX
@@ -173,43 +95,24 @@ class WorkerMetrics:
             "request, by tenant.", ["tenant"], buckets=_LATENCY_BUCKETS, registry=reg)
 
     def _build_histograms(self) -> None:
-        reg, p = self.registry, PREFIX
-        self.ttft = Histogram(
-            p + "time_to_first_token_seconds",
-            "From enqueue (created_at) to the first token.",
-            buckets=_TTFT_BUCKETS,
-            registry=reg,
-        )
-        self.inter_token = Histogram(
-            p + "inter_token_latency_seconds",
-            "Time between two tokens of one request.",
-            buckets=_ITL_BUCKETS,
-            registry=reg,
-        )
-        self.e2e = Histogram(
-            p + "e2e_latency_seconds",
-            "From enqueue (created_at) to the terminal event.",
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
-        )
-        self.queued = Histogram(
-            p + "queue_time_seconds",
-            "From enqueue until the worker started the request.",
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
-        )
-        self.request_tokens = Histogram(
-            p + "request_output_tokens",
-            "Output tokens per finished request.",
-            buckets=_TOKENS_BUCKETS,
-            registry=reg,
-        )
-        self.step = Histogram(
-            p + "step_seconds",
-            "Duration of one engine step (schedule, forward, sample).",
-            buckets=_STEP_BUCKETS,
-            registry=reg,
-        )
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "From enqueue (created_at) to the first token.", _TTFT_BUCKETS)
+        self.inter_token = histogram("inter_token_latency_seconds",
+                                     "Time between two tokens of one request.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_latency_seconds",
+                             "From enqueue (created_at) to the terminal event.",
+                             _LATENCY_BUCKETS)
+        self.queued = histogram("queue_time_seconds",
+                                "From enqueue until the worker started the request.",
+                                _LATENCY_BUCKETS)
+        self.request_tokens = histogram("request_output_tokens",
+                                        "Output tokens per finished request.", _TOKENS_BUCKETS)
+        self.step = histogram("step_seconds",
+                              "Duration of one engine step (schedule, forward, sample).",
+                              _STEP_BUCKETS)
 
     def serve(self, port: int, host: str = "127.0.0.1", tries: int = METRICS_PORT_TRIES
               ) -> int:
@@ -237,7 +140,7 @@ class WorkerMetrics:
     def observe_step(self, duration_s: float, num_tokens: int) -> None:
         """One engine step that took ``duration_s`` and sampled ``num_tokens`` output tokens."""
         self.step.observe(duration_s)
-        self._tokens.add(num_tokens)
+        self.engine.tokens.add(num_tokens)
 
     def request_finished(
         self,
@@ -269,23 +172,7 @@ class WorkerMetrics:
 
     def set_engine(self, stats: EngineStats) -> None:
         """Refresh batch/KV gauges and catch counters up with the engine's cumulative totals."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        used = stats.kv_blocks_total - stats.kv_blocks_free
-        self.kv_used.set(used)
-        self.kv_free.set(stats.kv_blocks_free)
-        self.kv_usage.set(used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
-        self._tokens.sync(stats.tokens_generated)
-        self._preemptions.sync(stats.num_preemptions)
-        self.kv_cached.set(getattr(stats, "kv_blocks_cached", 0))
-        self._prefix_queries.sync(getattr(stats, "prefix_cache_queries", 0))
-        self._prefix_hits.sync(getattr(stats, "prefix_cache_hits", 0))
-        self._prefix_host_hits.sync(getattr(stats, "prefix_cache_host_hits", 0))
-        self.kv_host_cached.set(getattr(stats, "kv_host_blocks_cached", 0))
-        self.decode_graphs_active.set(int(getattr(stats, "decode_graphs_active", False)))
-        degraded = set(getattr(stats, "degraded", ()))
-        for reason in DEGRADED_REASONS:
-            self.degraded.labels(reason).set(int(reason in degraded))
+        self.engine.update(stats)
 
     def set_queue(self, depth: int, lag: int) -> None:
         """Stream length and the group's undelivered count, as last read from Redis."""
@@ -294,7 +181,7 @@ class WorkerMetrics:
 
     def preempted(self, n: int) -> None:
         """``n`` requests were preempted in a step."""
-        self._preemptions.add(n)
+        self.engine.preempted.add(n)
 
     def reclaimed(self, n: int = 1) -> None:
         """``n`` deliveries of dead consumers were claimed by this worker."""

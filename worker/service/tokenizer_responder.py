@@ -30,7 +30,8 @@ from protocol.tokenizer import (
 )
 from worker.engine.lora.manager import LoraManager
 from worker.engine.prompts import PromptBuilder
-from worker.service.redis_io import TRANSIENT_ERRORS, Backoff, WorkerSettings, recover
+from worker.service.read_loop import read_until_stopped
+from worker.service.redis_io import TRANSIENT_ERRORS, WorkerSettings, recover
 from worker.service.tokenizer_answers import answer
 
 log = structlog.get_logger("ferry.worker.tokenizer")
@@ -69,26 +70,16 @@ class TokenizerResponder:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
     def _serve(self) -> None:
-        r = self.settings.connect()
-        backoff = Backoff()
-        try:
-            while not self._stop.is_set():
-                try:
-                    popped = r.blpop([self.key], timeout=POLL_S)
-                except TRANSIENT_ERRORS as exc:
-                    if backoff.failures == 0:
-                        log.warning("tokenizer_redis_unavailable", error=str(exc))
-                    recover(r)
-                    backoff.wait(self._stop)
-                    continue
-                backoff.reset()
-                if popped is not None:
-                    try:
-                        self._handle(r, popped[1])
-                    except Exception:  # never let one request end the thread
-                        log.exception("tokenizer_request_failed")
-        finally:
-            r.close()
+        read_until_stopped(self.settings, self._stop,
+                           lambda r: r.blpop([self.key], timeout=POLL_S), self._on_pop, log,
+                           "tokenizer_redis_unavailable")
+
+    def _on_pop(self, r: Any, popped: Any) -> None:
+        if popped is not None:
+            try:
+                self._handle(r, popped[1])
+            except Exception:  # never let one request end the thread
+                log.exception("tokenizer_request_failed")
 
     def _handle(self, r: Any, data: bytes) -> None:
         try:

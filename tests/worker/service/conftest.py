@@ -8,6 +8,7 @@ stays light on a shared machine.
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -93,3 +94,25 @@ def client(redis_server: Any, redis_client: Any) -> Iterator[Any]:  # noqa: F811
     c.ensure_group()
     yield c
     c.close()
+
+
+@pytest.fixture(scope="module")
+def openai_stack(request: pytest.FixtureRequest, redis_server: Any,  # noqa: F811
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real ``ferry worker`` on the default model and a gateway, on the module's Redis,
+    with an openai SDK client: ``worker``, ``url``, ``client``. The worker is named after
+    the module (``test_service_tools`` -> ``tools-1``), so each module's logs are its own."""
+    import openai
+
+    from gateway.settings import GatewaySettings
+    from tests.gateway.server import GatewayServer
+    from tests.worker.service.procs import WorkerProcess
+    from worker.models import default_model_path
+
+    name = request.module.__name__.rsplit("_", 1)[-1] + "-1"
+    log_dir = tmp_path_factory.mktemp("logs")
+    with WorkerProcess(default_model_path(), redis_server.url, name, log_dir) as worker:
+        worker.wait_live()
+        with GatewayServer(GatewaySettings(redis_url=redis_server.url)) as gateway:
+            client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+            yield SimpleNamespace(worker=worker, url=gateway.url, client=client)

@@ -6,8 +6,6 @@ two-tool agent with an ``output_type``) and LangChain's ``bind_tools`` /
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Annotated, Any
 
 import httpx
@@ -15,11 +13,6 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-
-from gateway.settings import GatewaySettings
-from tests.gateway.server import GatewayServer
-from tests.worker.service.procs import WorkerProcess
-from worker.models import default_model_path
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city.",
            "parameters": {"type": "object", "properties": {
@@ -29,32 +22,22 @@ ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLeng
           "required": ["answer"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server: Any, tmp_path_factory: Any) -> Iterator[Any]:
-    log_dir = tmp_path_factory.mktemp("logs")
-    with WorkerProcess(default_model_path(), redis_server.url, "agents-1", log_dir) as worker:
-        worker.wait_live()
-        with GatewayServer(GatewaySettings(redis_url=redis_server.url)) as gateway:
-            client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
-            yield SimpleNamespace(worker=worker, url=gateway.url, client=client)
-
-
-def test_responses_text_and_usage(stack: Any) -> None:
-    out = stack.client.responses.create(model="default", input="Say hi.",
-                                        instructions="Be brief.", max_output_tokens=8)
+def test_responses_text_and_usage(openai_stack: Any) -> None:
+    out = openai_stack.client.responses.create(model="default", input="Say hi.",
+                                               instructions="Be brief.", max_output_tokens=8)
     assert out.object == "response" and out.status in ("completed", "incomplete")
     assert out.output[0].type == "message" and out.output_text
     assert out.usage is not None and out.usage.output_tokens > 0
 
 
-def test_responses_tool_round_trip(stack: Any) -> None:
-    first = stack.client.responses.create(
+def test_responses_tool_round_trip(openai_stack: Any) -> None:
+    first = openai_stack.client.responses.create(
         model="default", input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
         parallel_tool_calls=False, max_output_tokens=60, temperature=1.0)
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
-    second = stack.client.responses.create(
+    second = openai_stack.client.responses.create(
         model="default", tools=[WEATHER], max_output_tokens=40, temperature=1.0,
         parallel_tool_calls=False, text={"format": {
             "type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}},
@@ -68,9 +51,9 @@ def test_responses_tool_round_trip(stack: Any) -> None:
             jsonschema.validate(json.loads(second.output_text), ANSWER)
 
 
-def test_responses_streaming(stack: Any) -> None:
+def test_responses_streaming(openai_stack: Any) -> None:
     kinds = []
-    with stack.client.responses.stream(
+    with openai_stack.client.responses.stream(
             model="default", input="Weather in Paris?", tools=[WEATHER],
             tool_choice="required", parallel_tool_calls=False, max_output_tokens=60) as s:
         for event in s:
@@ -82,11 +65,11 @@ def test_responses_streaming(stack: Any) -> None:
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
 
 
-def test_responses_refuses_store(stack: Any) -> None:
-    reply = httpx.post(f"{stack.url}/v1/responses", timeout=30,
+def test_responses_refuses_store(openai_stack: Any) -> None:
+    reply = httpx.post(f"{openai_stack.url}/v1/responses", timeout=30,
                        json={"input": "x", "store": True})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "store"
-    reply = httpx.post(f"{stack.url}/v1/responses", timeout=30,
+    reply = httpx.post(f"{openai_stack.url}/v1/responses", timeout=30,
                        json={"input": "x", "previous_response_id": "resp_1"})
     assert reply.json()["error"]["param"] == "previous_response_id"
 
@@ -95,7 +78,7 @@ class Answer(BaseModel):
     answer: str = Field(max_length=20)
 
 
-def test_agents_sdk_two_tools_and_output_type(stack: Any) -> None:
+def test_agents_sdk_two_tools_and_output_type(openai_stack: Any) -> None:
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
 
@@ -109,7 +92,7 @@ def test_agents_sdk_two_tools_and_output_type(stack: Any) -> None:
         """Add two integers."""
         return a + b
 
-    client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{openai_stack.url}/v1", api_key="x", max_retries=0)
     agent = agents.Agent(
         name="helper", instructions="Use the tools, then answer.",
         tools=[get_weather, add], output_type=Answer,
@@ -127,9 +110,9 @@ class Weather(BaseModel):
     city: str = Field(max_length=12)
 
 
-def test_langchain_bind_tools_and_structured_output(stack: Any) -> None:
+def test_langchain_bind_tools_and_structured_output(openai_stack: Any) -> None:
     lc = pytest.importorskip("langchain_openai")
-    model = lc.ChatOpenAI(base_url=f"{stack.url}/v1", api_key="x", model="default",
+    model = lc.ChatOpenAI(base_url=f"{openai_stack.url}/v1", api_key="x", model="default",
                           temperature=1.0, max_tokens=150, max_retries=0, seed=3)
     reply = model.bind_tools([Weather], tool_choice="required",
                              parallel_tool_calls=False).invoke("Weather in Paris?")

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -19,11 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from gateway.settings import GatewaySettings
 from protocol.tool_syntax import parse_calls
-from tests.gateway.server import GatewayServer
-from tests.worker.service.procs import WorkerProcess
-from worker.models import default_model_path
 
 WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -42,16 +36,6 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server: Any, tmp_path_factory: Any) -> Iterator[Any]:
-    log_dir = tmp_path_factory.mktemp("logs")
-    with WorkerProcess(default_model_path(), redis_server.url, "tools-1", log_dir) as worker:
-        worker.wait_live()
-        with GatewayServer(GatewaySettings(redis_url=redis_server.url)) as gateway:
-            client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
-            yield SimpleNamespace(worker=worker, url=gateway.url, client=client)
-
-
 def _valid(calls: Any) -> list[tuple[str, dict[str, Any]]]:
     out = []
     for call in calls:
@@ -62,10 +46,10 @@ def _valid(calls: Any) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def test_required_and_named_calls_validate(stack: Any) -> None:
+def test_required_and_named_calls_validate(openai_stack: Any) -> None:
     for choice in ("required", {"type": "function", "function": {"name": "add"}}):
         for seed in range(2):
-            out = stack.client.chat.completions.create(
+            out = openai_stack.client.chat.completions.create(
                 model="default", messages=MESSAGES, tools=TOOLS, tool_choice=choice,
                 parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=80)
             message = out.choices[0].message
@@ -76,10 +60,10 @@ def test_required_and_named_calls_validate(stack: Any) -> None:
                 assert {name for name, _ in calls} == {"add"}
 
 
-def test_parallel_calls_are_bounded(stack: Any) -> None:
+def test_parallel_calls_are_bounded(openai_stack: Any) -> None:
     """Parallel calls: at most MAX_CALLS (8) of them; cut by max_tokens, the complete
     ones are returned, with finish_reason length."""
-    out = stack.client.chat.completions.create(
+    out = openai_stack.client.chat.completions.create(
         model="default", messages=MESSAGES, tools=TOOLS, tool_choice="required",
         temperature=1.0, seed=0, max_tokens=100)
     choice = out.choices[0]
@@ -87,9 +71,9 @@ def test_parallel_calls_are_bounded(stack: Any) -> None:
     assert 1 <= len(_valid(choice.message.tool_calls)) <= 8
 
 
-def test_auto_is_text_or_valid_calls(stack: Any) -> None:
+def test_auto_is_text_or_valid_calls(openai_stack: Any) -> None:
     for seed in range(3):
-        out = stack.client.chat.completions.create(
+        out = openai_stack.client.chat.completions.create(
             model="default", messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=seed,
             parallel_tool_calls=False, max_tokens=40)
         choice = out.choices[0]
@@ -100,12 +84,12 @@ def test_auto_is_text_or_valid_calls(stack: Any) -> None:
             assert "<tool_call>" not in (choice.message.content or "")
 
 
-def test_streamed_calls_equal_the_whole_ones(stack: Any) -> None:
+def test_streamed_calls_equal_the_whole_ones(openai_stack: Any) -> None:
     body: dict[str, Any] = dict(model="default", messages=MESSAGES, tools=TOOLS,
                                 tool_choice="required", temperature=1.0, seed=7,
                                 parallel_tool_calls=False, max_tokens=100)
-    whole = stack.client.chat.completions.create(**body)
-    with stack.client.chat.completions.stream(**body) as stream:
+    whole = openai_stack.client.chat.completions.create(**body)
+    with openai_stack.client.chat.completions.stream(**body) as stream:
         for _ in stream:
             pass
         final = stream.get_final_completion()
@@ -114,7 +98,7 @@ def test_streamed_calls_equal_the_whole_ones(stack: Any) -> None:
     assert _valid(got.message.tool_calls) == _valid(whole.choices[0].message.tool_calls)
 
 
-def test_tools_with_response_format(stack: Any) -> None:
+def test_tools_with_response_format(openai_stack: Any) -> None:
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30},
                                                "sure": {"type": "boolean"}},
               "required": ["answer", "sure"], "additionalProperties": False}
@@ -125,7 +109,7 @@ def test_tools_with_response_format(stack: Any) -> None:
                          "arguments": '{"city": "Paris", "unit": "c"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}]
     for seed in range(3):
-        out = stack.client.chat.completions.create(
+        out = openai_stack.client.chat.completions.create(
             model="default", messages=history, tools=TOOLS, temperature=1.0, seed=seed,
             parallel_tool_calls=False, max_tokens=80, response_format={
                 "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
@@ -141,8 +125,8 @@ class Weather(BaseModel):
     unit: str
 
 
-def test_parse_with_pydantic_function_tool(stack: Any) -> None:
-    out = stack.client.chat.completions.parse(
+def test_parse_with_pydantic_function_tool(openai_stack: Any) -> None:
+    out = openai_stack.client.chat.completions.parse(
         model="default", messages=MESSAGES, temperature=1.0, seed=1, max_tokens=60,
         tools=[openai.pydantic_function_tool(Weather, name="weather")], tool_choice="required",
         parallel_tool_calls=False)
@@ -159,24 +143,24 @@ def test_parse_with_pydantic_function_tool(stack: Any) -> None:
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
 ])
-def test_bad_tools_are_400s(stack: Any, body: dict[str, Any], param: str) -> None:
-    reply = httpx.post(f"{stack.url}/v1/chat/completions", timeout=30,
+def test_bad_tools_are_400s(openai_stack: Any, body: dict[str, Any], param: str) -> None:
+    reply = httpx.post(f"{openai_stack.url}/v1/chat/completions", timeout=30,
                        json={"messages": MESSAGES, "max_tokens": 5, **body})
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param, reply.text
 
 
-def test_jobs_api_takes_tool_calls(stack: Any) -> None:
+def test_jobs_api_takes_tool_calls(openai_stack: Any) -> None:
     spec = {"tools": {"tools": [t["function"] for t in TOOLS], "mode": "required",
                       "parallel": False}}
-    reply = httpx.post(f"{stack.url}/v1/jobs", timeout=60, json={
+    reply = httpx.post(f"{openai_stack.url}/v1/jobs", timeout=60, json={
         "messages": MESSAGES, "stream": False,
         "params": {"max_tokens": 80, "temperature": 1.0, "seed": 3,
                    "structured_output": spec}})
     assert reply.status_code == 202, reply.text
     job_id = reply.json()["id"]
     deadline = time.monotonic() + 60
-    while (job := httpx.get(f"{stack.url}/v1/jobs/{job_id}", timeout=10).json())[
+    while (job := httpx.get(f"{openai_stack.url}/v1/jobs/{job_id}", timeout=10).json())[
             "state"] in ("queued", "running"):
         assert time.monotonic() < deadline, job
         time.sleep(0.2)
