@@ -14,12 +14,13 @@ from redis.exceptions import RedisError
 
 from gateway.admission import BodyLimitMiddleware, require_api_key
 from gateway.errors import APIError, install_error_handlers, unavailable
+from gateway.lora import LoraAdapters
 from gateway.metrics import Metrics, MetricsMiddleware
 from gateway.queue_client import QueueClient
 from gateway.redis_client import ferry_client
 from gateway.request_id import HEADER as REQUEST_ID_HEADER
 from gateway.request_id import RequestIdMiddleware
-from gateway.routes import batches, files, health, jobs, openai, responses, tokenize
+from gateway.routes import batches, files, health, jobs, lora, openai, responses, tokenize
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
 from gateway.tenancy.tenants import tenant_directory
@@ -38,7 +39,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         client = ferry_client(settings)
         app.state.queue = QueueClient(client, settings, metrics, app.state.tenants)
         app.state.served = ServedModels(client, settings.served_model_name)
+        app.state.served.tenants = app.state.tenants
         app.state.tokenizer = TokenizerClient(client, app.state.served, settings)
+        app.state.lora = LoraAdapters(client, app.state.served, app.state.tokenizer, settings)
+        if settings.lora_dir is not None:
+            app.state.served.resolver = app.state.lora.from_dir
         try:
             await client.ensure_group()  # so queue lag is measurable before a worker starts
         except (RedisError, OSError) as exc:
@@ -63,6 +68,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(tokenize.router)
+    app.include_router(lora.router)
     upload_limit = settings.batch_file_max_bytes + files.MULTIPART_SLACK
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        paths={"/v1/files": upload_limit})

@@ -107,6 +107,11 @@ class GatewaySettings(BaseModel):
         description="The model name this gateway answers to (besides the names live workers "
         "advertise); requests naming another model get 404.",
     )
+    lora_dir: str | None = Field(
+        default=None, min_length=1, description="A request naming a model that is neither "
+        "served nor a registered LoRA adapter loads $FERRY_LORA_DIR/<name> as an adapter of "
+        "the served model on first use (the same shared volume on gateways and workers); "
+        "None: 404 as for any unknown model.")
     # --- Batch API: /v1/files, /v1/batches and the batcher (docs/batch.md) -----------------
     batch_file_max_bytes: int = Field(
         default=100 * 1024 * 1024, ge=1024, description="Largest file /v1/files takes (413).")

@@ -21,6 +21,7 @@ import structlog
 from gateway.errors import APIError
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
+from gateway.tenancy.tenants import Tenant
 from protocol.aclient import AsyncFerryClient
 from protocol.codec import ProtocolError
 from protocol.tokenizer import (
@@ -42,10 +43,12 @@ class TokenizerClient:
         self.served = served
         self.settings = settings
 
-    async def ask(self, model: str | None, op: str, **fields: Any) -> dict[str, Any]:
-        """The response body of ``op`` (``tokenize``, ``detokenize``, ``info``) on ``model``
-        (None: the served one), answered by one of its workers; ``APIError`` otherwise."""
-        name = await self.served.resolve(model)
+    async def ask(self, model: str | None, op: str, tenant: Tenant | None = None,
+                  **fields: Any) -> dict[str, Any]:
+        """The response body of ``op`` (``tokenize``, ``detokenize``, ``info``,
+        ``check_lora``) on ``model`` (None: the served one; a LoRA adapter: its base
+        model's tokenizer), answered by one of its workers; ``APIError`` otherwise."""
+        name = await self.served.base_of(await self.served.resolve(model, tenant))
         await self._require_worker(name)
         timeout = self.settings.tokenizer_timeout_s
         request = TokenizerRequest(op=op, reply_id=uuid.uuid4().hex,  # type: ignore[arg-type]

@@ -134,8 +134,9 @@ async def run_batcher(settings: GatewaySettings, batcher_id: str | None = None,
     client = ferry_client(settings)
     store = BatchStore(client.redis, settings.keys)
     served = ServedModels(client, settings.served_model_name)
+    served.tenants = tenant_directory(settings)
     ctx = BatcherContext(client, store, served, settings, batcher_id or new_batcher_id(),
-                         FleetBudget(store, served, settings), tenant_directory(settings))
+                         FleetBudget(store, served, settings), served.tenants)
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -169,7 +169,7 @@ async def plan_line(line: BatchLine, batch_id: str, endpoint: str, settings: Gat
             raise APIError(400, "stream: not supported in a batch", param="stream")
         body = {**line.body, "request_id": line_request_id(batch_id, line.index)}
         requests, shape = validate(SCHEMAS[endpoint], body).to_generate_requests(settings)
-        model = await served.resolve(requests[0].model)
+        model = await served.resolve(requests[0].model, served.tenant_of(owner))
         for request in requests:
             check_limits(request, settings)
     except APIError as exc:

@@ -68,9 +68,9 @@ async def create_job(http: Request, queue: QueueClient = Depends(get_queue)) -> 
         return validate(JobCreate, body).to_generate_request()
 
     plain = await run_sized(await http.body(), prepare)
-    if plain.model is not None:
-        await get_served(http).resolve(plain.model)
     who = tenant(http)
+    if plain.model is not None:
+        await get_served(http).resolve(plain.model, who)
     [request] = scoped(who, [plain])
     await queue.admit([request], who)
     await queue.enqueue(request)

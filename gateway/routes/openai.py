@@ -32,6 +32,7 @@ from gateway.queue_client import ClientGone, QueueClient
 from gateway.served_models import ServedModels
 from gateway.sse import DONE, PING, EventStreamResponse, sse
 from gateway.tenancy.principal import scoped, tenant
+from gateway.tenancy.tenants import Tenant
 from protocol.codec import ProtocolError
 from protocol.models import GenerateRequest, TokenEvent
 from protocol.streaming import StreamTimeout
@@ -75,38 +76,48 @@ async def chat_completions(http: Request, queue: QueueClient = Depends(get_queue
 
 
 @router.get("/models")
-async def models(served: ServedModels = Depends(get_served)) -> dict[str, Any]:
-    """The served model names: the configured one and those live workers advertise."""
-    return {"object": "list", "data": await _model_cards(served)}
+async def models(http: Request, served: ServedModels = Depends(get_served)) -> dict[str, Any]:
+    """The served model names: the configured one and those live workers advertise, then
+    the LoRA adapters (the ones the caller's tenant may use), each with its ``parent``."""
+    return {"object": "list", "data": await _model_cards(served, tenant(http))}
 
 
 @router.get("/models/{model_id:path}")
-async def model(model_id: str, served: ServedModels = Depends(get_served)) -> dict[str, Any]:
+async def model(model_id: str, http: Request,
+                served: ServedModels = Depends(get_served)) -> dict[str, Any]:
     """One served model as ``/v1/models`` lists it (the SDK's ``models.retrieve``); 404
     ``model_not_found`` for any other id. A hub id's slash is part of the path."""
     for fresh in (False, True):
-        card = next((c for c in await _model_cards(served, fresh) if c["id"] == model_id),
-                    None)
+        card = next((c for c in await _model_cards(served, tenant(http), fresh)
+                     if c["id"] == model_id), None)
         if card is not None:
             return card
     raise APIError(404, f"model: the model {model_id!r} does not exist", param="model",
                    code="model_not_found")
 
 
-async def _model_cards(served: ServedModels, fresh: bool = False) -> list[dict[str, Any]]:
+async def _model_cards(served: ServedModels, who: Tenant, fresh: bool = False
+                       ) -> list[dict[str, Any]]:
+    """vLLM's cards: a base model's ``root`` is its name and ``parent`` null; an
+    adapter's ``root`` is its path and ``parent`` its base model."""
     workers = await served.workers(fresh)
     started = {w.model: int(min(x.started_at for x in workers if x.model == w.model))
                for w in workers}
-    return [{"id": name, "object": "model", "created": started.get(name, 0),
-             "owned_by": "ferry"} for name in await served.names()]
+    cards = [{"id": name, "object": "model", "created": started.get(name, 0),
+              "owned_by": "ferry", "root": name, "parent": None}
+             for name in await served.base_names()]
+    adapters = await served.adapters(fresh, who)
+    return cards + [{"id": name, "object": "model", "created": int(record.created),
+                     "owned_by": "ferry", "root": record.path, "parent": record.parent}
+                    for name, record in sorted(adapters.items())]
 
 
 async def start(requests: list[GenerateRequest], http: Request,
                 queue: QueueClient) -> tuple[str, Generations]:
     """Resolve the model, scope to the tenant, admit and enqueue: (model, the group)."""
     received_at = time.time()
-    model = await get_served(http).resolve(requests[0].model)
     who = tenant(http)
+    model = await get_served(http).resolve(requests[0].model, who)
     requests = scoped(who, [r.model_copy(update={"model": model}) for r in requests])
     await queue.admit(requests, who)
     return model, await Generations.start(queue, requests, received_at)

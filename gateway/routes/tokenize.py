@@ -25,6 +25,7 @@ from gateway.errors import APIError
 from gateway.openai_api.schemas import ChatMessageIn
 from gateway.routes.openai import body_schema
 from gateway.settings import GatewaySettings
+from gateway.tenancy.principal import tenant
 from gateway.tokenizer_client import TokenizerClient
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -108,7 +109,7 @@ async def tokenize(http: Request, tok: TokenizerClient = Depends(get_tokenizer)
         return body.model, body.fields(settings)
 
     model, fields = await run_sized(await http.body(), prepare)
-    return await tok.ask(model, "tokenize", **fields)
+    return await tok.ask(model, "tokenize", tenant(http), **fields)
 
 
 @router.post("/detokenize", openapi_extra=body_schema(DetokenizeBody))
@@ -119,13 +120,14 @@ async def detokenize(http: Request, tok: TokenizerClient = Depends(get_tokenizer
         return body.model, body.fields(tok.settings)
 
     model, fields = await run_sized(await http.body(), prepare)
-    return await tok.ask(model, "detokenize", **fields)
+    return await tok.ask(model, "detokenize", tenant(http), **fields)
 
 
 @router.get("/tokenizer_info")
 async def tokenizer_info(
+    http: Request,
     model: str | None = Query(default=None, max_length=256,
                               description="The served model (default: the only one)."),
     tok: TokenizerClient = Depends(get_tokenizer),
 ) -> dict[str, Any]:
-    return await tok.ask(model, "info")
+    return await tok.ask(model, "info", tenant(http))

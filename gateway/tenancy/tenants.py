@@ -18,6 +18,7 @@ Three ways to configure them, decided once at startup:
       max_concurrent = 64
       tokens_per_minute = 200000
       max_priority = 0
+      lora_adapters = ["support-v2"]   # optional: the only LoRA adapters it may use
 
 A bad file stops the gateway and ``ferry batcher`` at startup with the tenant and field
 named: weights must be finite and within ``protocol.fair``'s range, names printable
@@ -36,10 +37,12 @@ from typing import Any
 import tomllib
 
 from protocol.fair import check_weight
+from protocol.lora import LORA_NAME_PATTERN
 from protocol.tenancy import DEFAULT_TENANT, TENANT_PATTERN
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-_FIELDS = {"keys_sha256", "weight", "max_concurrent", "tokens_per_minute", "max_priority"}
+_FIELDS = {"keys_sha256", "weight", "max_concurrent", "tokens_per_minute", "max_priority",
+           "lora_adapters"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class Tenant:
     max_concurrent: int | None = None
     tokens_per_minute: int | None = None
     max_priority: int | None = None  # the lowest ``priority`` value (highest lane) allowed
+    lora_adapters: frozenset[str] | None = None  # the adapters it may use (None: all)
+
+    def may_use_adapter(self, name: str) -> bool:
+        """Whether this tenant may name LoRA adapter ``name`` (its allowlist, if any)."""
+        return self.lora_adapters is None or name in self.lora_adapters
 
     @property
     def wire(self) -> str | None:
@@ -171,7 +179,18 @@ def _parse_tenant(name: str, spec: Any) -> tuple[Tenant, list[str]]:
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise ValueError(f"{where}.max_priority: must be an integer")
     return Tenant(name, weight, quotas["max_concurrent"], quotas["tokens_per_minute"],
-                  priority), hashes
+                  priority, _adapters(where, spec.get("lora_adapters"))), hashes
+
+
+def _adapters(where: str, value: Any) -> frozenset[str] | None:
+    """The ``lora_adapters`` allowlist: absent is every adapter, ``[]`` is none."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+            isinstance(n, str) and re.fullmatch(LORA_NAME_PATTERN, n) for n in value):
+        raise ValueError(f"{where}.lora_adapters: a list of adapter names matching "
+                         f"{LORA_NAME_PATTERN}")
+    return frozenset(value)
 
 
 def _positive_int(where: str, field: str, value: Any) -> int | None:
