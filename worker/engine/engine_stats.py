@@ -7,15 +7,13 @@ feature that adds a counter, while the engine's loop does not.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from worker.engine.outputs import EngineStats
 
-if TYPE_CHECKING:
-    from worker.engine.engine import Engine
 
-
-def engine_stats(engine: Engine) -> EngineStats:
+def engine_stats(engine: Any) -> EngineStats:
+    """``engine``: an ``Engine`` (typed loosely: engine.py imports this module)."""
     bm, scheduler, health = engine.block_manager, engine.scheduler, engine.runner.health
     return EngineStats(
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
@@ -28,7 +26,7 @@ def engine_stats(engine: Engine) -> EngineStats:
     )
 
 
-def _tier_stats(engine: Engine) -> dict[str, int]:
+def _tier_stats(engine: Any) -> dict[str, int]:
     tier = engine.block_manager.tier
     if tier is None:
         return {}
