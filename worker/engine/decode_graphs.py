@@ -130,6 +130,10 @@ class DecodeGraphs:
         # [max_batch, hidden]: the one output every bucket's graph writes (rows [0, bucket))
         self.hidden = torch.zeros(max_batch, runner.shape.hidden_size,
                                   dtype=runner.loaded.dtype, device=dev)
+        # multi-LoRA: each row's adapter slot (-1: none); the graphs record the LoRA
+        # kernels reading it, so loading or evicting adapters never needs a recapture
+        self.lora = runner.lora
+        self.lora_slots = torch.full((max_batch,), -1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, Replayable] = {}
         if capturer is not None:
             self._capture_all(capturer)
@@ -158,9 +162,15 @@ class DecodeGraphs:
     def _forward(self, size: int) -> None:
         """The model body over the first ``size`` static rows, into ``hidden[:size]``: what
         a bucket's graph records, and what its warm-up runs first."""
-        out = self.runner.model.base_model(
-            input_ids=self.ids[None, :size], position_ids=self.positions[None, :size],
-            use_cache=False, ferry_ctx=self._context(size))
+        if self.lora is not None:
+            self.lora.step.meta = self.lora.graph_metadata(self.lora_slots[:size])
+        try:
+            out = self.runner.model.base_model(
+                input_ids=self.ids[None, :size], position_ids=self.positions[None, :size],
+                use_cache=False, ferry_ctx=self._context(size))
+        finally:
+            if self.lora is not None:
+                self.lora.step.meta = None
         self.hidden[:size].copy_(out.last_hidden_state[0])
 
     @torch.inference_mode()
@@ -189,13 +199,18 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, ids: HostInts, positions: HostInts, slots: HostInts,
             seq_lens: HostInts, tables: torch.Tensor,
-            patch_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+            patch_ids: Callable[[torch.Tensor], None] | None = None,
+            lora_slots: HostInts | None = None) -> torch.Tensor:
         """Fill the static rows, pad to the bucket, replay; logits [len(ids), vocab],
         computed outside the graph for the real rows. The inputs are lists or 1-D arrays;
-        ``patch_ids`` fills, on the device, input tokens still being read back."""
+        ``patch_ids`` fills, on the device, input tokens still being read back;
+        ``lora_slots`` are the rows' adapter slots (LoRA on)."""
         n, size = len(ids), self._bucket(len(ids))
-        host = torch.from_numpy(np.stack([np.asarray(v, dtype=np.int64) for v in (
-            ids, positions, slots, seq_lens)]))  # [4, n]
+        rows = [ids, positions, slots, seq_lens]
+        if self.lora is not None:
+            rows.append(lora_slots if lora_slots is not None else [-1] * n)
+        host = torch.from_numpy(np.stack([np.asarray(v, dtype=np.int64)
+                                          for v in rows]))  # [4 or 5, n]
         dev = host_to_device(host, self.runner.device)
         self.ids[:n].copy_(dev[0])
         if patch_ids is not None:
@@ -204,6 +219,9 @@ class DecodeGraphs:
         self.slots[:n].copy_(dev[2])
         self.seq_lens[:n].copy_(dev[3])
         self.tables[:n].copy_(tables)
+        if self.lora is not None:
+            self.lora_slots[:n].copy_(dev[4])
+            self.lora_slots[n:size].fill_(-1)
         if size > n:  # padded rows: one token at position 0, in the scratch block
             self.positions[n:size].zero_()
             self.slots[n:size].fill_(self.scratch_block * self.runner.block_size)

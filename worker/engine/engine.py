@@ -41,7 +41,8 @@ _GRAMMAR_WAIT_S = 0.005  # idle loop: how long to wait for a pending grammar com
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config.model, config.cache, config.scheduler.max_num_seqs)
+        self.runner = ModelRunner(config.model, config.cache, config.scheduler.max_num_seqs,
+                                  config.lora)
         self.tokenizer = self.runner.loaded.tokenizer
         self.max_model_len = self.runner.shape.max_model_len
         self.block_manager = BlockManager(

@@ -52,7 +52,8 @@ def decode_buckets(lens: list[int] | np.ndarray,
 
 class ModelRunner:
     def __init__(
-        self, model_cfg: ModelConfig, cache_cfg: CacheConfig, max_num_seqs: int = 64
+        self, model_cfg: ModelConfig, cache_cfg: CacheConfig, max_num_seqs: int = 64,
+        lora: LoraConfig | None = None,
     ) -> None:
         if not 1 <= cache_cfg.block_size <= 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {cache_cfg.block_size}")
@@ -72,6 +73,8 @@ class ModelRunner:
         self.tables = BlockTableBuffer(
             max_num_seqs, -(-self.shape.max_model_len // self.block_size), self.device)
         self.graphs: DecodeGraphs | None = None
+        if lora is not None:  # before the capture: the graphs record the LoRA kernels
+            self.enable_lora(lora)
         if self.device.type == "cuda":
             warm_up_kernels(self)
             if not model_cfg.enforce_eager:
@@ -194,13 +197,13 @@ class ModelRunner:
         ``prev``: the step launched before, whose sampled tokens fill the placeholders.
         ``extra_rows``: more flat token rows whose logits follow (prompt logprobs)."""
         blocks.flush_copies(self.kv_pool)  # the host tier's copies land before the forward
-        if self.lora is not None:
-            return self._execute_lora(sched, blocks, prev, extra_rows)
         if not extra_rows and self.graphs is not None and self.graphs.fits(
                 len(sched.scheduled), sched.num_batched_tokens) and (
                 bool(sched.sample.all()) if sched.sample is not None
                 else all(item.sample for item in sched.scheduled)):
             return self._decode_static(sched, blocks, prev)
+        if self.lora is not None:
+            return self._execute_lora(sched, blocks, prev, extra_rows)
         return self._eager(sched, blocks, prev, extra_rows)
 
     def _eager(
@@ -226,8 +229,12 @@ class ModelRunner:
     # --- multi-LoRA (#30): the model's projections read the step's token -> slot map ---
 
     def enable_lora(self, cfg: LoraConfig) -> LoraManager:
-        """Wrap the projections for LoRA (once); steps then run eagerly: the decode graphs
-        were captured without the LoRA kernels."""
+        """Wrap the projections for LoRA (once). Given to the constructor, this runs before
+        the decode graphs are captured, and they replay the LoRA kernels too (slot indices
+        in a static buffer); enabled later, graphs captured without them are dropped."""
+        if self.graphs is not None and self.lora is None:
+            self.graphs = None
+            self.health.decode_graphs_active = False
         if self.lora is None:
             self.lora = LoraManager(self.model, self.model_name, cfg, self.device,
                                     self.loaded.dtype)
@@ -255,9 +262,12 @@ class ModelRunner:
         self.tables.sync(blocks.host)
         rows, dst, src = to_device_packed([inp.rows, inp.patch_dst, inp.patch_src],
                                           self.device)
+        lora = {} if self.lora is None else {"lora_slots": self.lora.row_slots(
+            [item.request.request_id for item in sched.scheduled])}
         return self.graphs.run(inp.ids, inp.positions, inp.slots, inp.seq_lens,
                                self.tables.gather(rows),
-                               lambda static_ids: patch_placeholders(static_ids, dst, src, prev))
+                               lambda static_ids: patch_placeholders(static_ids, dst, src, prev),
+                               **lora)
 
 
 def _allocated(device: torch.device) -> int:

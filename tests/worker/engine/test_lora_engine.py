@@ -44,10 +44,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, tupl
 
 def _engine(path: str, adapters: dict[str, tuple[str, float]], **kw: Any) -> Engine:
     opts: dict[str, Any] = dict(num_blocks=64, block_size=8, max_num_seqs=8,
-                                max_num_batched_tokens=48, long_prefill_token_threshold=24)
+                                max_num_batched_tokens=48, long_prefill_token_threshold=24,
+                                attention_backend="cpu")
     opts.update(kw)
     return Engine(EngineConfig.create(
-        path, device="cpu", attention_backend="cpu", max_loras=2, max_lora_rank=16,
+        path, device="cpu", max_loras=2, max_lora_rank=16,
         max_cpu_loras=4, lora_modules=[f"{n}={p}" for n, (p, _) in adapters.items()],
         **opts))
 
@@ -190,3 +191,28 @@ def test_settings_from_the_environment() -> None:
     assert cfg.lora_modules == (("a", "/x"), ("b", "/y"))
     assert EngineConfig.from_env("m", env={}).lora is None
     assert EngineConfig.from_env("m", env={"FERRY_ENABLE_LORA": "1"}).lora is not None
+
+
+def test_the_static_decode_path_runs_the_adapters_too(setup) -> None:
+    """The decode graphs' path (uncaptured on a CPU, the Triton LoRA kernels under the
+    interpreter) gives the eager path's tokens: adapters ride the graphs through a static
+    slot buffer, sorted on the device, with no recapture when adapters change."""
+    path, adapters = setup
+    eager = _engine(path, adapters, attention_backend="torch")
+    jobs = _jobs(eager.runner.shape.vocab_size, ["all8", None, "attn16", "mlp4"] * 2, seed=13)
+    want = _run(eager, jobs)
+    static = _engine(path, adapters, attention_backend="torch")
+    static.runner.use_static_decode()
+    graphs = static.runner.graphs
+    assert graphs is not None and graphs.lora is static.lora
+    calls: list[list[int]] = []
+    inner = graphs.run
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        calls.append(list(kw["lora_slots"]))
+        return inner(*args, **kw)
+
+    graphs.run = counted  # type: ignore[method-assign]
+    assert _run(static, jobs) == want
+    assert calls and any(s >= 0 for row in calls for s in row)  # adapters in static steps
+    assert any(-1 in row for row in calls)  # and the base model beside them

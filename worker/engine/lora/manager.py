@@ -19,7 +19,7 @@ from worker.engine.lora.adapter import LoraAdapter, LoraError
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.host_cache import AdapterCache
 from worker.engine.lora.layer import wrap_projections
-from worker.engine.lora.metadata import LoraStep, build_metadata
+from worker.engine.lora.metadata import LoraMetadata, LoraStep, build_metadata
 from worker.engine.lora.slots import LoraSlots
 from worker.engine.lora.targets import base_targets
 
@@ -98,6 +98,21 @@ class LoraManager:
         if name not in self.cache.paths:  # unloaded while this request ran
             self.slots.evict(name)
 
+    def row_slots(self, request_ids: Sequence[str]) -> np.ndarray:
+        """Each request's pinned slot (-1: the base model), for a one-token-per-row step."""
+        return np.fromiter((self._slot_of.get(r, -1) for r in request_ids), dtype=np.int64,
+                           count=len(request_ids))
+
+    def graph_metadata(self, token_slots: torch.Tensor) -> LoraMetadata:
+        """Metadata over a static device buffer of slots (the decode graphs'): device ops
+        only, so a CUDA graph records them and a replay re-sorts whatever the buffer holds;
+        the kernels' grid depends on the buffer's length and the slot count alone."""
+        from kernels.lora import lora_segments
+
+        sorted_tokens, starts = lora_segments(token_slots, len(self.slots.ranks))
+        return LoraMetadata(token_slots, None, list(self.slots.ranks),
+                            sorted_tokens=sorted_tokens, starts=starts)
+
     def begin_step(self, request_ids: Sequence[str], num_new: Sequence[int] | np.ndarray
                    ) -> None:
         """Set the step's metadata: request ``i`` contributes ``num_new[i]`` flat tokens,
@@ -105,8 +120,7 @@ class LoraManager:
         if not self._slot_of:
             self.step.meta = None
             return
-        rows = np.fromiter((self._slot_of.get(r, -1) for r in request_ids), dtype=np.int64,
-                           count=len(request_ids))
+        rows = self.row_slots(request_ids)
         token_slots = np.repeat(rows, np.asarray(num_new, dtype=np.int64))
         slots = self.slots
         self.step.meta = build_metadata(token_slots, slots.ranks, slots.scales,
