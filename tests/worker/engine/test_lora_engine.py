@@ -216,3 +216,40 @@ def test_the_static_decode_path_runs_the_adapters_too(setup) -> None:
     assert _run(static, jobs) == want
     assert calls and any(s >= 0 for row in calls for s in row)  # adapters in static steps
     assert any(-1 in row for row in calls)  # and the base model beside them
+
+
+def test_n_candidates_and_a_grammar_run_on_the_adapter(setup) -> None:
+    """``n = 2``: each candidate runs on the request's adapter (its tokens equal a single
+    request with that candidate's parameters); a JSON-schema request on an adapter gives
+    valid JSON of the schema."""
+    import json
+
+    from worker.engine.choices import candidate_params
+
+    path, adapters = setup
+    engine = _engine(path, adapters)
+    params = SamplingParams(n=2, temperature=0.9, seed=4, max_tokens=8, ignore_eos=True)
+    outs = _collect(engine, {"multi": ([7, 8, 9, 10], params, "attn16")})
+    singles = _collect(engine, {f"c{i}": ([7, 8, 9, 10], candidate_params(params, i), "attn16")
+                                for i in range(2)})
+    assert sorted(outs["multi"]) == sorted([singles["c0"][0], singles["c1"][0]])
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+              "required": ["ok"], "additionalProperties": False}
+    structured = SamplingParams(temperature=0, max_tokens=40,
+                                structured_output={"json_schema": schema})
+    text = _collect(engine, {"js": ("Answer:", structured, "all8")}, text=True)["js"][0]
+    assert set(json.loads(text)) == {"ok"}
+    assert engine.lora is not None and engine.lora.slots.pins == [0, 0]
+
+
+def _collect(engine: Engine, jobs: dict[str, tuple[Any, SamplingParams, str | None]],
+             text: bool = False) -> dict[str, list[Any]]:
+    """Per request, each candidate's tokens (or text), in candidate order."""
+    for rid, (prompt, params, name) in jobs.items():
+        engine.add_request(rid, prompt, params, lora_name=name)
+    got: dict[str, dict[int, Any]] = {rid: {} for rid in jobs}
+    while engine.has_unfinished_requests():
+        for out in TextOutputs.of(engine).step():
+            slot = got[out.request_id].setdefault(out.index, "" if text else [])
+            got[out.request_id][out.index] = slot + (out.text if text else out.new_token_ids)
+    return {rid: [c[i] for i in sorted(c)] for rid, c in got.items()}
