@@ -8,7 +8,7 @@ in-process ``LLM(lora_modules=...)``; a bad adapter (another base model, a corru
 file, a rank over the limit) is a 400 that says why, and the base model keeps serving; a
 worker started after the load serves the adapter too, alone once the first one stops;
 unloading while a request streams on the adapter lets that stream finish on it, and the
-next request naming it gets 404.
+next request naming it gets 404. ``ferry up --lora NAME=PATH`` has its workers serve it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tests.ferry.gateway_proc import GatewayProcess
 from tests.redis_server import free_port
 from tests.worker.engine.lora_adapters import write_adapter
 from tests.worker.service.procs import WorkerProcess
+from tests.worker.service.test_up_supervision import UpProcess
 from worker.engine.lora.targets import BaseTargets, TargetShape, base_targets
 
 PROMPT = "def add(a, b):"
@@ -158,8 +159,8 @@ def _unload_while_streaming(http: httpx.Client, want: dict[str, str]) -> None:
 
 
 def test_lora_adapters_through_the_gateway_and_real_workers(
-        redis_server: Any, checkpoint: str, log_dir: Path, adapters: dict[str, str],
-        want: dict[str, str]) -> None:
+        redis_server: Any, redis_client: Any, checkpoint: str, log_dir: Path,
+        adapters: dict[str, str], want: dict[str, str]) -> None:
     port = free_port()
     first = WorkerProcess(checkpoint, redis_server.url, "lora-a", log_dir,
                           "--lora", f"support={adapters['support']}",
@@ -184,3 +185,24 @@ def test_lora_adapters_through_the_gateway_and_real_workers(
     finally:
         first.kill()
         later.kill()
+
+
+def test_ferry_up_lora_serves_the_adapter(redis_server: Any, redis_client: Any,
+                                          checkpoint: str, log_dir: Path,
+                                          adapters: dict[str, str], want: dict[str, str]
+                                          ) -> None:
+    port = free_port()
+    up = UpProcess("--model", checkpoint, "--redis-url", redis_server.url, "--port",
+                   str(port), "--batchers", "0", "--metrics-port", "0", "--lora",
+                   f"sql={adapters['sql']}", "--max-lora-rank", "16", log=log_dir / "up.log")
+    try:
+        up.wait_for(r"Ferry is up", timeout=120)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            _wait(lambda: "sql" in _models(http), "the --lora adapter in /v1/models")
+            assert _models(http)["sql"]["parent"] == BASE
+            assert _complete(http, "sql") == want["sql"]
+            reply = _load(http, "too-big", adapters["too-big"])  # --max-lora-rank reached it
+            assert reply.status_code == 400 and BAD["too-big"] in reply.text, reply.text
+    finally:
+        code = up.stop()
+    assert code == 0, up.tail()  # the workers drained and stopped clean
