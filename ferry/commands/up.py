@@ -203,6 +203,17 @@ def _show_logs(sup: Supervisor) -> None:
         typer.echo(tails, err=True)
 
 
+def lora_env(modules: list[str] | None, enable: bool, max_loras: int | None,
+             max_rank: int | None) -> dict[str, str]:
+    """The workers' LoRA variables for the flags given (each worker reads them at start)."""
+    bad = [m for m in modules or () if not all(p.strip() for p in m.partition("=")[::2])]
+    if bad:
+        raise typer.BadParameter(f"NAME=PATH, got {bad[0]!r}", param_hint="--lora")
+    env = {"FERRY_LORA_MODULES": ",".join(modules or ()), "FERRY_MAX_LORAS": max_loras,
+           "FERRY_MAX_LORA_RANK": max_rank, "FERRY_ENABLE_LORA": int(enable or bool(modules))}
+    return {name: str(value) for name, value in env.items() if value}
+
+
 def up(
     workers: Annotated[int, typer.Option(min=1, help="Worker processes.")] = 1,
     gateways: Annotated[int, typer.Option(
@@ -233,6 +244,15 @@ def up(
         "--redis-shards, else 3).")] = None,
     batchers: Annotated[int, typer.Option(
         min=0, help="Batch API drivers (ferry batcher); 0: none.")] = 1,
+    lora: Annotated[list[str] | None, typer.Option(
+        help="NAME=PATH: a LoRA adapter every worker serves as model NAME (repeatable; "
+        "enables LoRA; FERRY_LORA_MODULES).")] = None,
+    enable_lora: Annotated[bool, typer.Option(
+        help="LoRA on without adapters at start, for /v1/load_lora_adapter.")] = False,
+    max_loras: Annotated[int | None, typer.Option(
+        min=1, help="Adapters on the device at once (FERRY_MAX_LORAS).")] = None,
+    max_lora_rank: Annotated[int | None, typer.Option(
+        min=1, help="Largest adapter rank accepted (FERRY_MAX_LORA_RANK).")] = None,
     demo: Annotated[bool, typer.Option(help="Stream a few prompts, then stop.")] = False,
     demo_max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     ready_timeout_s: Annotated[float, typer.Option()] = 600.0,
@@ -241,6 +261,7 @@ def up(
     stop all on Ctrl-C."""
     if served_model_name:  # both the gateway and the workers read it from the environment
         os.environ["FERRY_SERVED_MODEL_NAME"] = served_model_name
+    os.environ.update(lora_env(lora, enable_lora, max_loras, max_lora_rank))
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
     tmp = Path(tempfile.mkdtemp(prefix="ferry-up-"))

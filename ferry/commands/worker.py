@@ -7,6 +7,7 @@ is imported at module level; torch loads when the command runs.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -66,6 +67,9 @@ StreamShards = Annotated[int, _opt("FERRY_STREAM_SHARDS", "Cluster: request-stre
                                   "same on every gateway and worker; docs/operations.md).")]
 WaitReplicas = Annotated[int, _opt("FERRY_REDIS_WAIT_REPLICAS", "Cluster: replicas that must "
                                    "have a terminal event before its entry is acknowledged.")]
+Lora = Annotated[list[str] | None, _opt(
+    "FERRY_LORA_MODULES", "NAME=PATH: a LoRA adapter served as model NAME (repeatable; "
+    "enables LoRA).", "--lora")]
 WaitTimeoutMs = Annotated[int, _opt("FERRY_REDIS_WAIT_TIMEOUT_MS", "Cluster: WAIT timeout.")]
 
 
@@ -90,6 +94,7 @@ def worker(
     attention_backend: Backend = None, log_level: LogLevel = "info",
     redis_cluster: RedisCluster = False, stream_shards: StreamShards = 3,
     redis_wait_replicas: WaitReplicas = 1, redis_wait_timeout_ms: WaitTimeoutMs = 2000,
+    lora: Lora = None,
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
     from protocol.cluster import Replication
@@ -98,6 +103,8 @@ def worker(
     from worker.service.main import engine_config, run_worker
     from worker.service.redis_io import WorkerSettings, default_worker_id
 
+    if lora:  # the engine's config reads it from the environment, as in a container
+        os.environ["FERRY_LORA_MODULES"] = ",".join(lora)
     try:
         config = engine_config(
             model, device=device, max_num_seqs=max_num_seqs, kv_cache_blocks=kv_cache_blocks,
