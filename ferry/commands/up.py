@@ -30,6 +30,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ferry.commands.lora_flags import lora_env
 from ferry.demo import stream_demo
 from ferry.local_cluster import ClusterLayout
 from ferry.local_stack import free_port, start_redis, start_redis_cluster
@@ -201,17 +202,6 @@ def _show_logs(sup: Supervisor) -> None:
     tails = sup.log_tails()
     if tails:
         typer.echo(tails, err=True)
-
-
-def lora_env(modules: list[str] | None, enable: bool, max_loras: int | None,
-             max_rank: int | None) -> dict[str, str]:
-    """The workers' LoRA variables for the flags given (each worker reads them at start)."""
-    bad = [m for m in modules or () if not all(p.strip() for p in m.partition("=")[::2])]
-    if bad:
-        raise typer.BadParameter(f"NAME=PATH, got {bad[0]!r}", param_hint="--lora")
-    env = {"FERRY_LORA_MODULES": ",".join(modules or ()), "FERRY_MAX_LORAS": max_loras,
-           "FERRY_MAX_LORA_RANK": max_rank, "FERRY_ENABLE_LORA": int(enable or bool(modules))}
-    return {name: str(value) for name, value in env.items() if value}
 
 
 def up(

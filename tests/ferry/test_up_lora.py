@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import typer
 
-from ferry.commands.up import lora_env
+from ferry.commands.lora_flags import lora_env
 from worker.engine.config import EngineConfig
 
 
