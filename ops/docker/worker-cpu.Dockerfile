@@ -21,11 +21,14 @@ ARG PIP_NO_INDEX
 ARG PIP_TRUSTED_HOST
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
-# torch's CPU build lives on its own index (PyPI's default build bundles CUDA).
+# torch's CPU build lives on an index of its own (PyPI's default build bundles CUDA):
+# TORCH_INDEX_URL names it (PyTorch's install page gives the address), or pip's own
+# configuration (PIP_INDEX_URL, PIP_FIND_LINKS) serves a CPU build.
 ARG TORCH_SPEC="torch>=2.4,<2.16"
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_INDEX_URL=
 RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "${TORCH_SPEC}" \
- && python -c "import torch; assert torch.version.cuda is None, torch.version.cuda"
+ && python -c "import torch; assert torch.version.cuda is None, 'a CUDA build of torch ' \
+    f'({torch.version.cuda}): set FERRY_TORCH_INDEX_URL to an index of CPU builds'"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protocol ./protocol

@@ -118,8 +118,11 @@ def test_text_stays_text(gateway: GatewayServer, scripted: FakeWorker) -> None:
 
 
 class _Served:
-    async def resolve(self, name: str | None) -> str:
+    async def resolve(self, name: str | None, tenant: object = None) -> str:
         return "m"
+
+    def tenant_of(self, owner: str) -> None:
+        return None
 
 
 def test_a_batch_line_with_tools_runs_as_the_route_does() -> None:

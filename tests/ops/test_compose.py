@@ -76,8 +76,7 @@ BUILD_PARAMETERS = {
                "TORCH_SPEC": "${FERRY_TORCH_SPEC:-torch>=2.4,<2.16}"},
     "worker-cpu": {"PYTHON_IMAGE": "${FERRY_PYTHON_IMAGE:-python:3.11-slim}",
                    "TORCH_SPEC": "${FERRY_TORCH_SPEC:-torch>=2.4,<2.16}",
-                   "TORCH_INDEX_URL":
-                       "${FERRY_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"},
+                   "TORCH_INDEX_URL": "${FERRY_TORCH_INDEX_URL:-}"},
 }
 
 
