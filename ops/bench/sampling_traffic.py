@@ -151,7 +151,7 @@ def new_traffic(rows: list[Any], vocab: int, dtype: torch.dtype, sampled_passes:
 
     meta = torch.empty(len(rows), vocab, dtype=dtype, device="meta")
     real = sampler_module._sample_pass
-    sampler_module._sample_pass = lambda logits, t: torch.empty(  # type: ignore[assignment]
+    sampler_module._sample_pass = lambda logits, t, fused=True: torch.empty(  # type: ignore[assignment]
         logits.shape[0], dtype=torch.long, device=logits.device)
     try:
         ops = counted(lambda: sampler_module.Sampler().launch(meta, rows, grammar))

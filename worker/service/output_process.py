@@ -14,6 +14,7 @@ engine's write never blocks on Redis. It exits when the engine's end of the pipe
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import sys
 import threading
@@ -102,6 +103,27 @@ class _Publisher:
         self.published_tokens += sum(len(out.new_token_ids) for out in outputs)
 
 
+def coalesce(outputs: list[StepOutput]) -> list[StepOutput]:
+    """One output per (request, candidate) of a pass, in first-seen order: a pass that
+    took several steps' batches (it fell behind) publishes each stream's tokens as one
+    event, so Redis takes a command per stream rather than per stream per step. The
+    merged output has every token, text and logprob in order and the last one's end."""
+    merged: dict[tuple[str, int], StepOutput] = {}
+    for out in outputs:
+        key = (out.request_id, out.index)
+        first = merged.get(key)
+        if first is None:
+            merged[key] = out
+            continue
+        merged[key] = dataclasses.replace(
+            out, new_token_ids=first.new_token_ids + out.new_token_ids,
+            text=first.text + out.text,
+            logprobs=None if first.logprobs is None and out.logprobs is None
+            else (first.logprobs or []) + (out.logprobs or []),
+            prompt_logprobs=first.prompt_logprobs or out.prompt_logprobs)
+    return list(merged.values()) if len(merged) < len(outputs) else outputs
+
+
 def token_event_bytes(request_id: str, seq: int, token_ids: list[int], text: str,
                       index: int) -> bytes:
     """A non-final ``TokenEvent``'s msgpack, the bytes ``encode_event`` gives, without
@@ -156,6 +178,7 @@ class OutputProcess:
             for stop in self._stops:
                 self._send(stop)
             self._stops.clear()
+            outputs = coalesce(outputs)  # a pass behind by k steps: one event per stream
             publisher.publish(outputs)
             if collect:
                 for out in outputs:

@@ -137,3 +137,23 @@ def test_fast_token_event_bytes_equal_the_codec() -> None:
         want = encode_event(TokenEvent(request_id=rid, seq=seq, token_ids=ids, text=text,
                                        index=index))
         assert token_event_bytes(rid, seq, ids, text, index) == want
+
+
+def test_coalesce_merges_a_passes_outputs_per_stream_in_order() -> None:
+    from worker.engine.outputs import StepOutput
+    from worker.service.output_process import coalesce
+
+    lp = [(-0.5, [(1, -0.5)])]
+    outs = [StepOutput("a", [1], "x", logprobs=lp), StepOutput("b", [7], "q"),
+            StepOutput("a", [2], "y", logprobs=lp), StepOutput("a", [3], "z", finished=True,
+                                                               finish_reason="stop", logprobs=lp),
+            StepOutput("a", [4], "w", index=1), StepOutput("b", [8], "r")]
+    merged = coalesce(outs)
+    assert [(o.request_id, o.index) for o in merged] == [("a", 0), ("b", 0), ("a", 1)]
+    a = merged[0]
+    assert (a.new_token_ids, a.text, a.finished, a.finish_reason) == ([1, 2, 3], "xyz", True,
+                                                                     "stop")
+    assert a.logprobs == lp * 3
+    assert (merged[1].new_token_ids, merged[1].text, merged[1].logprobs) == ([7, 8], "qr", None)
+    single = [StepOutput("c", [5], "t")]
+    assert coalesce(single) is single  # nothing to merge: the same list
