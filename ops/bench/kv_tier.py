@@ -2,27 +2,37 @@
 
 Workloads (seeded, greedy, every request exactly ``max_tokens``):
 
-* ``preemption``: 32 requests of 64-token prompts and 192 output tokens submitted at t=0
-  to a device pool of a quarter of what they need together: every prompt fits, and the
-  decodes growing into it preempt running requests again and again; output tokens per
-  second.
-* ``multi-turn``: 16 conversations of 4 turns, served round by round (every
+* ``preemption``: a batch file whose lines share a document: 16 lines (32 full) of a
+  shared 256-token document plus 64 tokens of their own and 96 output tokens, submitted at
+  t=0 to a device pool of a quarter of what they need together (the document counted once:
+  the prefix cache shares it). The prompts fit, the decodes growing into the pool preempt
+  running lines again and again; output tokens per second, and the tokens the forwards
+  computed beyond each line's prompt and outputs (recomputed after preemption).
+* ``multi-turn``: 6 conversations (16 full) of 4 turns, served round by round (every
   conversation's turn 1, then every turn 2, ...), each turn's prompt the conversation so far
   plus a new 48-token message; the conversations' KV is 4x the device pool, so a
   conversation is evicted from the device before it comes back. Each request runs alone
-  (a user waiting on it): median time to first token, and the prompt tokens computed
-  (prompt tokens minus those taken from the cache, either tier).
+  (a user waiting on it): median time to first token (over every turn, and over turns 2..4
+  alone: a turn 1 has nothing cached either way), and the prompt tokens computed (prompt
+  tokens minus those taken from the cache, either tier).
 
-Rows: tier off / on and their ratio; outputs compared request by request. Prints a table,
-writes ``ops/bench/results/kv_tier.json``.
+Rows: tier off / on and their ratio; outputs compared request by request. Timings on a
+shared 2-core machine are noisy, so each workload runs ``--repeats`` times per side in
+ABBA order (off, on, on, off, ...), and the rows take the best of them: the fastest run's
+tokens per second, each request's fastest time to first token (the work is identical every
+time; a busy machine only adds). The same rows in this process's CPU time (``cpu``): with
+``--threads 1`` that is the work itself, which other processes on the machine barely
+change. The load average is recorded next to them. Prints a table, writes
+``ops/bench/results/kv_tier.json``.
 
-    .venv/bin/python ops/bench/kv_tier.py [--quick]
+    .venv/bin/python ops/bench/kv_tier.py [--quick] [--repeats N] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -59,21 +69,43 @@ def _params(max_tokens: int) -> Any:
 
 def preemption(path: str, tier: bool, n: int, vocab: int) -> dict[str, Any]:
     rng = random.Random(3)
-    prompt_len, out_len = 64, 192
-    jobs = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(n)]
-    demand = n * -(-(prompt_len + out_len) // BLOCK)
+    doc_len, line_len, out_len = 256, 64, 96
+    document = [rng.randrange(3, vocab) for _ in range(doc_len)]
+    jobs = [document + [rng.randrange(3, vocab) for _ in range(line_len)] for _ in range(n)]
+    demand = doc_len // BLOCK + n * -(-(line_len + out_len) // BLOCK)
     engine = _engine(path, demand // 4, tier)
-    start = time.perf_counter()
+    computed = _count_computed(engine)
+    start, cpu = time.perf_counter(), time.process_time()
     for i, prompt in enumerate(jobs):
         engine.add_request(str(i), prompt, _params(out_len))
     outs: dict[str, list[int]] = {str(i): [] for i in range(n)}
     while engine.has_unfinished_requests():
         for out in TextOutputs.of(engine).step():
             outs[out.request_id] += out.new_token_ids
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    # every token a line needs computed once: its prompt less the document's cached blocks
+    # (computed by the first line), and its outputs but the last
+    needed = doc_len + n * (line_len + out_len - 1)
     return {"tok_s": n * out_len / wall, "wall_s": wall, "outputs": outs,
-            "preemptions": engine.scheduler.num_preemptions,
+            "tok_per_cpu_s": n * out_len / cpu, "cpu_s": cpu,
+            "preemptions": engine.scheduler.num_preemptions, "steps": computed["steps"],
+            "tokens_computed": computed["tokens"],
+            "tokens_recomputed": computed["tokens"] - needed,
             "device_blocks": demand // 4, **_tier_stats(engine)}
+
+
+def _count_computed(engine: Any) -> dict[str, int]:
+    """Count the steps and the tokens their forwards compute (wraps ``schedule``)."""
+    counts = {"steps": 0, "tokens": 0}
+    schedule = engine.scheduler.schedule
+
+    def counted() -> Any:
+        out = schedule()
+        counts["steps"] += 1
+        counts["tokens"] += out.num_batched_tokens
+        return out
+    engine.scheduler.schedule = counted
+    return counts
 
 
 def multi_turn(path: str, tier: bool, conversations: int, turns: int,
@@ -87,24 +119,29 @@ def multi_turn(path: str, tier: bool, conversations: int, turns: int,
     working_set = conversations * -(-final_len // BLOCK)
     engine = _engine(path, max(working_set // 4, 2 * -(-final_len // BLOCK)), tier)
     history: list[list[int]] = [[] for _ in range(conversations)]
-    ttfts, computed, outs = [], 0, {}
+    ttfts: list[float] = []
+    cpus: list[float] = []  # the same in this process's CPU time
+    computed, outs = 0, {}
     for turn in range(turns):
         for c in range(conversations):
             prompt = history[c] + messages[c][turn]
             rid = f"c{c}t{turn}"
             hits_before = engine.block_manager.stats.hits
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             engine.add_request(rid, prompt, _params(answer))
             tokens: list[int] = []
             while engine.has_unfinished_requests():
                 for out in TextOutputs.of(engine).step():
                     if not tokens and out.new_token_ids:
-                        ttfts.append(time.perf_counter() - start)
+                        ttfts.append((time.perf_counter() - start) * 1000)
+                        cpus.append((time.process_time() - cpu) * 1000)
                     tokens += out.new_token_ids
             computed += len(prompt) - (engine.block_manager.stats.hits - hits_before)
             history[c] = prompt + tokens
             outs[rid] = tokens
-    return {"ttft_p50_ms": statistics.median(ttfts) * 1000, "prefill_computed": computed,
+    return {"ttft_p50_ms": statistics.median(ttfts), "prefill_computed": computed,
+            "ttft_ms": ttfts, "ttft_cpu_ms": cpus,
+            "ttft_p50_returning_ms": statistics.median(ttfts[conversations:]),
             "outputs": outs, "device_blocks": engine.block_manager.num_blocks,
             "working_set_blocks": working_set, **_tier_stats(engine)}
 
@@ -116,41 +153,84 @@ def _tier_stats(engine: Any) -> dict[str, int]:
     return {"offloaded": tier.stats.offloaded, "restored": tier.stats.restored}
 
 
+def _abba(run: Any, repeats: int) -> dict[bool, list[dict[str, Any]]]:
+    """``run(tier)`` ``repeats`` times per side, in ABBA order (off, on, on, off, ...), so
+    a load that drifts during the run weighs on both sides alike."""
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for i in range(repeats):
+        for tier in ((False, True) if i % 2 == 0 else (True, False)):
+            runs[tier].append(run(tier))
+    return runs
+
+
+def _best_ttft(runs: list[dict[str, Any]], first: int = 0, key: str = "ttft_ms") -> float:
+    """The median over requests (from the ``first``) of each request's fastest time to
+    first token over the repeats: the work is the same every time, a busy machine only
+    adds to it."""
+    fastest = [min(ts) for ts in zip(*(r[key] for r in runs), strict=True)]
+    return float(statistics.median(fastest[first:]))
+
+
+_LISTS = ("outputs", "ttft_ms", "ttft_cpu_ms")  # per request: not in the results file
+
+
+def _load() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side (ABBA order)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     from worker.models import default_model_path
     path = default_model_path()
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(path).vocab_size
-    n, conv = (8, 6) if args.quick else (32, 16)
-    pre = {t: preemption(path, t, n, vocab) for t in (False, True)}
-    multi = {t: multi_turn(path, t, conv, 4, vocab) for t in (False, True)}
+    n, conv = (16, 6) if args.quick else (32, 16)
+    load_before = _load()
+    pre = _abba(lambda t: preemption(path, t, n, vocab), args.repeats)
+    multi = _abba(lambda t: multi_turn(path, t, conv, 4, vocab), args.repeats)
     rows = {
-        "preemption_tok_s": (pre[False]["tok_s"], pre[True]["tok_s"]),
-        "multi_turn_ttft_p50_ms": (multi[False]["ttft_p50_ms"], multi[True]["ttft_p50_ms"]),
-        "multi_turn_prefill_computed": (multi[False]["prefill_computed"],
-                                        multi[True]["prefill_computed"]),
+        "preemption_tok_s": [max(r["tok_s"] for r in pre[t]) for t in (False, True)],
+        "multi_turn_ttft_p50_ms": [_best_ttft(multi[t]) for t in (False, True)],
+        "multi_turn_ttft_p50_turns_2+_ms": [_best_ttft(multi[t], conv) for t in (False, True)],
+        "preemption_tok_per_cpu_s": [max(r["tok_per_cpu_s"] for r in pre[t])
+                                     for t in (False, True)],
+        "multi_turn_ttft_cpu_p50_ms": [_best_ttft(multi[t], key="ttft_cpu_ms")
+                                       for t in (False, True)],
+        "multi_turn_ttft_cpu_p50_turns_2+_ms": [_best_ttft(multi[t], conv, "ttft_cpu_ms")
+                                               for t in (False, True)],
+        "multi_turn_prefill_computed": [multi[t][0]["prefill_computed"] for t in (False, True)],
     }
-    identical = pre[False]["outputs"] == pre[True]["outputs"] and \
-        multi[False]["outputs"] == multi[True]["outputs"]
+    identical = all(r["outputs"] == pre[False][0]["outputs"] for r in pre[True] + pre[False]) \
+        and all(r["outputs"] == multi[False][0]["outputs"] for r in multi[True] + multi[False])
     print(f"{'measurement':32} {'tier off':>12} {'tier on':>12} {'on/off':>8}")
     for name, (off, on) in rows.items():
         print(f"{name:32} {off:12.1f} {on:12.1f} {on / off:8.2f}x")
-    print(f"outputs identical: {identical}; preemptions {pre[False]['preemptions']} / "
-          f"{pre[True]['preemptions']}; restored blocks {pre[True]['restored']} / "
-          f"{multi[True]['restored']}")
+    p_off, p_on = pre[False][0], pre[True][0]
+    print(f"outputs identical: {identical}; load average {load_before:.2f} -> {_load():.2f}")
+    print(f"preemption: {p_off['preemptions']} / {p_on['preemptions']} preemptions, "
+          f"{p_off['steps']} / {p_on['steps']} steps, tokens computed "
+          f"{p_off['tokens_computed']} / {p_on['tokens_computed']}, of them recomputed "
+          f"{p_off['tokens_recomputed']} / {p_on['tokens_recomputed']}; blocks restored "
+          f"{p_on['restored']}, offloaded {p_on['offloaded']}")
+    print(f"multi-turn: blocks restored {multi[True][0]['restored']}, offloaded "
+          f"{multi[True][0]['offloaded']}")
     result = {
         "machine": platform.machine(), "torch_threads": torch.get_num_threads(),
-        "quick": args.quick, "outputs_identical": identical,
+        "quick": args.quick, "repeats": args.repeats, "outputs_identical": identical,
+        "load_average": [load_before, _load()],
         "rows": {k: {"off": off, "on": on, "ratio": on / off} for k, (off, on) in rows.items()},
-        "preemption": {str(t): {k: v for k, v in r.items() if k != "outputs"}
-                       for t, r in pre.items()},
-        "multi_turn": {str(t): {k: v for k, v in r.items() if k != "outputs"}
-                       for t, r in multi.items()},
+        "preemption": {str(t): [{k: v for k, v in r.items() if k != "outputs"} for r in rs]
+                       for t, rs in pre.items()},
+        "multi_turn": {str(t): [{k: v for k, v in r.items() if k not in _LISTS} for r in rs]
+                       for t, rs in multi.items()},
     }
     if not args.no_write:
         RESULTS.write_text(json.dumps(result, indent=2) + "\n")

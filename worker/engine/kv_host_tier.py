@@ -86,8 +86,12 @@ class HostTier:
             raise ValueError(f"a host tier needs at least one block, got {self.num_blocks}")
         layers, two, block_size, heads, dim = self.block_shape
         pin = self.device.type == "cuda"
-        self.pool = torch.empty((layers, two, self.num_blocks, block_size, heads, dim),
-                                dtype=self.dtype, pin_memory=pin)
+        shape = (layers, two, self.num_blocks, block_size, heads, dim)
+        # Pinned memory is resident from the start; pageable memory is zeroed now, so that
+        # the kernel's first touch of each (huge) page is paid at start and not by the
+        # first copies out, inside a step (up to tens of ms each on a CPU).
+        self.pool = torch.empty(shape, dtype=self.dtype, pin_memory=True) if pin \
+            else torch.zeros(shape, dtype=self.dtype)
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._outs: list[tuple[int, int]] = []  # (device block, host slot) to copy out
