@@ -206,7 +206,8 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    torch.set_num_threads(1)  # the stub's ops stand for launches; 2 threads spin on a shared machine
+    # the stub's ops stand for launches; two threads spin on a shared machine
+    torch.set_num_threads(1)
     steps = 30 if args.quick else args.steps
     results = []
     with redis_for(not args.no_output) as url:
