@@ -178,3 +178,37 @@ def test_big_batch_backs_off(checkpoint: str) -> None:
     engine.step()  # all eight admitted: too many rows to draft for
     engine.step()
     assert engine.stats().spec_draft_rows == 0
+
+
+def _run_text(engine: Engine, jobs: list[tuple[str, list[int], SamplingParams]]
+              ) -> dict[str, tuple[str, list[int], str | None]]:
+    """Through the output side (``TextOutputs``: detokenizing, stop strings), which gets
+    several rows of one stream in a step when drafts are accepted."""
+    from worker.engine.text_output import TextOutputs
+
+    for rid, prompt, params in jobs:
+        engine.add_request(rid, prompt, params)
+    got: dict[str, tuple[str, list[int], str | None]] = {rid: ("", [], None)
+                                                         for rid, _, _ in jobs}
+    while engine.has_unfinished_requests():
+        for out in TextOutputs.of(engine).step():
+            text, ids, _ = got[out.request_id]
+            got[out.request_id] = (text + out.text, ids + out.new_token_ids,
+                                   out.finish_reason)
+    return got
+
+
+def test_stop_strings_on_the_output_side(checkpoint: str) -> None:
+    prompts = _prompts(300, 6, seed=13)
+    plain = _run_text(_engine(checkpoint, False), _jobs(prompts, GREEDY[1:2], "q"))
+    params = []
+    for i, (text, _, _) in enumerate(plain.values()):
+        cut = text[len(text) // 3:len(text) // 3 + 2] if i % 2 else "\x00never"
+        params.append(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                     stop=[cut]))
+    jobs = [(f"r{i}", p, params[i]) for i, p in enumerate(prompts)]
+    off, on = _engine(checkpoint, False), _engine(checkpoint, True)
+    want = _run_text(off, jobs)
+    assert _run_text(on, jobs) == want
+    assert any(reason == "stop" for _, _, reason in want.values())
+    assert on.stats().spec_accepted_tokens > 0
