@@ -4,7 +4,8 @@ Workloads (seeded, the 30M bench model of ``workload.py``, greedy, every request
 ``max_tokens``):
 
 * ``repeat, 1st pass``: N prompts answered once (drafts only from each request's own
-  text and the store as it fills);
+  text and the store as it fills); N is 6 at batch 1 and 16 at batch 16 with ``--quick``
+  (32-token outputs), 16 and 32 without (128 tokens);
 * ``repeat, 2nd pass``: the same N prompts again on the same engine: the store holds the
   first answers, so nearly every draft is accepted (retries, repeated batch lines);
 * ``repeated spans``: prompts that repeat a span several times (a list, a table, code
@@ -115,22 +116,26 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def compare(path: str, workloads: dict[str, list[Job]], batch: int, label: str,
-            spec: dict[str, object]) -> list[dict[str, Any]]:
+def compare(path: str, workloads: dict[str, list[Job]], batch: int,
+            specs: dict[str, dict[str, object]]) -> list[dict[str, Any]]:
+    """Speculation off once, then each labelled speculative setting, on ``workloads``."""
     off = run_setting(path, workloads, batch, {})
-    on = run_setting(path, workloads, batch, spec)
+    outs = {name: off[name].pop("_outs") for name in workloads}
     rows = []
-    for name in workloads:
-        a, b = off[name], on[name]
-        same = sum(x == y for x, y in zip(a.pop("_outs"), b.pop("_outs"), strict=True))
-        rows.append({"workload": name, "batch": label, "off_tok_s": a["output_tok_s"],
-                     "on_tok_s": b["output_tok_s"],
-                     "speedup_x": round(b["output_tok_s"] / a["output_tok_s"], 3),
-                     "acceptance_rate": b["accepted"] / b["drafted"] if b["drafted"] else 0.0,
-                     "mean_acceptance_length": b["mean_acceptance_length"],
-                     "identical_outputs": f"{same}/{len(workloads[name])}",
-                     "spec_off": a, "spec_on": b})
-        print("  " + table(rows[-1:]).splitlines()[1], flush=True)
+    for label, spec in specs.items():
+        on = run_setting(path, workloads, batch, spec)
+        for name in workloads:
+            a, b = off[name], on[name]
+            same = sum(x == y for x, y in zip(outs[name], b.pop("_outs"), strict=True))
+            rows.append({"workload": name, "batch": label, "off_tok_s": a["output_tok_s"],
+                         "on_tok_s": b["output_tok_s"],
+                         "speedup_x": round(b["output_tok_s"] / a["output_tok_s"], 3),
+                         "acceptance_rate": round(b["accepted"] / b["drafted"], 3)
+                         if b["drafted"] else 0.0,
+                         "mean_acceptance_length": b["mean_acceptance_length"],
+                         "identical_outputs": f"{same}/{len(workloads[name])}",
+                         "spec_off": a, "spec_on": b})
+            print("  " + table(rows[-1:]).splitlines()[1], flush=True)
     return rows
 
 
@@ -140,16 +145,19 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "ops/bench/results/spec_decode.json"))
     args = ap.parse_args()
     path = build_bench_model()
-    n, out = (8, 48) if args.quick else (16, 128)
-    repeat = repeat_jobs(n, out)
-    workloads = {"repeat, 1st pass": repeat, "repeat, 2nd pass": repeat,
-                 "repeated spans": span_jobs(n, out)}
-    run_setting(path, {"warm-up": repeat[:2]}, 1, SPEC_KW)  # first-call costs out
+    n1, n16, out = (6, 16, 32) if args.quick else (16, 32, 128)
+    run_setting(path, {"warm-up": repeat_jobs(2, 8)}, 1, SPEC_KW)  # first-call costs out
     print(f"suffix decoding on vs off, {torch.get_num_threads()} threads", flush=True)
     print("  " + table([]).splitlines()[0])
-    rows = compare(path, workloads, 1, "1", SPEC_KW)
-    rows += compare(path, workloads, 16, "16", SPEC_KW)
-    rows += compare(path, workloads, 16, "16/nb", {**SPEC_KW, "spec_max_batch": 16})
+    rows = []
+    for batch, n in ((1, n1), (16, n16)):
+        repeat = repeat_jobs(n, out)
+        workloads = {"repeat, 1st pass": repeat, "repeat, 2nd pass": repeat,
+                     "repeated spans": span_jobs(n, out)}
+        specs = {str(batch): SPEC_KW}
+        if batch > 8:  # the default back-off drafts nothing there: also without it
+            specs[f"{batch}/nb"] = {**SPEC_KW, "spec_max_batch": batch}
+        rows += compare(path, workloads, batch, specs)
     print("\n" + table(rows) + "\n(16/nb: batch 16 with the back-off raised to 16)")
     result = {"machine": {"cpu": platform.processor() or platform.machine(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__},

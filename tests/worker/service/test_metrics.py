@@ -46,6 +46,9 @@ EXPECTED = {
     "ferry_worker_kv_host_blocks_cached": "gauge",
     "ferry_worker_decode_graphs_active": "gauge",
     "ferry_worker_degraded": "gauge",
+    "ferry_worker_spec_drafted_tokens": "counter",
+    "ferry_worker_spec_accepted_tokens": "counter",
+    "ferry_worker_spec_draft_rows": "counter",
 }
 
 
@@ -68,6 +71,9 @@ class Stats:
     kv_host_blocks_total: int = 500
     degraded: tuple[str, ...] = ()
     decode_graphs_active: bool = False
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_draft_rows: int = 0
 
 
 def _samples(metrics: WorkerMetrics) -> dict[str, float]:
@@ -185,6 +191,18 @@ def test_degraded_states_and_graphs_are_gauges() -> None:
     assert s["ferry_worker_decode_graphs_active"] == 0
     metrics.set_engine(Stats())
     assert _samples(metrics)["ferry_worker_degraded{reason=decode_graphs_unavailable}"] == 0
+
+
+def test_speculative_counters_follow_the_engine() -> None:
+    metrics = WorkerMetrics(CollectorRegistry())
+    metrics.set_engine(Stats(spec_drafted_tokens=40, spec_accepted_tokens=25,
+                             spec_draft_rows=10))
+    metrics.set_engine(Stats(spec_drafted_tokens=48, spec_accepted_tokens=30,
+                             spec_draft_rows=12))
+    s = _samples(metrics)
+    assert (s["ferry_worker_spec_drafted_tokens_total"],
+            s["ferry_worker_spec_accepted_tokens_total"],
+            s["ferry_worker_spec_draft_rows_total"]) == (48, 30, 12)
 
 
 def test_metrics_module_imports_without_torch() -> None:
