@@ -91,7 +91,7 @@ def run_setting(path: str, workloads: dict[str, list[Job]], batch: int,
             engines[family] = Engine(EngineConfig.create(path, max_num_seqs=max(batch, 1),
                                                          **ENGINE_KW, **spec))
         engine = engines[family]
-        before = engine.stats()
+        before, steps = engine.stats(), engine.steps
         seconds, outs = run_pass(engine, jobs, batch, f"w{k}-")
         after = engine.stats()
         drafted = after.spec_drafted_tokens - before.spec_drafted_tokens
@@ -99,6 +99,7 @@ def run_setting(path: str, workloads: dict[str, list[Job]], batch: int,
         rows_ = after.spec_draft_rows - before.spec_draft_rows
         tokens = sum(j.max_tokens for j in jobs)
         rows[name] = {"seconds": round(seconds, 2), "output_tok_s": round(tokens / seconds, 1),
+                      "steps": engine.steps - steps,
                       "drafted": drafted, "accepted": accepted, "draft_row_steps": rows_,
                       "mean_acceptance_length": round((accepted + rows_) / rows_, 2)
                       if rows_ else 0.0, "_outs": outs}
@@ -109,11 +110,12 @@ def run_setting(path: str, workloads: dict[str, list[Job]], batch: int,
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'workload':<20} {'batch':>5} {'off tok/s':>9} {'on tok/s':>9} {'x':>6} "
-            f"{'accept':>7} {'mean len':>8} {'same':>6}")
+            f"{'steps off':>9} {'on':>5} {'accept':>7} {'mean len':>8} {'same':>6}")
     lines = [head]
     for r in rows:
         lines.append(f"{r['workload']:<20} {r['batch']:>5} {r['off_tok_s']:>9.1f} "
                      f"{r['on_tok_s']:>9.1f} {r['speedup_x']:>5.2f}x "
+                     f"{r['spec_off']['steps']:>9} {r['spec_on']['steps']:>5} "
                      f"{r['acceptance_rate']:>7.0%} {r['mean_acceptance_length']:>8.2f} "
                      f"{r['identical_outputs']:>6}")
     return "\n".join(lines)
