@@ -194,11 +194,17 @@ def test_degraded_states_and_graphs_are_gauges() -> None:
 
 
 def test_speculative_counters_follow_the_engine() -> None:
+    from worker.engine.outputs import EngineStats  # a plain dataclass: no torch
+
     metrics = WorkerMetrics(CollectorRegistry())
-    metrics.set_engine(Stats(spec_drafted_tokens=40, spec_accepted_tokens=25,
-                             spec_draft_rows=10))
-    metrics.set_engine(Stats(spec_drafted_tokens=48, spec_accepted_tokens=30,
-                             spec_draft_rows=12))
+    base = dict(num_running=1, num_waiting=0, kv_blocks_total=8, kv_blocks_free=8,
+                num_preemptions=0, tokens_generated=0, steps=0)
+    metrics.set_engine(EngineStats(**base, spec_drafted_tokens=40,  # type: ignore[arg-type]
+                                   spec_accepted_tokens=25, spec_draft_rows=10))
+    stats = EngineStats(**base, spec_drafted_tokens=48,  # type: ignore[arg-type]
+                        spec_accepted_tokens=30, spec_draft_rows=12)
+    assert stats.spec_mean_acceptance_length == 3.5
+    metrics.set_engine(stats)
     s = _samples(metrics)
     assert (s["ferry_worker_spec_drafted_tokens_total"],
             s["ferry_worker_spec_accepted_tokens_total"],
