@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from worker.engine.lora.config import LoraConfig
+from worker.engine.speculative.config import SpeculativeConfig
 
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
 
@@ -75,6 +76,8 @@ class EngineConfig:
     # multi-LoRA (#30): None = off; the adapters registered at start (name, path)
     lora: LoraConfig | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # suffix decoding (#29): off unless asked for (worker/engine/speculative/)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def create(cls, model: str, **kwargs: object) -> EngineConfig:
@@ -82,6 +85,7 @@ class EngineConfig:
         groups: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}}
         top: dict[str, object] = {}
         lora: dict[str, object] = {}
+        spec: dict[str, object] = {}
         fields = {
             "model": ModelConfig.__dataclass_fields__,
             "cache": CacheConfig.__dataclass_fields__,
@@ -96,6 +100,9 @@ class EngineConfig:
                 groups["cache"]["num_blocks"] = value
             elif key in ("seed", "enable_lora", "lora_modules"):
                 top[key] = value
+            elif key in ("speculative", "spec_max_batch") or (
+                    key in SpeculativeConfig.__dataclass_fields__ and key != "method"):
+                spec[key] = value
             elif key in LoraConfig.__dataclass_fields__:
                 lora[key] = value
             elif target is None:
@@ -106,6 +113,8 @@ class EngineConfig:
         if top.pop("enable_lora", False) or lora or modules:
             top["lora"] = LoraConfig(**lora)  # type: ignore[arg-type]
             top["lora_modules"] = modules
+        if spec:
+            top["speculative"] = _speculative(spec)
         return cls(
             model=ModelConfig(model=model, **groups["model"]),  # type: ignore[arg-type]
             cache=CacheConfig(**groups["cache"]),  # type: ignore[arg-type]
@@ -153,11 +162,25 @@ class EngineConfig:
             max_lora_rank=_int("FERRY_MAX_LORA_RANK"),
             max_cpu_loras=_int("FERRY_MAX_CPU_LORAS"),
             lora_modules=env.get("FERRY_LORA_MODULES") or None,
+            speculative=env.get("FERRY_SPECULATIVE") or None,
+            num_speculative_tokens=_int("FERRY_NUM_SPECULATIVE_TOKENS"),
+            spec_max_batch=_int("FERRY_SPEC_MAX_BATCH"),
         )
         return cfg
 
     def with_model(self, model: str) -> EngineConfig:
         return replace(self, model=replace(self.model, model=model))
+
+
+def _speculative(options: dict[str, object]) -> SpeculativeConfig:
+    """``speculative`` (a method name or a ``SpeculativeConfig``) and its other options
+    (``spec_max_batch`` is ``max_batch_rows``)."""
+    base = options.pop("speculative", "off")
+    if "spec_max_batch" in options:
+        options["max_batch_rows"] = options.pop("spec_max_batch")
+    if isinstance(base, SpeculativeConfig):
+        return replace(base, **options)  # type: ignore[arg-type]
+    return SpeculativeConfig(method=base, **options)  # type: ignore[arg-type]
 
 
 def _lora_modules(value: object) -> tuple[tuple[str, str], ...]:

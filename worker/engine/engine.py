@@ -30,6 +30,7 @@ from worker.engine.request import FinishReason, Request
 from worker.engine.sampler import Sampler, SamplingRow
 from worker.engine.schedule_output import align_sampled
 from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.speculative.engine_hooks import SpecDecoding
 from worker.engine.step_batch import EngineEnd, StepBatch, StreamRegistry
 from worker.engine.step_timer import StepTimer
 from worker.engine.structured import StructuredOutputs
@@ -67,7 +68,10 @@ class Engine:
         self._groups = CandidateGroups()  # n > 1: the candidates an abort must reach
         self.scoring = PromptScoring()  # requests still missing prompt logprobs
         overlap = config.scheduler.async_scheduling
-        self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
+        if overlap is None:  # speculation needs known tokens: it wins over the default
+            overlap = self.runner.device.type == "cuda" and not config.speculative.enabled
+        self.overlap = overlap
+        self.spec = SpecDecoding.create(config.speculative, self)  # None: off
         self._inflight: InflightStep | None = None  # launched, not read back
         self.tokens_generated = 0
         self.steps = 0
@@ -184,6 +188,8 @@ class Engine:
         or with overlap the one launched before it) and the requests that ended."""
         outputs = StepBatch(ends=self._grammar_failures())  # [structured output]
         with self.timer.phase("schedule"):
+            if self.spec is not None:
+                self.spec.propose()  # drafts: the scheduler gives them their tokens
             sched = self.scheduler.schedule()
         if sched.is_empty:
             if self._inflight is not None:
@@ -194,6 +200,11 @@ class Engine:
             return outputs
         self.steps += 1
         try:
+            if sched.drafts:  # a verifying step: synchronous (overlap is off)
+                assert self.spec is not None
+                self.spec.run(sched, outputs)
+                outputs.opened = self.streams.take_opened()
+                return outputs
             launched = self._launch(sched, outputs)
         except Exception as exc:  # a failed forward fails its batch, not the worker...
             raise_if_device_fault(exc)  # ...unless the device itself is gone
@@ -291,6 +302,8 @@ class Engine:
 
     def _final(self, request: Request, row: int = -1, error_kind: str | None = None) -> EngineEnd:
         stream = self.streams.close(request)
+        if self.spec is not None:
+            self.spec.finished(request)
         if request.parent_id is not None:
             self._groups.finished(request.public_id, request.request_id)
         self.scoring.forget(request.request_id)

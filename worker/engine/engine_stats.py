@@ -21,7 +21,7 @@ def engine_stats(engine: Any) -> EngineStats:
         num_preemptions=scheduler.num_preemptions,
         tokens_generated=engine.tokens_generated, steps=engine.steps,
         prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits,
-        kv_blocks_cached=bm.num_cached_blocks, **_tier_stats(engine),
+        kv_blocks_cached=bm.num_cached_blocks, **_tier_stats(engine), **_spec_stats(engine),
         degraded=health.degraded, decode_graphs_active=health.decode_graphs_active,
     )
 
@@ -32,3 +32,11 @@ def _tier_stats(engine: Any) -> dict[str, int]:
         return {}
     return {"prefix_cache_host_hits": tier.stats.hit_tokens,
             "kv_host_blocks_cached": tier.num_cached, "kv_host_blocks_total": tier.num_blocks}
+
+
+def _spec_stats(engine: Any) -> dict[str, int]:
+    spec = engine.spec
+    if spec is None:
+        return {}
+    return {"spec_drafted_tokens": spec.drafted_tokens,
+            "spec_accepted_tokens": spec.accepted_tokens, "spec_draft_rows": spec.draft_rows}

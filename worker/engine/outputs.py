@@ -82,6 +82,17 @@ class EngineStats:
     # whether pure-decode steps replay CUDA graphs.
     degraded: tuple[str, ...] = ()
     decode_graphs_active: bool = False
+    # Speculative decoding (#29): draft tokens verified, of which accepted, and the
+    # row-steps that carried drafts (each yields accepted + 1 tokens)
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_draft_rows: int = 0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a drafted row gets per step on average (1 to k + 1; 0: no drafts)."""
+        return (self.spec_accepted_tokens + self.spec_draft_rows) / self.spec_draft_rows \
+            if self.spec_draft_rows else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -31,6 +31,7 @@ class Scheduling(Protocol):
     running: list[Request]
     max_model_len: int
     num_preemptions: int
+    drafts: dict[str, list[int]]
 
     def rows_of_running(self) -> np.ndarray: ...
 
@@ -65,6 +66,9 @@ class RunningWalk:
         if s.config.long_prefill_token_threshold >= 1 and len(running):
             decode, grow, register = s.batch.decodes(rows, bm.host, bm.block_size,
                                                      bm.enable_caching)
+            if s.drafts:  # a drafted row computes 1 + k tokens: the general path
+                plain = np.array([r.request_id not in s.drafts for r in running])
+                decode, grow, register = decode & plain, grow & plain, register & plain
             general = (~decode).nonzero()[0].tolist()
             extras = (grow | register).nonzero()[0].tolist()
             self.grow, self.register = grow.tolist(), register.tolist()

@@ -45,6 +45,9 @@ class SchedulerOutput:
     batch: BatchRows | None = None  # the scheduler's rows (their counters, newest tokens)
     host: HostTables | None = None  # the block manager's rows (block tables)
     releases: int = -1  # ``host.releases`` then: unchanged, every row is still its request's
+    # Speculative decoding (#29): per drafted request, the draft tokens its row computes
+    # after its last known token (its ``num_new_tokens`` is 1 + their count)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
     _sampling: list[Request] | None = None
 
     @property

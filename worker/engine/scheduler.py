@@ -51,6 +51,9 @@ class Scheduler:
         self.batch = BatchRows(max_model_len)  # the running requests' counters, by row
         self._running_rows: np.ndarray | None = None  # rows in ``running`` order (cache)
         self.adapters: AdapterGate | None = None  # multi-LoRA: slots pinned while running
+        # Speculative decoding: drafts for running decode rows, set before ``schedule``
+        # (which takes them: a drafted row is scheduled as 1 + len(draft) tokens)
+        self.drafts: dict[str, list[int]] = {}
 
     # -- membership --------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -105,6 +108,11 @@ class Scheduler:
             budget = self._admit(walk.scheduled, budget)
         walk.finish(out)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        if self.drafts:
+            out.drafts = {s.request.request_id: self.drafts[s.request.request_id]
+                          [:s.num_new_tokens - 1] for s in out.scheduled
+                          if s.num_new_tokens > 1 and s.request.request_id in self.drafts}
+            self.drafts = {}
         return out
 
     def rows_of_running(self) -> np.ndarray:
@@ -126,16 +134,21 @@ class Scheduler:
         hits = [] if request.needs_prompt_logits else bm.cached_prefix(request)
         hit_tokens = len(hits) * bm.block_size
         start = request.num_computed_tokens + hit_tokens
-        num_new = min(request.num_tokens - start, budget,
+        drafted = len(self.drafts.get(request.request_id, ())) if self.drafts else 0
+        num_new = min(request.num_tokens + drafted - start, budget,
                       self.config.long_prefill_token_threshold)
         if bm.allocate_slots(request.request_id, start + num_new, admitting=admitting,
                              cached=hits) is None:
-            return None
+            if not drafted:
+                return None
+            del self.drafts[request.request_id]  # no room for the drafts: decode plainly
+            return self._allocate(request, budget, admitting)
         if request.num_computed_tokens == 0 and bm.enable_caching:
             bm.stats.queries += request.num_tokens
         bm.stats.hits += hit_tokens
         request.num_computed_tokens = start
-        bm.cache_full_blocks(request, start + num_new)
+        # only known tokens are ever hashed: a draft never enters a registered block
+        bm.cache_full_blocks(request, min(start + num_new, request.num_tokens))
         if not admitting:
             self._sync(request)
         return self._scheduled(request, num_new)
@@ -203,7 +216,7 @@ class Scheduler:
 
     @staticmethod
     def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
-        reaches_end = request.num_computed_tokens + num_new == request.num_tokens
+        reaches_end = request.num_computed_tokens + num_new >= request.num_tokens
         return ScheduledRequest(request, num_new, sample=reaches_end)
 
     def _preempt(self, request: Request) -> None:

@@ -79,8 +79,11 @@ def build_inputs(sched: SchedulerOutput, host: HostTables, block_size: int,
                                              newest.nonzero()[0])
         for i in (~newest).nonzero()[0].tolist():  # prefill chunks copy their tokens
             lo, count = int(start[i]), int(num_new[i])
-            ids[firsts[i]:firsts[i] + count] = \
-                sched.scheduled[i].request.all_token_ids[lo:lo + count]
+            request = sched.scheduled[i].request
+            chunk = request.all_token_ids[lo:lo + count]
+            if len(chunk) < count:  # a drafted row: its last token, then the draft
+                chunk = chunk + sched.drafts[request.request_id][:count - len(chunk)]
+            ids[firsts[i]:firsts[i] + count] = chunk
     blocks = host.table[row_of_token, positions // block_size].astype(np.int64)
     dst = (ids == PLACEHOLDER).nonzero()[0]
     last = ends - 1

@@ -55,6 +55,9 @@ class EngineMetrics:
         self._prefix_queries = Cumulative(self.prefix_queries)
         self._prefix_hits = Cumulative(self.prefix_hits)
         self._prefix_host_hits = Cumulative(self.prefix_host_hits)
+        self._spec = [(Cumulative(self.spec_drafted), "spec_drafted_tokens"),
+                      (Cumulative(self.spec_accepted), "spec_accepted_tokens"),
+                      (Cumulative(self.spec_draft_rows), "spec_draft_rows")]
 
     def _build_gauges(self, reg: CollectorRegistry, p: str) -> None:
         self.running = Gauge(p + "running_requests", "Requests in the running batch.", registry=reg)
@@ -110,6 +113,14 @@ class EngineMetrics:
             p + "prefix_cache_host_hits",
             "Of the prefix-cache hits, tokens copied back from the KV host tier.", registry=reg
         )
+        self.spec_drafted = Counter(
+            p + "spec_drafted_tokens", "Speculative draft tokens verified.", registry=reg)
+        self.spec_accepted = Counter(
+            p + "spec_accepted_tokens", "Of the draft tokens, accepted; acceptance rate = "
+            "rate(accepted) / rate(drafted).", registry=reg)
+        self.spec_draft_rows = Counter(
+            p + "spec_draft_rows", "Row-steps that carried drafts; tokens per drafted "
+            "row-step = 1 + rate(accepted) / rate(draft_rows).", registry=reg)
 
     def update(self, stats: EngineStats) -> None:
         """Refresh batch/KV gauges and catch counters up with the engine's cumulative totals."""
@@ -125,6 +136,8 @@ class EngineMetrics:
         self._prefix_queries.sync(getattr(stats, "prefix_cache_queries", 0))
         self._prefix_hits.sync(getattr(stats, "prefix_cache_hits", 0))
         self._prefix_host_hits.sync(getattr(stats, "prefix_cache_host_hits", 0))
+        for counter, name in self._spec:
+            counter.sync(getattr(stats, name, 0))
         self.kv_host_cached.set(getattr(stats, "kv_host_blocks_cached", 0))
         self.decode_graphs_active.set(int(getattr(stats, "decode_graphs_active", False)))
         degraded = set(getattr(stats, "degraded", ()))

@@ -46,6 +46,9 @@ EXPECTED = {
     "ferry_worker_kv_host_blocks_cached": "gauge",
     "ferry_worker_decode_graphs_active": "gauge",
     "ferry_worker_degraded": "gauge",
+    "ferry_worker_spec_drafted_tokens": "counter",
+    "ferry_worker_spec_accepted_tokens": "counter",
+    "ferry_worker_spec_draft_rows": "counter",
 }
 
 
@@ -68,6 +71,9 @@ class Stats:
     kv_host_blocks_total: int = 500
     degraded: tuple[str, ...] = ()
     decode_graphs_active: bool = False
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_draft_rows: int = 0
 
 
 def _samples(metrics: WorkerMetrics) -> dict[str, float]:
@@ -185,6 +191,24 @@ def test_degraded_states_and_graphs_are_gauges() -> None:
     assert s["ferry_worker_decode_graphs_active"] == 0
     metrics.set_engine(Stats())
     assert _samples(metrics)["ferry_worker_degraded{reason=decode_graphs_unavailable}"] == 0
+
+
+def test_speculative_counters_follow_the_engine() -> None:
+    from worker.engine.outputs import EngineStats  # a plain dataclass: no torch
+
+    metrics = WorkerMetrics(CollectorRegistry())
+    base = dict(num_running=1, num_waiting=0, kv_blocks_total=8, kv_blocks_free=8,
+                num_preemptions=0, tokens_generated=0, steps=0)
+    metrics.set_engine(EngineStats(**base, spec_drafted_tokens=40,  # type: ignore[arg-type]
+                                   spec_accepted_tokens=25, spec_draft_rows=10))
+    stats = EngineStats(**base, spec_drafted_tokens=48,  # type: ignore[arg-type]
+                        spec_accepted_tokens=30, spec_draft_rows=12)
+    assert stats.spec_mean_acceptance_length == 3.5
+    metrics.set_engine(stats)
+    s = _samples(metrics)
+    assert (s["ferry_worker_spec_drafted_tokens_total"],
+            s["ferry_worker_spec_accepted_tokens_total"],
+            s["ferry_worker_spec_draft_rows_total"]) == (48, 30, 12)
 
 
 def test_metrics_module_imports_without_torch() -> None:

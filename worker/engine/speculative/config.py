@@ -1,5 +1,5 @@
-"""Speculative decoding settings (suffix decoding, #29; the engine wiring and its
-settings in the environment come with the verification step)."""
+"""Speculative decoding settings (suffix decoding, #29): ``EngineConfig.speculative``,
+``FERRY_SPECULATIVE`` / ``FERRY_NUM_SPECULATIVE_TOKENS`` / ``FERRY_SPEC_MAX_BATCH``."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ class SpeculativeConfig:
     stored_prompt_tail: int = 64
     # Context tokens a store query walks (the longest match it can find).
     match_window: int = 32
+    # Back-off: no drafts while more rows than this run (a big batch is bound by compute,
+    # so verifying drafts there costs more than it saves).
+    max_batch_rows: int = 8
 
     def __post_init__(self) -> None:
         if self.method not in ("off", "suffix"):
@@ -36,6 +39,8 @@ class SpeculativeConfig:
                              f"{self.num_speculative_tokens}")
         if self.min_match_tokens < 1 or self.draft_per_matched <= 0:
             raise ValueError("min_match_tokens must be >= 1 and draft_per_matched > 0")
+        if self.max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be >= 1, got {self.max_batch_rows}")
         if self.store_tokens < 0 or self.stored_prompt_tail < 0 or self.match_window < 1:
             raise ValueError("store_tokens and stored_prompt_tail must be >= 0, "
                              "match_window >= 1")

@@ -87,6 +87,10 @@ class SuffixProposer:
     def observe(self, request_id: str, tokens: list[int]) -> None:
         self._requests[request_id].observe(tokens)
 
+    def forget(self, request_id: str) -> None:
+        """The request ended: its index goes (a no-op for one never started)."""
+        self._requests.pop(request_id, None)
+
     def draft_length(self, match_length: int, limit: int) -> int:
         if match_length < self.config.min_match_tokens:
             return 0

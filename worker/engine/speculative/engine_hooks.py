@@ -1,0 +1,207 @@
+"""Speculative decoding inside the engine's step (#29): draft, verify, accept.
+
+Before scheduling, each eligible running decode row gets a draft from the suffix proposer
+(``Scheduler.drafts``); the scheduler gives it 1 + k tokens of the step (its last known
+token and the k drafts) through the ordinary ragged path, blocks included. One forward
+returns logits for all 1 + k positions; position j is sampled with the key of output
+index n + j (``SamplingRow.output_index``: greedy is argmax, a seeded row draws the noise
+it would draw without speculation). Drafts are accepted while ``draft_j == sampled_j``,
+then the first sampled token that differs (or the bonus token after all k) is appended:
+1..k+1 tokens per row per step, each one the token the row would have produced without
+speculation. The accepted tokens go through the scheduler's own decode path one at a time
+(``advance`` + the engine's ``_update``), so counters, stop checks (EOS, stop ids,
+``max_tokens``, the context) and the prefix cache see exactly the steps a plain decode
+would have made; a token after a stop is never produced. Drafts never enter a request's
+token list, so no block hash (and no registered block) ever covers a draft.
+
+Only with overlap off (the tokens must be known to draft from them): ``Engine`` turns
+overlap off when speculation is asked for and ``async_scheduling`` is left unset, and turns
+speculation off (logged) when both are asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from worker.engine.logits_processors import wants_penalties
+from worker.engine.request import FinishReason, Request
+from worker.engine.sampler import SamplingRow
+from worker.engine.schedule_output import ScheduledRequest, SchedulerOutput
+from worker.engine.speculative.config import SpeculativeConfig
+from worker.engine.speculative.suffix_proposer import SuffixProposer
+from worker.engine.step_batch import StepBatch
+
+_log = structlog.get_logger("ferry.worker.spec")
+
+
+def eligible(request: Request) -> bool:
+    """Whether a running row may carry drafts: a plain decode (its last token known and not
+    computed) whose logits do not depend on its output history or on state the sampler
+    keeps, and that reports no per-token logprobs."""
+    p = request.params
+    return (request.num_pending == 0
+            and request.num_computed_tokens == request.num_tokens - 1
+            and request.grammar is None and not request.bans_follow_output
+            and not wants_penalties(p) and p.logprobs is None
+            and request.prompt_logprobs is None and request.parent_id is None
+            and request.lora is None)
+
+
+class SpecDecoding:
+    """The engine's speculative decoding: the proposer, its counters, the verifying step."""
+
+    def __init__(self, config: SpeculativeConfig, engine: Any) -> None:
+        self.config = config
+        self.engine = engine  # an Engine (typed loosely: engine.py imports this module)
+        self.proposer = SuffixProposer(config)
+        self._seen: dict[str, int] = {}  # tokens each request's drafter has observed
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
+        self.draft_rows = 0  # row-steps that carried drafts
+
+    @classmethod
+    def create(cls, config: SpeculativeConfig, engine: Any) -> SpecDecoding | None:
+        if not config.enabled:
+            return None
+        if engine.overlap:
+            _log.warning("speculative_decoding_off", reason="async_scheduling is on: "
+                         "drafts need the previous step's tokens; set async_scheduling "
+                         "off (or leave it unset) to speculate")
+            return None
+        return cls(config, engine)
+
+    # -- before scheduling ---------------------------------------------------------------
+    def propose(self) -> None:
+        """Drafts for the running rows into ``scheduler.drafts`` (none for a batch larger
+        than ``max_batch_rows``, nor while a request waits for prompt logprobs)."""
+        engine = self.engine
+        scheduler = engine.scheduler
+        if len(scheduler.running) > self.config.max_batch_rows or engine.scoring.pending:
+            return
+        drafts: dict[str, list[int]] = {}
+        for request in scheduler.running:
+            if not eligible(request):
+                continue
+            limit = min(request.params.max_tokens - request.num_output_tokens,
+                        engine.max_model_len - request.num_tokens) - 1
+            if limit <= 0:
+                continue
+            self._observe(request)
+            draft = self.proposer.propose(request.request_id, limit)
+            if draft.tokens:
+                drafts[request.request_id] = draft.tokens
+        scheduler.drafts = drafts
+
+    def _observe(self, request: Request) -> None:
+        rid, tokens = request.request_id, request.all_token_ids
+        if rid not in self.proposer:
+            self.proposer.start(rid, list(tokens))
+        elif self._seen[rid] < len(tokens):
+            self.proposer.observe(rid, tokens[self._seen[rid]:])
+        self._seen[rid] = len(tokens)
+
+    def finished(self, request: Request) -> None:
+        """A request ended: drop its drafter; a completed output goes into the store."""
+        self._seen.pop(request.request_id, None)
+        self.proposer.forget(request.request_id)
+        if request.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) \
+                and request.output_token_ids:
+            tail = self.config.stored_prompt_tail
+            prompt = request.prompt_token_ids[-tail:] if tail else []
+            self.proposer.store.add(prompt + request.output_token_ids)
+
+    # -- the step ----------------------------------------------------------------------
+    def run(self, sched: SchedulerOutput, outputs: StepBatch) -> None:
+        """Forward, sample every position, verify, and resolve the accepted tokens."""
+        engine = self.engine
+        sampling = sched.sampling
+        n = len(sampling)
+        rows = [SamplingRow.of(r) for r in sampling]
+        flat, extra = self._draft_rows(sched, rows)
+        mask = engine.structured.start_bitmask(sampling)  # [structured output]
+        plan = engine.scoring.plan(sched)  # prompt logprobs: rows before the drafts'
+        prompt_rows = plan.rows if plan is not None else []
+        with engine.timer.phase("forward"):
+            logits = engine.runner.execute(sched, engine.block_manager, None,
+                                           prompt_rows + flat)
+        drafts_logits = logits[n + len(prompt_rows):]
+        logits = logits[:n + len(prompt_rows)]
+        prompt = None
+        if plan is not None:
+            logits, prompt = engine.scoring.collect(plan, logits, n)
+        with engine.timer.phase("sample"):
+            result = engine.sampler.launch(torch.cat([logits, drafts_logits]), rows + extra,
+                                           mask.get()).result()
+        if prompt is not None:
+            engine.scoring.finish(prompt)
+        accepted = self._verify(sched, result.token_ids, n)
+        first = [seq[0] for seq in accepted]
+        plain = SchedulerOutput([ScheduledRequest(s.request, 1, True)
+                                 if s.request.request_id in sched.drafts else s
+                                 for s in sched.scheduled])
+        plain.num_batched_tokens = sum(s.num_new_tokens for s in plain.scheduled)
+        engine.scheduler.advance(plain)
+        engine._update(outputs, plain, first, result.logprobs[:n])
+        self._resolve_rest(sampling, accepted, outputs)
+
+    def _draft_rows(self, sched: SchedulerOutput, rows: list[SamplingRow]
+                    ) -> tuple[list[int], list[SamplingRow]]:
+        """The flat positions of the drafts (the logits kept after the sampling rows') and
+        their sampling rows: position j of a row samples its output index n + j."""
+        flat: list[int] = []
+        extra: list[SamplingRow] = []
+        ends = np.cumsum([s.num_new_tokens for s in sched.scheduled]).tolist()
+        index = 0
+        for item, end in zip(sched.scheduled, ends, strict=True):
+            if not item.sample:
+                continue
+            draft = sched.drafts.get(item.request.request_id)
+            if draft:
+                k, base = len(draft), rows[index].output_index
+                rows[index].output_index = base + k  # the last position: the bonus token
+                flat.extend(range(end - 1 - k, end - 1))
+                extra.extend(replace(rows[index], output_index=base + j) for j in range(k))
+            index += 1
+        return flat, extra
+
+    def _verify(self, sched: SchedulerOutput, tokens: list[int], n: int) -> list[list[int]]:
+        """Per sampling row, the tokens it gets: the accepted drafts and one sampled token."""
+        out: list[list[int]] = []
+        offset = n
+        for i, request in enumerate(sched.sampling):
+            draft = sched.drafts.get(request.request_id)
+            if not draft:
+                out.append([tokens[i]])
+                continue
+            k = len(draft)
+            sampled = tokens[offset:offset + k] + [tokens[i]]
+            offset += k
+            a = 0
+            while a < k and draft[a] == sampled[a]:
+                a += 1
+            self.drafted_tokens += k
+            self.accepted_tokens += a
+            self.draft_rows += 1
+            out.append(sampled[:a + 1])
+        return out
+
+    def _resolve_rest(self, sampling: list[Request], accepted: list[list[int]],
+                      outputs: StepBatch) -> None:
+        """The accepted tokens after the first, one decode at a time per row (a row that
+        stopped meanwhile takes no more)."""
+        engine = self.engine
+        position = 1
+        while True:
+            todo = [(r, seq[position]) for r, seq in zip(sampling, accepted, strict=True)
+                    if len(seq) > position and not r.is_finished]
+            if not todo:
+                return
+            step = SchedulerOutput([ScheduledRequest(r, 1, True) for r, _ in todo], len(todo))
+            engine.scheduler.advance(step)
+            engine._update(outputs, step, [t for _, t in todo], [None] * len(todo))
+            position += 1
