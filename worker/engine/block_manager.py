@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from worker.engine.block_registrations import StepRegistrations
 from worker.engine.host_tables import HostTables
 from worker.engine.kv_host_tier import HostTier
 from worker.engine.request import Request
@@ -52,7 +53,7 @@ def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
-class BlockManager:
+class BlockManager(StepRegistrations):
     def __init__(
         self, num_blocks: int, block_size: int, watermark: float = 0.01,
         enable_caching: bool = True, salt: str = "",
@@ -268,41 +269,6 @@ class BlockManager:
                 self._hash_of[block] = h
                 self._step.append((rid, block, h))
         self.host.registered[row] = full
-
-    def begin_step(self) -> None:
-        # the previous step may still be running (overlapped steps): a failure read back
-        # from it must be able to undo its registrations too
-        self._prev_step, self._step = self._step, []
-
-    def forget_step(self, request_id: str | None = None) -> None:
-        """Unregister this step's registrations (of one request), or those of this step
-        and the one before (all): their blocks will not be computed after all (a failed
-        forward, a request preempted before running)."""
-        if request_id is None:
-            self._forget(self._prev_step)
-            self._prev_step = []
-        kept = [r for r in self._step if request_id is not None and r[0] != request_id]
-        self._forget([r for r in self._step if request_id is None or r[0] == request_id])
-        self._step = kept
-
-    def _forget(self, registrations: list[tuple[str, int, bytes]]) -> None:
-        for rid, block, h in registrations:
-            if self.tier is not None:  # a copy may have been taken of it: not computed
-                self.tier.forget(h)
-            if self._block_of.get(h) == block:
-                del self._block_of[h]
-                del self._hash_of[block]
-            table = self._tables.get(rid, [])
-            row = self.host.row_of(rid)
-            if row is not None and block in table:
-                self.host.registered[row] = min(int(self.host.registered[row]),
-                                                table.index(block))
-
-    def provides_this_step(self, request_id: str) -> bool:
-        """Whether another request holds a block this one registers this step (so this one
-        must compute it: it cannot be preempted before the forward)."""
-        return any(rid == request_id and self._ref_counts[block] > 1
-                   for rid, block, _ in self._step)
 
     def free(self, request_id: str) -> None:
         """Release every block the request holds (a no-op for unknown ids). Cached blocks

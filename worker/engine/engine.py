@@ -27,6 +27,7 @@ from worker.engine.outputs import EngineStats
 from worker.engine.prompt_logprobs import PromptScoring, take
 from worker.engine.prompts import PromptBuilder, PromptLimits, PromptOptions
 from worker.engine.request import FinishReason, Request
+from worker.engine.request_ends import RequestEnds
 from worker.engine.sampler import Sampler, SamplingRow
 from worker.engine.schedule_output import align_sampled
 from worker.engine.scheduler import Scheduler, SchedulerOutput
@@ -39,7 +40,7 @@ from worker.engine.warmup import warm_up_sampling
 _GRAMMAR_WAIT_S = 0.005  # idle loop: how long to wait for a pending grammar compile
 
 
-class Engine:
+class Engine(RequestEnds):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config.model, config.cache, config.scheduler.max_num_seqs,
@@ -151,33 +152,6 @@ class Engine:
         self.scoring.add(request)
         self.scheduler.add(request)
         return request
-
-    def abort(
-        self, request_id: str, reason: FinishReason = FinishReason.ABORT
-    ) -> list[EngineEnd]:
-        """Drop a waiting or running request (every candidate of it) now; returns the end
-        of each one still unfinished (none if unknown)."""
-        ids = self._groups.take(request_id)
-        ends = []
-        for rid in ids:
-            request = self.scheduler.requests.get(rid)
-            if request is not None:
-                self.scheduler.finish(request, reason)
-                ends.append(self._final(request))
-        return ends
-
-    def finish_stream(
-        self, stream: int, reason: str = "stop", stop_reason: str | int | None = None
-    ) -> EngineEnd | None:
-        """The output side ended a stream (a stop string): finish its request now. With the
-        output in another process this lands a step late; the token sampled meanwhile is
-        dropped there. Returns the end (None if the request had already ended)."""
-        request = self.streams.requests.get(stream)
-        if request is None or request.is_finished:
-            return None
-        request.stop_reason = stop_reason
-        self.scheduler.finish(request, FinishReason(reason))
-        return self._final(request)
 
     # -- stepping ----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -299,30 +273,6 @@ class Engine:
                 first = take(request)
                 if first is not None:
                     batch.prompt_logprobs[stream] = first
-
-    def _final(self, request: Request, row: int = -1, error_kind: str | None = None) -> EngineEnd:
-        stream = self.streams.close(request)
-        if self.spec is not None:
-            self.spec.finished(request)
-        if request.parent_id is not None:
-            self._groups.finished(request.public_id, request.request_id)
-        self.scoring.forget(request.request_id)
-        ranked = request.parent_id is not None and request.params.logprobs is not None
-        return EngineEnd(
-            stream, str(request.finish_reason), request.stop_reason, request.error,
-            request.num_prompt_tokens, request.num_output_tokens, row, error_kind,
-            request.cumulative_logprob if ranked else None, take(request),
-        )
-
-    def _fail_batch(self, sched: SchedulerOutput, exc: Exception) -> list[EngineEnd]:
-        message = f"{type(exc).__name__}: {exc}"
-        self.block_manager.forget_step()  # what this step registered was never computed
-        ends = []
-        for item in sched.scheduled:
-            if not item.request.is_finished:
-                self.scheduler.finish(item.request, FinishReason.ERROR, error=message)
-                ends.append(self._final(item.request))
-        return ends
 
     def stats(self) -> EngineStats:
         return engine_stats(self)

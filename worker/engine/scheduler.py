@@ -16,7 +16,6 @@ for its stops without a Python loop over requests (``running_walk.py``,
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,16 +27,15 @@ from worker.engine.request import (
     FinishReason,
     Request,
     RequestStatus,
-    advance_decodes,
-    resolve_placeholders,
 )
 from worker.engine.running_walk import RunningWalk
 from worker.engine.schedule_output import Resolved, ScheduledRequest, SchedulerOutput
+from worker.engine.scheduler_updates import StepUpdates
 
 __all__ = ["Resolved", "ScheduledRequest", "Scheduler", "SchedulerOutput"]
 
 
-class Scheduler:
+class Scheduler(StepUpdates):
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
     ) -> None:
@@ -231,111 +229,3 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=Request.sort_key)
-
-    # -- after the forward ---------------------------------------------------------------
-    def update(
-        self, output: SchedulerOutput, sampled: Sequence[int | None]
-    ) -> list[tuple[Request, int]]:
-        """``advance`` then ``resolve``: one step whose tokens are known at once."""
-        self.advance(output)
-        return self.resolve(output, sampled)
-
-    def advance(self, output: SchedulerOutput) -> None:
-        """The step is launched: its tokens count as computed, and each sampling row gets a
-        placeholder for the token it is sampling (so the next step can be scheduled
-        before this one is read back)."""
-        if output.rows is None:  # built by hand (or filtered): its requests' rows now
-            output.attach_rows(self.block_manager.host, self.batch)
-        if not (output.host is self.block_manager.host and output.intact()):
-            for item in output.scheduled:  # one at a time: rows changed hands, or none
-                if not item.request.is_finished:
-                    item.request.num_computed_tokens += item.num_new_tokens
-                    if item.sample:
-                        item.request.append_placeholder()
-                    self._sync(item.request)
-            return
-        assert output.rows is not None and output.num_new is not None \
-            and output.sample is not None
-        self.batch.advance(output.rows, output.num_new, output.rows[output.sample])
-        if len(output.sampling) == len(output.scheduled) == output.num_batched_tokens:
-            advance_decodes(output.sampling)  # every row: one token, sampled
-            return
-        for item in output.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-        for request in output.sampling:
-            request.append_placeholder()
-
-    def resolve(
-        self, output: SchedulerOutput, sampled: Sequence[int | None]
-    ) -> list[tuple[Request, int]]:
-        """Fill an advanced step's placeholders with its sampled tokens and finish on
-        token-level stops. ``sampled`` is aligned with ``output.scheduled`` (None where
-        nothing was sampled). Returns (request, token) for every request that got a token
-        (a request finished meanwhile has dropped its placeholders and gets none).
-        ``resolve_sampled`` does the same from the sampler's tokens alone, faster.
-        """
-        if len(sampled) != len(output.scheduled):
-            raise ValueError(f"{len(sampled)} tokens for {len(output.scheduled)} rows")
-        if len(output.sampling) == len(sampled):  # every row samples
-            tokens = list(sampled)
-        else:
-            tokens = [t for s, t in zip(output.scheduled, sampled, strict=True) if s.sample]
-        if None in tokens:  # a sampling row without its token gets none
-            output = SchedulerOutput([s for s, t in zip(output.scheduled, sampled, strict=True)
-                                      if s.sample and t is not None])
-            tokens = [t for t in tokens if t is not None]
-        got = self.resolve_sampled(output, tokens)  # type: ignore[arg-type]
-        return list(zip(got.requests, got.tokens, strict=True))
-
-    def resolve_sampled(
-        self, output: SchedulerOutput, tokens: Sequence[int] | np.ndarray
-    ) -> Resolved:
-        """``resolve`` for ``tokens``, one per sampling row of ``output`` in order (what the
-        sampler returns, fastest as an int64 array; ``output.sampling`` are their
-        requests). Returns the rows that got their token (``Resolved.index`` into
-        ``tokens``), their requests and tokens; a request that ends on its token (EOS, stop
-        ids, ``max_tokens``, the model's context) is finished by then. The checks run over
-        arrays (``BatchRows.resolve``) for every row still held by its request, one
-        request at a time for the others (finished or preempted since, or no arrays)."""
-        if output.rows is None:  # built by hand (or filtered): its requests' rows now
-            output.attach_rows(self.block_manager.host, self.batch)
-        requests = output.sampling
-        values = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if len(values) != len(requests):
-            raise ValueError(f"{len(values)} tokens for {len(requests)} sampling rows")
-        token_list: list[int] = tokens if isinstance(tokens, list) else values.tolist()
-        valid = output.valid_sampling_rows() if output.host is self.block_manager.host \
-            else np.zeros(len(requests), dtype=bool)
-        stops: dict[int, FinishReason] = {}
-        got = valid.copy()
-        for i in (~valid).nonzero()[0].tolist():
-            request = requests[i]
-            if not request.is_finished:
-                got[i] = True
-                request.resolve_placeholder(token_list[i])
-                self._sync(request)  # still running (an output without arrays): its row too
-                reason = request.check_token_stop(token_list[i], self.max_model_len)
-                if reason is not None:
-                    stops[i] = reason
-        fast = valid.nonzero()[0]
-        if len(fast):
-            assert output.rows is not None and output.sample is not None
-            rows, pairs = output.rows[output.sample], (requests, token_list)
-            if len(fast) != len(requests):
-                rows, values = rows[valid], values[valid]
-                pairs = ([requests[i] for i in fast.tolist()],
-                         [token_list[i] for i in fast.tolist()])
-            stopped, too_long = self.batch.resolve(rows, values)
-            resolve_placeholders(*pairs)
-            for j in (stopped | too_long).nonzero()[0].tolist():
-                i = int(fast[j])
-                stops[i] = FinishReason.STOP if stopped[j] else FinishReason.LENGTH
-                if stopped[j]:
-                    requests[i].note_stop_token(token_list[i])
-        for i in sorted(stops):
-            self.finish(requests[i], stops[i])
-        index = got.nonzero()[0]
-        if len(index) == len(requests):
-            return Resolved(index, requests, token_list)
-        return Resolved(index, [requests[i] for i in index.tolist()],
-                        [token_list[i] for i in index.tolist()])
