@@ -37,18 +37,27 @@ def _fill(pool: torch.Tensor, table: list[int], seed: float) -> None:
         pool[:, :, block] = seed + i
 
 
-def test_evicted_blocks_come_back_from_the_host() -> None:
+def _cached_then_freed(host_blocks: int, tokens: int
+                       ) -> tuple[torch.Tensor, BlockManager, HostTier, torch.Tensor]:
+    """A 4-block pool with a ``host_blocks`` tier, after request "a" of ``tokens`` tokens
+    computed (its blocks filled with known values, returned) and freed: its full blocks
+    stay cached on the device until something evicts them."""
     pool = _pool(4)
     bm = BlockManager(4, BS, watermark=0)
-    tier = HostTier.for_pool(pool, 10 * pool[:, :, 0].numel() * pool.element_size())
-    assert tier is not None and tier.num_blocks == 10
+    tier = HostTier.for_pool(pool, host_blocks * pool[:, :, 0].numel() * pool.element_size())
+    assert tier is not None and tier.num_blocks == host_blocks
     bm.attach_tier(tier)
-    first = _request("a", list(range(13)))  # 3 full blocks + 1 token
-    assert bm.allocate_slots("a", 13, cached=bm.cached_prefix(first)) is not None
-    bm.cache_full_blocks(first, 13)
+    first = _request("a", list(range(tokens)))
+    assert bm.allocate_slots("a", tokens, cached=bm.cached_prefix(first)) is not None
+    bm.cache_full_blocks(first, tokens)
     _fill(pool, bm.block_table("a"), 10.0)
-    saved = pool[:, :, bm.block_table("a")[:3]].clone()
+    saved = pool[:, :, bm.block_table("a")[:tokens // BS]].clone()
     bm.free("a")
+    return pool, bm, tier, saved
+
+
+def test_evicted_blocks_come_back_from_the_host() -> None:
+    pool, bm, tier, saved = _cached_then_freed(10, 13)  # 3 full blocks + 1 token
     other = _request("b", list(range(100, 116)))  # takes every block: a's are evicted
     assert bm.allocate_slots("b", 16, cached=bm.cached_prefix(other)) is not None
     assert tier.has_pending and tier.stats.offloaded == 3
@@ -87,17 +96,7 @@ def test_restoring_into_a_full_tier_keeps_the_other_hits() -> None:
     """A host hit of two blocks, the tier full: the block the first restore evicts from
     the device is copied out, and the tier's LRU slot then is the second hit. It must stay
     (a worker died here of a KeyError, #32's kill-mid-swap test)."""
-    pool = _pool(4)
-    bm = BlockManager(4, BS, watermark=0)
-    tier = HostTier.for_pool(pool, 2 * pool[:, :, 0].numel() * pool.element_size())
-    assert tier is not None and tier.num_blocks == 2
-    bm.attach_tier(tier)
-    first = _request("a", list(range(9)))  # 2 full blocks + 1 token
-    assert bm.allocate_slots("a", 9, cached=bm.cached_prefix(first)) is not None
-    bm.cache_full_blocks(first, 9)
-    _fill(pool, bm.block_table("a"), 10.0)
-    saved = pool[:, :, bm.block_table("a")[:2]].clone()
-    bm.free("a")
+    pool, bm, tier, saved = _cached_then_freed(2, 9)  # 2 full blocks + 1 token
     other = _request("b", list(range(100, 116)))  # 4 full blocks: a's go to the tier
     assert bm.allocate_slots("b", 16, cached=bm.cached_prefix(other)) is not None
     bm.cache_full_blocks(other, 16)
