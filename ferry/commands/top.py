@@ -94,6 +94,9 @@ def _worker_cells(w: WorkerView, restarts: list[RestartRecord]) -> dict[str, Ren
     degraded = str(s.get("degraded") or "")
     if degraded:  # serving, but slower than it should: say why, in red
         name.append("\nDEGRADED " + degraded.replace(",", " "), style="bold red")
+    accept = _num(s, "spec_accept_len")
+    if accept:  # speculative decoding: tokens per drafted row-step
+        name.append(f"\nspec {accept:.2f} tok/step", style="cyan")
     adapters = str(s.get("lora_adapters") or "")
     if adapters:  # multi-LoRA: the adapters this worker has loaded
         name.append("\nLoRA " + adapters.replace(",", " "), style="magenta")

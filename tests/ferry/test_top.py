@@ -202,9 +202,11 @@ def test_prefix_cell_shows_the_host_tier() -> None:
 def test_a_workers_lora_adapters_are_listed(live: redis.Redis) -> None:
     now = time.time()
     beat = WorkerHeartbeat(worker_id="gpu-7", model="/models/base", started_at=now,
-                           updated_at=now, stats=STATS | {"lora_adapters": "sql,support"})
+                           updated_at=now, stats=STATS | {"lora_adapters": "sql,support",
+                                                         "spec_accept_len": 2.5})
     pipe = live.pipeline()
     write_heartbeat(pipe, KEYS, beat, Ttls(heartbeat_s=300.0))
     pipe.execute()
     text = _text(top_cmd.render(top_cmd.collect(live, KEYS)))
     assert [line for line in text.splitlines() if "LoRA sql support" in line]
+    assert [line for line in text.splitlines() if "spec 2.50 tok/step" in line]

@@ -122,6 +122,8 @@ class StatsBook:
             "draining": int(c.draining),
             "metrics_port": c.metrics_port,
             "decode_graphs": int(s.decode_graphs_active),
+            # speculative decoding: tokens a drafted row gets per step (0: no drafts yet)
+            "spec_accept_len": round(s.spec_mean_acceptance_length, 2),
             # comma-separated health.DEGRADED_REASONS; "" when healthy (ferry top marks it)
             "degraded": ",".join(s.degraded),
         }
