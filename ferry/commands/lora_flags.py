@@ -4,7 +4,20 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
+
+# ``ferry up``'s options (the variables below are what its workers read)
+LoraModules = Annotated[list[str] | None, typer.Option(
+    "--lora", help="NAME=PATH: a LoRA adapter every worker serves as model NAME "
+    "(repeatable; enables LoRA; FERRY_LORA_MODULES).")]
+EnableLora = Annotated[bool, typer.Option(
+    help="LoRA on without adapters at start, for /v1/load_lora_adapter.")]
+MaxLoras = Annotated[int | None, typer.Option(
+    min=1, help="Adapters on the device at once (FERRY_MAX_LORAS).")]
+MaxLoraRank = Annotated[int | None, typer.Option(
+    min=1, help="Largest adapter rank accepted (FERRY_MAX_LORA_RANK).")]
 
 
 def lora_env(modules: list[str] | None, enable: bool, max_loras: int | None,

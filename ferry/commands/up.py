@@ -30,7 +30,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ferry.commands.lora_flags import lora_env
+from ferry.commands.lora_flags import EnableLora, LoraModules, MaxLoraRank, MaxLoras, lora_env
 from ferry.demo import stream_demo
 from ferry.local_cluster import ClusterLayout
 from ferry.local_stack import free_port, start_redis, start_redis_cluster
@@ -234,15 +234,10 @@ def up(
         "--redis-shards, else 3).")] = None,
     batchers: Annotated[int, typer.Option(
         min=0, help="Batch API drivers (ferry batcher); 0: none.")] = 1,
-    lora: Annotated[list[str] | None, typer.Option(
-        help="NAME=PATH: a LoRA adapter every worker serves as model NAME (repeatable; "
-        "enables LoRA; FERRY_LORA_MODULES).")] = None,
-    enable_lora: Annotated[bool, typer.Option(
-        help="LoRA on without adapters at start, for /v1/load_lora_adapter.")] = False,
-    max_loras: Annotated[int | None, typer.Option(
-        min=1, help="Adapters on the device at once (FERRY_MAX_LORAS).")] = None,
-    max_lora_rank: Annotated[int | None, typer.Option(
-        min=1, help="Largest adapter rank accepted (FERRY_MAX_LORA_RANK).")] = None,
+    lora: LoraModules = None,
+    enable_lora: EnableLora = False,
+    max_loras: MaxLoras = None,
+    max_lora_rank: MaxLoraRank = None,
     demo: Annotated[bool, typer.Option(help="Stream a few prompts, then stop.")] = False,
     demo_max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     ready_timeout_s: Annotated[float, typer.Option()] = 600.0,

@@ -10,6 +10,7 @@ the admission half so that each reads on its own.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,12 +33,11 @@ class StepUpdates:
     batch: BatchRows
     max_model_len: int
 
-    def finish(self, request: Request, reason: FinishReason, error: str | None = None
-               ) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the Scheduler's own methods, declared for the type checker only
+        def finish(self, request: Request, reason: FinishReason,
+                   error: str | None = None) -> None: ...
 
-    def _sync(self, request: Request) -> None:
-        raise NotImplementedError
+        def _sync(self, request: Request) -> None: ...
 
     def update(
         self, output: SchedulerOutput, sampled: Sequence[int | None]
