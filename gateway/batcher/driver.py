@@ -37,6 +37,9 @@ from protocol.batch_store import BatchStore
 
 log = structlog.get_logger("ferry.batcher")
 
+STOP_WAIT_S = 10.0
+"""How long a stopping batcher waits for its runs to end (each releases its lease)."""
+
 
 def new_batcher_id() -> str:
     return f"batcher-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -48,6 +51,7 @@ class Batcher:
         self.health_file = health_file
         self.runs: dict[str, asyncio.Task[None]] = {}
         self.owners: dict[str, str] = {}  # batch id -> owner, for the batches in ``runs``
+        self.yielded: set[asyncio.Task[None]] = set()  # cancelled by make_room, ending
 
     @property
     def scan_interval_s(self) -> float:
@@ -66,9 +70,13 @@ class Batcher:
                 log.warning("batcher_redis_error", error=str(exc))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.scan_interval_s)
-        for task in self.runs.values():
+        ending = {*self.runs.values(), *self.yielded}
+        for task in ending:
             task.cancel()
-        await asyncio.gather(*self.runs.values(), return_exceptions=True)
+        if ending:  # bounded: a run stuck in its cleanup must not keep the batcher alive
+            _done, stuck = await asyncio.wait(ending, timeout=STOP_WAIT_S)
+            if stuck:
+                log.warning("batch_runs_not_ended", runs=sorted(t.get_name() for t in stuck))
         log.info("batcher_stopped", batcher_id=self.ctx.batcher_id)
 
     async def claim(self) -> None:
@@ -110,8 +118,9 @@ class Batcher:
         youngest = max(b for b, owner in self.owners.items() if owner == biggest)
         task = self.runs.pop(youngest)
         del self.owners[youngest]
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        task.cancel()  # not awaited here: the claim goes on while it releases its lease
+        self.yielded.add(task)
+        task.add_done_callback(self.yielded.discard)
         held[biggest] -= 1
         log.info("batch_yielded", batch_id=youngest, owner=biggest,
                  batcher_id=self.ctx.batcher_id)

@@ -4,7 +4,9 @@ background thread; ``stop()`` ends it the way SIGTERM does (leases released)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+import traceback
 
 from gateway.batcher.driver import run_batcher
 from gateway.settings import GatewaySettings
@@ -43,9 +45,22 @@ class BatcherThread:
         if self._loop is not None and self._stop is not None and self.thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
         self.thread.join(15)
-        assert not self.thread.is_alive(), "the batcher did not stop"
+        assert not self.thread.is_alive(), "the batcher did not stop: " + self.where()
         if self.error is not None:
             raise self.error
+
+    def where(self) -> str:
+        """Where the batcher's thread is now, and its event loop's tasks (for a hang)."""
+        frame = sys._current_frames().get(self.thread.ident or -1)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(ended)"
+        tasks = ""
+        if self._loop is not None:
+            try:  # read from another thread: the set may change under us
+                tasks = "\n".join(f"{t.get_name()}: {t.get_stack(limit=4)}"
+                                  for t in list(asyncio.all_tasks(self._loop)))
+            except RuntimeError as exc:
+                tasks = f"(unreadable: {exc})"
+        return f"thread at\n{stack}\ntasks:\n{tasks}"
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
