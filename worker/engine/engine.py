@@ -29,7 +29,6 @@ from worker.engine.prompts import PromptBuilder, PromptLimits, PromptOptions
 from worker.engine.request import FinishReason, Request
 from worker.engine.request_ends import RequestEnds
 from worker.engine.sampler import Sampler, SamplingRow
-from worker.engine.schedule_output import align_sampled
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.speculative.engine_hooks import SpecDecoding
 from worker.engine.step_batch import EngineEnd, StepBatch, StreamRegistry
@@ -254,25 +253,42 @@ class Engine(RequestEnds):
     def _update(
         self, batch: StepBatch, sched: SchedulerOutput, tokens: list[int], logprobs: list[Any]
     ) -> None:
-        aligned, lp_by_id = align_sampled(sched, tokens, logprobs)
-        stream_of = self.streams.by_request
-        for request, token in self.scheduler.resolve(sched, aligned):
-            self.tokens_generated += 1
-            grammar_end = self.structured.advance(request)  # [structured output]
-            if grammar_end is not None:
-                self.scheduler.finish(request, grammar_end[0], error=grammar_end[1])
-            lp = lp_by_id.get(request.request_id)
-            if lp is not None:
-                request.cumulative_logprob += lp[0]
-                lp = lp if request.report_logprobs else None
-            stream = stream_of[request.request_id]
-            row = batch.add_row(stream, token, lp)
-            if request.is_finished:
-                batch.ends.append(self._final(request, row))
-            elif request.prompt_logprobs is not None:
-                first = take(request)
-                if first is not None:
-                    batch.prompt_logprobs[stream] = first
+        """The step's tokens into its requests (finish checks over arrays) and ``batch``.
+
+        Rows with no logprobs, grammar or prompt logprobs (most of a large batch) go in
+        as whole lists; the others one at a time, in row order either way."""
+        got = self.scheduler.resolve_sampled(sched, tokens)
+        requests = got.requests
+        self.tokens_generated += len(requests)
+        if not any(logprobs) and not any(
+                r.grammar is not None or r.prompt_logprobs is not None for r in requests):
+            stream_of = self.streams.by_request
+            first = len(batch.streams)
+            batch.streams += [stream_of[r.request_id] for r in requests]
+            batch.token_ids += got.tokens
+            if batch.logprobs is not None:
+                batch.logprobs += [None] * len(requests)
+            for i, request in enumerate(requests):
+                if request.is_finished:
+                    batch.ends.append(self._final(request, first + i))
+            return
+        for i, request, token in zip(got.index.tolist(), requests, got.tokens, strict=True):
+            self._update_row(batch, request, token, logprobs[i])
+
+    def _update_row(self, batch: StepBatch, request: Request, token: int, lp: Any) -> None:
+        grammar_end = self.structured.advance(request)  # [structured output]
+        if grammar_end is not None:
+            self.scheduler.finish(request, grammar_end[0], error=grammar_end[1])
+        if lp is not None:
+            request.cumulative_logprob += lp[0]
+            lp = lp if request.report_logprobs else None
+        row = batch.add_row(self.streams.by_request[request.request_id], token, lp)
+        if request.is_finished:
+            batch.ends.append(self._final(request, row))
+        elif request.prompt_logprobs is not None:
+            first = take(request)
+            if first is not None:
+                batch.prompt_logprobs[self.streams.by_request[request.request_id]] = first
 
     def stats(self) -> EngineStats:
         return engine_stats(self)

@@ -34,8 +34,7 @@ class SamplingRow(Protocol):
 
 
 def wants_penalties(params: Any) -> bool:
-    return bool(params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-                or params.frequency_penalty != 0.0)
+    return bool(params.wants_penalties)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

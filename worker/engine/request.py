@@ -96,6 +96,9 @@ class Request:
         self.stop_token_ids = frozenset(self.params.stop_token_ids)
         # a multi-token bad word is banned after its first tokens: sampling reads outputs
         self.bans_follow_output = any(len(seq) > 1 for seq in self.bad_words_ids)
+        # what the sampler asks of the params every step, answered once (they never change)
+        self.penalised = self.params.wants_penalties
+        self.plain_greedy = self.params.greedy and not self.params.logit_bias
 
     @property
     def public_id(self) -> str:

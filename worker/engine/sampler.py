@@ -65,6 +65,15 @@ class SamplingRow:
     # [1] int64 on the device: the output token of the step still in flight (a
     # placeholder on the host), which penalties count there without a host sync.
     pending_output: torch.Tensor | None = None
+    # from the params (``Request`` answers them once): any penalty; greedy with no bias
+    penalised: bool | None = None
+    plain_greedy: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.penalised is None:
+            self.penalised = wants_penalties(self.params)
+        if self.plain_greedy is None:
+            self.plain_greedy = self.params.greedy and not self.params.logit_bias
 
     @classmethod
     def of(cls, request: Request,
@@ -73,8 +82,7 @@ class SamplingRow:
         steps still in flight; its output tokens are copied only for penalties and
         multi-token bad words. ``in_flight``: the sampled tokens of the step in flight
         (on the device) and each request's row in them (``inflight.py``)."""
-        params = request.params
-        penalised = wants_penalties(params)
+        penalised = request.penalised
         outputs = request.known_output_ids \
             if penalised or request.bans_follow_output else ()
         pending = None
@@ -84,12 +92,13 @@ class SamplingRow:
                 raise RuntimeError(f"{request.request_id}: a pending token with no step "
                                    "in flight to read it from")
             pending = in_flight[0][row:row + 1]  # type: ignore[index]  # a view: no sync
-        return cls(params, request.num_output_tokens, request.prompt_token_ids, outputs,
-                   request.sampler_cache, request.bad_words_ids, pending)
+        return cls(request.params, len(request.output_token_ids), request.prompt_token_ids,
+                   outputs, request.sampler_cache, request.bad_words_ids, pending, penalised,
+                   request.plain_greedy)
 
     def refresh(self, request: Request) -> None:
         """The step before was read back since the row was made: its token is known."""
-        if wants_penalties(self.params) or request.bans_follow_output:
+        if self.penalised or request.bans_follow_output:
             self.output_token_ids = request.known_output_ids
             self.pending_output = None
 
@@ -143,7 +152,7 @@ class Sampler:
         ``apply_token_bitmask``; reported logprobs are the model's, before the masks
         (the grammar's, ``allowed_token_ids``, ``bad_words``).
         """
-        if any(wants_penalties(r.params) for r in rows):
+        if any(r.penalised for r in rows):
             logits = apply_penalties(logits.float(), rows)
         asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         model_logprobs = None
@@ -153,7 +162,7 @@ class Sampler:
         logits = apply_bad_words(apply_allowed_token_ids(logits, rows), rows)
         if grammar_mask is not None:  # [structured output]
             logits = apply_token_bitmask(logits, *grammar_mask)
-        if all(r.params.greedy and not r.params.logit_bias for r in rows):
+        if all(r.plain_greedy for r in rows):
             tokens = logits.argmax(dim=-1)  # [B]: nothing else to do, no parameters to send
         else:
             tensors = sampling_tensors(rows, [self._key(r) for r in rows], logits.device)

@@ -9,7 +9,6 @@ without a loop over the requests (``batch_rows.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -135,19 +134,3 @@ class Resolved:
     requests: list[Request]  # [m] (some finished by their token: ``is_finished``)
     tokens: list[int]  # [m]
 
-
-def align_sampled(sched: SchedulerOutput, tokens: list[int], logprobs: list[Any]
-                  ) -> tuple[list[int | None], dict[str, Any]]:
-    """The sampler's tokens (one per sampling row) aligned with ``sched.scheduled`` (None
-    where a row did not sample), and each sampling request's logprobs by id."""
-    it = iter(zip(tokens, logprobs, strict=True))
-    aligned: list[int | None] = []
-    lp_by_id: dict[str, Any] = {}
-    for item in sched.scheduled:
-        if item.sample:
-            token, lp = next(it)
-            aligned.append(token)
-            lp_by_id[item.request.request_id] = lp
-        else:
-            aligned.append(None)
-    return aligned, lp_by_id
