@@ -43,6 +43,7 @@ def test_outputs_reach_other_workers_also_started_later(redis_server: Any) -> No
         writer.start("a", prompt)
         writer.observe("a", output)
         first.publish(writer.finish("a", len(prompt)))
+        assert first.flush() and first.published == 1
         reader = SuffixProposer(config)
         _drain_until(other, reader.store, 1)
         reader.start("retry", prompt)  # a retry on the second worker
@@ -72,7 +73,8 @@ def test_stream_is_capped_and_bad_entries_skipped(redis_server: Any,
         key = feed.key
         redis_client.xadd(key, {"t": b"\x01\x02\x03", "w": b"x"})  # not int32s
         for i in range(1000):
-            feed.publish([i, i + 1, i + 2])
+            feed.publish([i, i + 1, i + 2])  # queued: the writer thread sends them
+        assert feed.flush() and feed.published + feed.lost == 1000
         assert redis_client.xlen(key) < 300  # MAXLEN ~ 100 (trimmed by whole nodes)
         store = DraftStore(1_000_000)
         deadline = time.monotonic() + 10
@@ -102,3 +104,23 @@ def test_redis_restart_is_survived(redis_server: Any) -> None:
     finally:
         writer.stop()
         reader.stop()
+
+
+def test_a_backlog_keeps_the_newest_texts(redis_server: Any, redis_client: Any) -> None:
+    """A worker starting behind a long stream (its queue smaller than the backlog) keeps
+    the newest outputs, the ones most likely asked again, not the oldest."""
+    key = WorkerSettings(redis_url=redis_server.url, model_name="m").keys.drafts("m")
+    redis_client.delete(key)
+    for i in range(50):
+        redis_client.xadd(key, {"t": pack_tokens([i, i, i]), "w": b"other"})
+    late = _feed(redis_server.url, "behind", max_pending=10)
+    try:
+        deadline = time.monotonic() + 10
+        while late.received < 50 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        store = DraftStore(10_000)
+        assert late.drain(store, limit=100) == 10 and late.dropped == 40
+        assert store.longest_match([49, 49, 49], 1).length == 3
+        assert store.longest_match([5, 5, 5], 1).length < 3
+    finally:
+        late.stop()
