@@ -115,7 +115,7 @@ def worker(
 
     if lora:  # the engine's config reads it from the environment, as in a container
         os.environ["FERRY_LORA_MODULES"] = ",".join(lora)
-    if speculative:  # read with the engine's other FERRY_SPEC* settings
+    if speculative:  # the engine config reads it, like the other speculation settings
         os.environ["FERRY_SPECULATIVE"] = speculative
     try:
         config = engine_config(
