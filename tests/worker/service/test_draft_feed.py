@@ -1,12 +1,14 @@
 """The fleet's draft store (#29.2) against a real redis-server: one worker's outputs reach
 another's store, also a worker started later; the stream stays capped; its own entries and
-bad entries are skipped; a Redis restart is survived."""
+bad entries are skipped; a backlog keeps its newest texts; a Redis restart is survived,
+and appends while Redis is away are lost, never raised."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+from tests.redis_server import free_port
 from worker.engine.speculative.config import SpeculativeConfig
 from worker.engine.speculative.draft_store import DraftStore
 from worker.engine.speculative.suffix_proposer import SuffixProposer
@@ -124,3 +126,19 @@ def test_a_backlog_keeps_the_newest_texts(redis_server: Any, redis_client: Any) 
         assert store.longest_match([5, 5, 5], 1).length < 3
     finally:
         late.stop()
+
+
+def test_appends_while_redis_is_away_are_lost_not_raised() -> None:
+    """No Redis at all: ``publish`` (the engine thread's side) still returns at once and
+    the writer thread counts each append as lost and carries on."""
+    feed = _feed(f"redis://127.0.0.1:{free_port()}/0", "away")
+    try:
+        started = time.monotonic()
+        for i in range(5):
+            feed.publish([i, i + 1])
+        assert time.monotonic() - started < 0.1
+        assert feed.flush(timeout=30)
+        assert (feed.published, feed.lost) == (0, 5)
+        assert feed._writer.is_alive()  # still appending what comes next
+    finally:
+        feed.stop()
