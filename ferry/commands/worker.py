@@ -70,6 +70,15 @@ WaitReplicas = Annotated[int, _opt("FERRY_REDIS_WAIT_REPLICAS", "Cluster: replic
 Lora = Annotated[list[str] | None, _opt(
     "FERRY_LORA_MODULES", "NAME=PATH: a LoRA adapter served as model NAME (repeatable; "
     "enables LoRA).", "--lora")]
+Speculative = Annotated[str | None, _opt(
+    "FERRY_SPECULATIVE", "suffix: speculative decoding, drafts from the request's own text "
+    "and past outputs (no draft model); off (default).")]
+SpecFleet = Annotated[bool, _opt(
+    "FERRY_SPEC_FLEET", "With --speculative suffix: share finished outputs with the model's "
+    "other workers (a capped Redis stream); off: draft from this worker's own only.",
+    "--spec-fleet/--no-spec-fleet")]
+SpecFleetEntries = Annotated[int, _opt("FERRY_SPEC_FLEET_ENTRIES", "Outputs the fleet's "
+                                       "draft stream keeps (about; the oldest go first).")]
 WaitTimeoutMs = Annotated[int, _opt("FERRY_REDIS_WAIT_TIMEOUT_MS", "Cluster: WAIT timeout.")]
 
 
@@ -94,7 +103,8 @@ def worker(
     attention_backend: Backend = None, log_level: LogLevel = "info",
     redis_cluster: RedisCluster = False, stream_shards: StreamShards = 3,
     redis_wait_replicas: WaitReplicas = 1, redis_wait_timeout_ms: WaitTimeoutMs = 2000,
-    lora: Lora = None,
+    lora: Lora = None, speculative: Speculative = None, spec_fleet: SpecFleet = True,
+    spec_fleet_entries: SpecFleetEntries = 4096,
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
     from protocol.cluster import Replication
@@ -105,6 +115,8 @@ def worker(
 
     if lora:  # the engine's config reads it from the environment, as in a container
         os.environ["FERRY_LORA_MODULES"] = ",".join(lora)
+    if speculative:  # the engine config reads it, like the other speculation settings
+        os.environ["FERRY_SPECULATIVE"] = speculative
     try:
         config = engine_config(
             model, device=device, max_num_seqs=max_num_seqs, kv_cache_blocks=kv_cache_blocks,
@@ -118,7 +130,8 @@ def worker(
             prefetch=prefetch, ttls=Ttls(heartbeat_s=heartbeat_ttl_s), health_file=health_file,
             redis_cluster=redis_cluster, stream_shards=stream_shards,
             replication=Replication(redis_wait_replicas, redis_wait_timeout_ms),
-            metrics_host=metrics_host,
+            metrics_host=metrics_host, spec_fleet=spec_fleet,
+            spec_fleet_entries=spec_fleet_entries,
             dead_letters=DeadLetterBounds(dead_letter_max_len, dead_letter_max_age_s,
                                           dead_letter_max_payload_bytes),
         )

@@ -165,6 +165,7 @@ class EngineConfig:
             speculative=env.get("FERRY_SPECULATIVE") or None,
             num_speculative_tokens=_int("FERRY_NUM_SPECULATIVE_TOKENS"),
             spec_max_batch=_int("FERRY_SPEC_MAX_BATCH"),
+            store_tokens=_int("FERRY_SPEC_STORE_TOKENS"),
         )
         return cfg
 

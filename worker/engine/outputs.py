@@ -87,6 +87,7 @@ class EngineStats:
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_draft_rows: int = 0
+    spec_store_rows: int = 0  # ... whose draft came from past outputs (fleet's too)
 
     @property
     def spec_mean_acceptance_length(self) -> float:

@@ -6,16 +6,21 @@ capped stream ``Keys.drafts`` and tails that stream from the oldest entry it sti
 so a retried or repeated request is drafted on whichever worker takes it, including
 workers started later. The tail runs on a thread of its own and only queues what it
 reads: the engine thread drains the queue into its ``DraftStore`` between steps
-(``drain``), so the automata are only ever touched by one thread. Entries a worker wrote
-itself are skipped (already stored when written). Memory is bounded on both sides: the
-stream by ``MAXLEN ~`` on every append, the local store by its capacity, the queue by
-``max_pending``.
+(``drain``), so the automata are only ever touched by one thread. Appends go the other
+way: ``publish`` (engine thread) only queues, a writer thread sends, so the engine loop
+never waits on Redis; a failed append loses that entry (a cache), logged once until an
+append succeeds again. Entries a worker wrote itself are skipped (already stored when
+written). Memory is bounded on both sides: the stream by ``MAXLEN ~`` on every append,
+the local store by its capacity, the two queues by ``max_pending`` (a full
+incoming queue drops its oldest text: the newest are worth the most).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -43,7 +48,7 @@ def unpack_tokens(data: bytes) -> list[int]:
 
 class DraftFeed:
     """``start()``; ``publish(tokens)`` from the engine thread; ``drain(store)`` between
-    steps; ``stop()``."""
+    steps; ``stop()`` (sends what is queued first, for at most its timeout)."""
 
     def __init__(self, settings: WorkerSettings, worker_id: str, max_entries: int = 4096,
                  max_pending: int = 1024) -> None:
@@ -51,35 +56,75 @@ class DraftFeed:
         self.key = settings.keys.drafts(settings.model_name)
         self.worker_id = worker_id.encode()
         self.max_entries = max_entries
-        self.published = self.received = self.dropped = 0  # counts, for tests and logs
+        # counts, for the heartbeat, tests and logs
+        self.published = self.received = self.dropped = self.lost = 0
         self._pending: queue.Queue[list[int]] = queue.Queue(max_pending)
+        self._outgoing: queue.Queue[list[int]] = queue.Queue(max_pending)
         self._stop = threading.Event()
-        self._writer: Any = None
+        self._failing = False  # an append failed and none succeeded since (log once)
         self._last_id: Any = "0-0"  # the tail reads from the oldest entry still held
         self._thread = threading.Thread(target=self._tail, name="ferry-drafts", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="ferry-drafts-out",
+                                        daemon=True)
 
     def start(self) -> None:
-        self._writer = self.settings.connect()
         self._thread.start()
+        self._writer.start()
 
     def stop(self, timeout: float = POLL_MS / 1000 + 2.0) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        if self._writer is not None:
-            self._writer.close()
+        for thread in (self._writer, self._thread):
+            if thread.is_alive():
+                thread.join(timeout)
 
     def publish(self, tokens: list[int]) -> None:
-        """Share one stored text; a Redis error loses only this entry (logged)."""
-        if not tokens or self._writer is None:
+        """Share one stored text (engine thread: queues it, never blocks)."""
+        if not tokens or self._stop.is_set():
             return
         try:
-            self._writer.xadd(self.key, {"t": pack_tokens(tokens), "w": self.worker_id},
-                              maxlen=self.max_entries, approximate=True)
-            self.published += 1
+            self._outgoing.put_nowait(tokens)
+        except queue.Full:  # Redis is slower than the outputs: this one is not shared
+            self.lost += 1
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued text was sent (or lost); True if so in time."""
+        deadline = time.monotonic() + timeout
+        while self._outgoing.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._outgoing.unfinished_tasks
+
+    def _write(self) -> None:
+        """The writer thread: append each queued text; after a stop, what is queued."""
+        r = self.settings.connect()
+        try:
+            while not (self._stop.is_set() and self._outgoing.empty()):
+                try:
+                    tokens = self._outgoing.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                try:
+                    self._append(r, tokens)
+                finally:
+                    self._outgoing.task_done()
+        finally:
+            r.close()
+
+    def _append(self, r: Any, tokens: list[int]) -> None:
+        try:
+            r.xadd(self.key, {"t": pack_tokens(tokens), "w": self.worker_id},
+                   maxlen=self.max_entries, approximate=True)
         except TRANSIENT_ERRORS as exc:
-            log.warning("draft_publish_failed", error=str(exc))
-            recover(self._writer)
+            self.lost += 1
+            if not self._failing:
+                log.warning("draft_publish_failed", error=str(exc),
+                            note="drafts are a cache: entries are lost until Redis is back")
+                self._failing = True
+            recover(r)
+            return
+        self.published += 1
+        if self._failing:
+            log.info("draft_publish_recovered", lost=self.lost)
+            self._failing = False
 
     def drain(self, store: DraftStore, limit: int = 64) -> int:
         """Move up to ``limit`` queued texts into ``store``; returns how many."""
@@ -114,8 +159,12 @@ class DraftFeed:
         except ValueError as exc:
             log.warning("bad_draft_entry", error=str(exc))
             return
-        try:
-            self._pending.put_nowait(tokens)
-            self.received += 1
-        except queue.Full:  # the engine is not draining: drop, the store is a cache
-            self.dropped += 1
+        self.received += 1
+        while True:
+            try:
+                self._pending.put_nowait(tokens)
+                return
+            except queue.Full:  # the engine is behind (a backlog at start): the newest
+                with contextlib.suppress(queue.Empty):  # outputs are worth the most
+                    self._pending.get_nowait()
+                    self.dropped += 1

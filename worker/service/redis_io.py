@@ -81,6 +81,11 @@ class WorkerSettings:
     redis_cluster: bool = False
     stream_shards: int = DEFAULT_SHARDS
     replication: Replication = field(default_factory=Replication)
+    # Speculative decoding (#29): share finished outputs with the model's other workers
+    # through the stream ``Keys.drafts`` (worker/service/draft_feed.py), capped at about
+    # this many entries; off: each worker drafts from its own outputs only.
+    spec_fleet: bool = True
+    spec_fleet_entries: int = 4096
 
     def __post_init__(self) -> None:
         if not re.match(ID_PATTERN, self.worker_id):
@@ -94,6 +99,8 @@ class WorkerSettings:
             raise ValueError("max_deliveries: must be >= 1")
         if self.prefetch < 1:
             raise ValueError("prefetch: must be >= 1")
+        if self.spec_fleet_entries < 1:
+            raise ValueError("spec_fleet_entries: must be >= 1")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s: must be >= 0")
         if self.ttls.heartbeat_s < 2 * self.heartbeat_interval_s:

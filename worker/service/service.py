@@ -24,6 +24,7 @@ from worker.engine.engine import Engine
 from worker.engine.health import DeviceFault
 from worker.service.control import Control
 from worker.service.deadletter import DeadLetters
+from worker.service.draft_feed import DraftFeed
 from worker.service.fair_ledger import FairLedger
 from worker.service.intake import Intake
 from worker.service.job_table import JobTable
@@ -89,6 +90,7 @@ class WorkerService:
         self.table = JobTable(engine, self.outbox, self.slots, self.held, self.book,
                               self.metrics, settings.worker_id, self.token_text, self.log)
         self.table.adapters, self.table.lora_metrics = self.lora, self.lora.metrics
+        self.drafts = _draft_feed(engine, settings)  # None: no speculation, or no fleet
 
     def _heartbeat_stats(self) -> dict[str, float | int | str]:
         """Control thread: the heartbeat's ``stats``, from the engine and the threads."""
@@ -98,7 +100,9 @@ class WorkerService:
             queue_lag=self.control.queue_lag, reclaimed=self.intake.reclaimed,
             dead_lettered=self.dead.count, outbox_depth=self.outbox.depth,
             draining=self.draining, metrics_port=self.metrics_port,
-        )) | ({"lora_adapters": self.lora.names} if self.lora.manager is not None else {})
+        )) | ({"lora_adapters": self.lora.names} if self.lora.manager is not None else {}) \
+            | ({"spec_fleet_published": self.drafts.published,
+                "spec_fleet_received": self.drafts.received} if self.drafts else {})
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -128,6 +132,8 @@ class WorkerService:
         self.control.start()
         self.tokenizer_responder.start()
         self.lora.start()
+        if self.drafts is not None:
+            self.drafts.start()
         self.intake.start()
         if self.settings.redis_cluster:
             self.watch.start()
@@ -177,6 +183,8 @@ class WorkerService:
             busy = self.engine.has_unfinished_requests()
             self._drain_mailbox(0.0 if busy else 0.05)
             self.lora.apply()  # adapters the sync thread loaded or dropped
+            if self.drafts is not None:  # the fleet's outputs, a few per step when busy
+                self.drafts.drain(self.engine.spec.store, 8 if busy else 256)
             self.table.expire()
             if self._stop.is_set() and self._drained():
                 return
@@ -236,9 +244,21 @@ class WorkerService:
         handed = hand_back(self.settings, usable)
         self.tokenizer_responder.stop()
         self.lora.stop()
+        if self.drafts is not None:  # after the drain: its outputs are shared too
+            self.drafts.stop()
         self.control.stop()
         self.log.info("worker_stopped", unfinished=unfinished, handed_back=handed,
                       events_flushed=flushed)
+
+
+def _draft_feed(engine: Engine, settings: WorkerSettings) -> DraftFeed | None:
+    """The fleet's draft store, when speculating with ``spec_fleet`` on: what the engine
+    stores on finishing a request is also appended to the model's stream."""
+    if engine.spec is None or not settings.spec_fleet:
+        return None
+    feed = DraftFeed(settings, settings.worker_id, max_entries=settings.spec_fleet_entries)
+    engine.spec.on_stored = feed.publish
+    return feed
 
 
 def _ensure(r: Any, keys: Keys, streams: tuple[str, ...]) -> bool:

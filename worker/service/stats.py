@@ -124,6 +124,8 @@ class StatsBook:
             "decode_graphs": int(s.decode_graphs_active),
             # speculative decoding: tokens a drafted row gets per step (0: no drafts yet)
             "spec_accept_len": round(s.spec_mean_acceptance_length, 2),
+            "spec_draft_rows": s.spec_draft_rows,  # ... of which drafted from past outputs:
+            "spec_store_rows": s.spec_store_rows,
             # comma-separated health.DEGRADED_REASONS; "" when healthy (ferry top marks it)
             "degraded": ",".join(s.degraded),
         }

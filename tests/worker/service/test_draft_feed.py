@@ -1,12 +1,14 @@
 """The fleet's draft store (#29.2) against a real redis-server: one worker's outputs reach
 another's store, also a worker started later; the stream stays capped; its own entries and
-bad entries are skipped; a Redis restart is survived."""
+bad entries are skipped; a backlog keeps its newest texts; a Redis restart is survived,
+and appends while Redis is away are lost, never raised."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+from tests.redis_server import free_port
 from worker.engine.speculative.config import SpeculativeConfig
 from worker.engine.speculative.draft_store import DraftStore
 from worker.engine.speculative.suffix_proposer import SuffixProposer
@@ -43,6 +45,7 @@ def test_outputs_reach_other_workers_also_started_later(redis_server: Any) -> No
         writer.start("a", prompt)
         writer.observe("a", output)
         first.publish(writer.finish("a", len(prompt)))
+        assert first.flush() and first.published == 1
         reader = SuffixProposer(config)
         _drain_until(other, reader.store, 1)
         reader.start("retry", prompt)  # a retry on the second worker
@@ -72,7 +75,8 @@ def test_stream_is_capped_and_bad_entries_skipped(redis_server: Any,
         key = feed.key
         redis_client.xadd(key, {"t": b"\x01\x02\x03", "w": b"x"})  # not int32s
         for i in range(1000):
-            feed.publish([i, i + 1, i + 2])
+            feed.publish([i, i + 1, i + 2])  # queued: the writer thread sends them
+        assert feed.flush() and feed.published + feed.lost == 1000
         assert redis_client.xlen(key) < 300  # MAXLEN ~ 100 (trimmed by whole nodes)
         store = DraftStore(1_000_000)
         deadline = time.monotonic() + 10
@@ -102,3 +106,39 @@ def test_redis_restart_is_survived(redis_server: Any) -> None:
     finally:
         writer.stop()
         reader.stop()
+
+
+def test_a_backlog_keeps_the_newest_texts(redis_server: Any, redis_client: Any) -> None:
+    """A worker starting behind a long stream (its queue smaller than the backlog) keeps
+    the newest outputs, the ones most likely asked again, not the oldest."""
+    key = WorkerSettings(redis_url=redis_server.url, model_name="m").keys.drafts("m")
+    redis_client.delete(key)
+    for i in range(50):
+        redis_client.xadd(key, {"t": pack_tokens([i, i, i]), "w": b"other"})
+    late = _feed(redis_server.url, "behind", max_pending=10)
+    try:
+        deadline = time.monotonic() + 10
+        while late.received < 50 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        store = DraftStore(10_000)
+        assert late.drain(store, limit=100) == 10 and late.dropped == 40
+        assert store.longest_match([49, 49, 49], 1).length == 3
+        assert store.longest_match([5, 5, 5], 1).length < 3
+    finally:
+        late.stop()
+
+
+def test_appends_while_redis_is_away_are_lost_not_raised() -> None:
+    """No Redis at all: ``publish`` (the engine thread's side) still returns at once and
+    the writer thread counts each append as lost and carries on."""
+    feed = _feed(f"redis://127.0.0.1:{free_port()}/0", "away")
+    try:
+        started = time.monotonic()
+        for i in range(5):
+            feed.publish([i, i + 1])
+        assert time.monotonic() - started < 0.1
+        assert feed.flush(timeout=30)
+        assert (feed.published, feed.lost) == (0, 5)
+        assert feed._writer.is_alive()  # still appending what comes next
+    finally:
+        feed.stop()

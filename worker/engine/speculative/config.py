@@ -1,5 +1,6 @@
 """Speculative decoding settings (suffix decoding, #29): ``EngineConfig.speculative``,
-``FERRY_SPECULATIVE`` / ``FERRY_NUM_SPECULATIVE_TOKENS`` / ``FERRY_SPEC_MAX_BATCH``."""
+``FERRY_SPECULATIVE`` / ``FERRY_NUM_SPECULATIVE_TOKENS`` / ``FERRY_SPEC_MAX_BATCH`` /
+``FERRY_SPEC_STORE_TOKENS``."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ speculation off (logged) when both are asked for.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +34,7 @@ from worker.engine.request import FinishReason, Request
 from worker.engine.sampler import SamplingRow
 from worker.engine.schedule_output import ScheduledRequest, SchedulerOutput
 from worker.engine.speculative.config import SpeculativeConfig
+from worker.engine.speculative.draft_store import DraftStore
 from worker.engine.speculative.suffix_proposer import SuffixProposer
 from worker.engine.step_batch import StepBatch
 
@@ -63,6 +65,15 @@ class SpecDecoding:
         self.drafted_tokens = 0
         self.accepted_tokens = 0
         self.draft_rows = 0  # row-steps that carried drafts
+        self.store_rows = 0  # ... of which drafted from the store (past outputs)
+        self._from_store: set[str] = set()  # this step's rows drafted from the store
+        # Called with each text stored (the service shares it with the fleet, #29.2)
+        self.on_stored: Callable[[list[int]], None] | None = None
+
+    @property
+    def store(self) -> DraftStore:
+        """The store of past outputs (the fleet's feed adds to it between steps)."""
+        return self.proposer.store
 
     @classmethod
     def create(cls, config: SpeculativeConfig, engine: Any) -> SpecDecoding | None:
@@ -84,6 +95,7 @@ class SpecDecoding:
         if len(scheduler.running) > self.config.max_batch_rows or engine.scoring.pending:
             return
         drafts: dict[str, list[int]] = {}
+        self._from_store.clear()
         for request in scheduler.running:
             if not eligible(request):
                 continue
@@ -95,6 +107,8 @@ class SpecDecoding:
             draft = self.proposer.propose(request.request_id, limit)
             if draft.tokens:
                 drafts[request.request_id] = draft.tokens
+                if draft.source == "store":
+                    self._from_store.add(request.request_id)
         scheduler.drafts = drafts
 
     def _observe(self, request: Request) -> None:
@@ -106,14 +120,18 @@ class SpecDecoding:
         self._seen[rid] = len(tokens)
 
     def finished(self, request: Request) -> None:
-        """A request ended: drop its drafter; a completed output goes into the store."""
+        """A request ended: drop its drafter; a completed output goes into the store (and
+        to ``on_stored``: a hook that must not block, it runs on the engine thread)."""
         self._seen.pop(request.request_id, None)
         self.proposer.forget(request.request_id)
         if request.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) \
                 and request.output_token_ids:
             tail = self.config.stored_prompt_tail
             prompt = request.prompt_token_ids[-tail:] if tail else []
-            self.proposer.store.add(prompt + request.output_token_ids)
+            text = prompt + request.output_token_ids
+            self.proposer.store.add(text)
+            if self.on_stored is not None:
+                self.on_stored(text)
 
     # -- the step ----------------------------------------------------------------------
     def run(self, sched: SchedulerOutput, outputs: StepBatch) -> None:
@@ -187,6 +205,7 @@ class SpecDecoding:
             self.drafted_tokens += k
             self.accepted_tokens += a
             self.draft_rows += 1
+            self.store_rows += request.request_id in self._from_store
             out.append(sampled[:a + 1])
         return out
 
