@@ -83,11 +83,13 @@ class EngineStats:
     degraded: tuple[str, ...] = ()
     decode_graphs_active: bool = False
     # Speculative decoding (#29): draft tokens verified, of which accepted, and the
-    # row-steps that carried drafts (each yields accepted + 1 tokens)
+    # row-steps that carried drafts (each yields accepted + 1 tokens), and the draft tokens
+    # cut before verification because a request's grammar rejected them
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_draft_rows: int = 0
     spec_store_rows: int = 0  # ... whose draft came from past outputs (fleet's too)
+    spec_grammar_cut_tokens: int = 0
 
     @property
     def spec_mean_acceptance_length(self) -> float:

@@ -8,7 +8,9 @@ seen (the tokens a crashed worker already streamed, ``prior_output_ids``, come f
 rolls back or rebuilds when the output shrank, so preemption and resumption cannot put it
 out of step. Masks are computed for the constrained rows of a step only, in one parallel
 call into llguidance (the GIL is released), and applied by
-``logits_processors.apply_token_bitmask``.
+``logits_processors.apply_token_bitmask``. A speculative row's draft (#29) is cut where
+the grammar rejects it (``valid_draft``), and its row gets one mask per position, each
+from the state after the drafts before it; the matcher ends where it began.
 """
 
 from __future__ import annotations
@@ -141,6 +143,19 @@ class RequestGrammar:
                 self.matcher.get_error().split())[:300]
         self.consumed = len(output_ids)
 
+    def fill_masks(self, draft: list[int], ptr: int, row_bytes: int) -> None:
+        """On a filler thread: the mask before each draft token and the one after the
+        last, in consecutive rows from ``ptr``; then back to the state it began in (the
+        verified tokens are consumed later by ``sync``, the rejected ones never)."""
+        matcher = self.matcher
+        ok = True
+        for j, token in enumerate(draft):
+            matcher.unsafe_compute_mask_ptr(ptr + j * row_bytes, row_bytes)
+            ok = ok and matcher.consume_token(token)  # valid: ``valid_draft`` cut it
+        matcher.unsafe_compute_mask_ptr(ptr + len(draft) * row_bytes, row_bytes)
+        if draft and not (ok and matcher.rollback(len(draft))):
+            self.matcher, self.consumed = self._pristine.deep_copy(), 0  # sync catches up
+
     @property
     def stopped(self) -> bool:
         """The grammar is complete and nothing may follow (EOS included, or its end)."""
@@ -193,29 +208,44 @@ class StructuredOutputs:
         if futures:
             cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
-    def start_bitmask(self, requests: list[Request]) -> PendingMask:
+    def start_bitmask(self, requests: list[Request],
+                      drafts: dict[str, list[int]] | None = None) -> PendingMask:
         """Start filling the masks of the constrained rows among ``requests`` (the rows that
-        sample, in order) on the filler thread, so it overlaps the forward pass."""
-        rows = [i for i, r in enumerate(requests)
-                if r.grammar is not None and not r.is_finished]  # finished: token dropped
+        sample, in order) on the filler threads, so it overlaps the forward pass.
+
+        ``drafts`` (speculative decoding): a drafted request's k draft positions sample
+        from logits rows after all of ``requests``' (in order, as ``engine_hooks``), its
+        own row at the bonus position; each gets the mask after the drafts before it."""
+        drafts = drafts or {}
+        self._settle()
+        rows: list[int] = []  # logits row of each bitmask row
+        jobs: list[tuple[RequestGrammar, list[int], int]] = []  # grammar, draft, first row
+        extra = len(requests)
+        for i, request in enumerate(requests):
+            draft = drafts.get(request.request_id, [])
+            if request.grammar is not None and not request.is_finished:  # finished: dropped
+                request.grammar.sync(request.known_output_ids)
+                jobs.append((request.grammar, draft, len(rows)))
+                rows += [*range(extra, extra + len(draft)), i]
+            extra += len(draft)
         if not rows:
             return PendingMask(rows, None)
-        self._settle()
-        words = (self.vocab_size + 31) // 32
-        bitmask = torch.empty((len(rows), words), dtype=torch.int32)  # [R, W]
-        matchers = []
-        for i in rows:
-            grammar = requests[i].grammar
-            grammar.sync(requests[i].known_output_ids)
-            matchers.append(grammar.matcher)
-        self._inflight = self._fill(matchers, bitmask)
+        bitmask = torch.empty((len(rows), (self.vocab_size + 31) // 32),
+                              dtype=torch.int32)  # [R, W]
+        size = -(-len(jobs) // min(self._threads, len(jobs)))
+        self._inflight = [self._filler.submit(_fill, jobs[lo:lo + size], bitmask)
+                          for lo in range(0, len(jobs), size)]
         return PendingMask(rows, bitmask, self._inflight)
 
-    def _fill(self, matchers: list[Any], bitmask: torch.Tensor) -> list[cf.Future[Any]]:
-        """Split the rows over the filler threads (each call drops the GIL)."""
-        size = -(-len(matchers) // min(self._threads, len(matchers)))
-        return [self._filler.submit(_fill, matchers[lo:lo + size], bitmask, lo)
-                for lo in range(0, len(matchers), size)]
+    def valid_draft(self, request: Request, draft: list[int]) -> int:
+        """How many of ``draft``'s first tokens the request's grammar accepts after its
+        known output (all of them without a grammar); the matcher's state is unchanged."""
+        grammar = request.grammar
+        if grammar is None:
+            return len(draft)
+        self._settle()
+        grammar.sync(request.known_output_ids)
+        return int(grammar.matcher.validate_tokens(draft)) if grammar.ready else 0
 
     def _settle(self) -> None:
         """Matchers are not touched while a fill runs (a failed forward skips the wait)."""
@@ -242,18 +272,17 @@ class StructuredOutputs:
         self.compiler.close()
 
 
-def _fill(matchers: list[Any], bitmask: torch.Tensor, first: int) -> None:
-    """Rows ``first...`` of ``bitmask``, one per matcher, on a filler thread; each call
-    drops the GIL.
+def _fill(jobs: list[tuple[RequestGrammar, list[int], int]], bitmask: torch.Tensor) -> None:
+    """Some requests' masks on a filler thread (each llguidance call drops the GIL): a
+    request's 1 + k rows start at its job's first row (``RequestGrammar.fill_masks``).
 
     Plain loops on our own threads, not llguidance's parallel executor: its worker threads
     spin after each batch and, on a small CPU, steal the cores the sampler's tensor ops
     run on next.
     """
     row_bytes = bitmask.shape[1] * 4
-    base = bitmask.data_ptr() + first * row_bytes
-    for k, matcher in enumerate(matchers):
-        matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
+    for grammar, draft, first in jobs:
+        grammar.fill_masks(draft, bitmask.data_ptr() + first * row_bytes, row_bytes)
 
 
 class PendingMask:

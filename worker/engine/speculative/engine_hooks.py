@@ -14,6 +14,11 @@ speculation. The accepted tokens go through the scheduler's own decode path one 
 would have made; a token after a stop is never produced. Drafts never enter a request's
 token list, so no block hash (and no registered block) ever covers a draft.
 
+A row with a grammar drafts too: its draft is cut at the first token the grammar rejects,
+and position j of the row samples under the mask of the state after the drafts before it
+(``StructuredOutputs.start_bitmask``), so each is exactly the plain step's mask whenever
+the drafts before it are accepted; the matcher advances over the accepted tokens only.
+
 Only with overlap off (the tokens must be known to draft from them): ``Engine`` turns
 overlap off when speculation is asked for and ``async_scheduling`` is left unset, and turns
 speculation off (logged) when both are asked for.
@@ -44,11 +49,12 @@ _log = structlog.get_logger("ferry.worker.spec")
 def eligible(request: Request) -> bool:
     """Whether a running row may carry drafts: a plain decode (its last token known and not
     computed) whose logits do not depend on its output history or on state the sampler
-    keeps, and that reports no per-token logprobs."""
+    keeps, and that reports no per-token logprobs. A grammar is no obstacle: drafts are
+    cut to what it accepts and each position gets its state's mask."""
     p = request.params
     return (request.num_pending == 0
             and request.num_computed_tokens == request.num_tokens - 1
-            and request.grammar is None and not request.bans_follow_output
+            and not request.bans_follow_output
             and not wants_penalties(p) and p.logprobs is None
             and request.prompt_logprobs is None and request.parent_id is None
             and request.lora is None)
@@ -66,6 +72,7 @@ class SpecDecoding:
         self.accepted_tokens = 0
         self.draft_rows = 0  # row-steps that carried drafts
         self.store_rows = 0  # ... of which drafted from the store (past outputs)
+        self.grammar_cut_tokens = 0  # draft tokens dropped: a grammar rejected them
         self._from_store: set[str] = set()  # this step's rows drafted from the store
         # Called with each text stored (the service shares it with the fleet, #29.2)
         self.on_stored: Callable[[list[int]], None] | None = None
@@ -105,8 +112,10 @@ class SpecDecoding:
                 continue
             self._observe(request)
             draft = self.proposer.propose(request.request_id, limit)
-            if draft.tokens:
-                drafts[request.request_id] = draft.tokens
+            valid = engine.structured.valid_draft(request, draft.tokens)  # [structured output]
+            self.grammar_cut_tokens += len(draft.tokens) - valid
+            if valid:
+                drafts[request.request_id] = draft.tokens[:valid]
                 if draft.source == "store":
                     self._from_store.add(request.request_id)
         scheduler.drafts = drafts
@@ -141,7 +150,7 @@ class SpecDecoding:
         n = len(sampling)
         rows = [SamplingRow.of(r) for r in sampling]
         flat, extra = self._draft_rows(sched, rows)
-        mask = engine.structured.start_bitmask(sampling)  # [structured output]
+        mask = engine.structured.start_bitmask(sampling, sched.drafts)  # per position
         plan = engine.scoring.plan(sched)  # prompt logprobs: rows before the drafts'
         prompt_rows = plan.rows if plan is not None else []
         with engine.timer.phase("forward"):
