@@ -46,7 +46,12 @@ def mix64(value: int) -> int:
 
 def row_key(seed: int, output_index: int) -> int:
     """The key of a request's ``output_index``-th token (int64 bits)."""
-    return _signed(mix64(mix64(seed) + output_index * _GAMMA))
+    return key_at(mix64(seed), output_index)
+
+
+def key_at(seed_mix: int, output_index: int) -> int:
+    """``row_key`` from ``mix64(seed)``, which a request computes once."""
+    return _signed(mix64(seed_mix + output_index * _GAMMA))
 
 
 def _srl(x: torch.Tensor, shift: int) -> torch.Tensor:

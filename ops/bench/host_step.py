@@ -85,7 +85,11 @@ class Feeder:
     def __init__(self, engine: Any, workload: str, rows: int, link: Any = None) -> None:
         import random
 
+        from ops.bench.host_stub import DeviceClock
+
         self.engine, self.workload, self.link = engine, workload, link
+        self.clock = DeviceClock().install(engine)
+        self.device_times: list[float] = []  # per step: seconds in the device stand-ins
         self.batches: list[Any] = []  # what went to the output process (the identity check)
         self.rng = random.Random(0)
         self.count = 0
@@ -101,9 +105,10 @@ class Feeder:
         self.engine.add_request(f"r{i}", prompt, SamplingParams(**params_for(self.workload, i)))
 
     def step(self) -> tuple[float, int]:
-        start = time.perf_counter()
+        start, device = time.perf_counter(), self.clock.seconds
         batch = self.engine.step()  # token ids only: text is the output side's
         elapsed = time.perf_counter() - start
+        self.device_times.append(self.clock.seconds - device)
         if self.link is not None:
             self.link.send(batch)
             self.batches.append(batch)
@@ -123,6 +128,7 @@ def run_workload(workload: str, steps: int, rows: int, redis_url: str | None) ->
         feeder.step()
     engine.timer.reset()
     times: list[float] = []
+    feeder.device_times.clear()
     tokens = 0
     before = wait_caught_up(link, len(feeder.batches)) if link is not None else {}
     run_start = time.perf_counter()
@@ -135,6 +141,9 @@ def run_workload(workload: str, steps: int, rows: int, redis_url: str | None) ->
     return out | {
         "workload": workload, "rows": rows, "steps": steps,
         "engine_ms_per_step": round(statistics.median(times) * 1e3, 3),
+        "host_ms_per_step": round(statistics.median(
+            t - d for t, d in zip(times, feeder.device_times, strict=True)) * 1e3, 3),
+        "device_standin_ms_per_step": round(statistics.mean(feeder.device_times) * 1e3, 3),
         "engine_ms_p90": round(sorted(times)[int(0.9 * len(times))] * 1e3, 3),
         "phases_ms": phases,
         "tokens_per_step": round(tokens / steps, 1),

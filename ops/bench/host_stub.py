@@ -12,6 +12,7 @@ real (the default model's own tokenizer).
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,6 +40,38 @@ class StubModel(nn.Module):
         hidden = self._body(input_ids)  # [T, H]
         rows = hidden if logits_to_keep is None else hidden.index_select(0, logits_to_keep)
         return SimpleNamespace(logits=(rows @ self.head.T)[None])  # [1, N, V']
+
+
+class DeviceClock:
+    """Time spent in what a GPU would run as a few launches: the stub's forward and the
+    sampler's pass (``_greedy_pass`` / ``_sample_pass``: one Triton kernel on CUDA). On a
+    CPU their arithmetic runs inline and is timed with the step; ``host_step.py`` reports
+    the step less this clock as the host's own work, next to the whole step."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, fn: Any) -> Any:
+        """``fn`` timed on this clock (the function itself, if another clock wrapped it)."""
+        fn = getattr(fn, "__wrapped__", fn)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        timed.__wrapped__ = fn  # type: ignore[attr-defined]
+        return timed
+
+    def install(self, engine: Any) -> DeviceClock:
+        """Time ``engine``'s stub forward and the sampler's passes (module-wide)."""
+        from worker.engine import sampler
+
+        engine.runner.model.forward = self.wrap(engine.runner.model.forward)
+        for name in ("_greedy_pass", "_sample_pass"):
+            setattr(sampler, name, self.wrap(getattr(sampler, name)))
+        return self
 
 
 def stub_engine(engine: Any, vocab: int = STUB_VOCAB) -> Any:

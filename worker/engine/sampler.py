@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernels.sampling_noise import random_key, row_key
+from kernels.sampling_noise import key_at, mix64, random_key
 from kernels.sampling_reference import SamplingTensors
 from kernels.sampling_reference import sample as sample_reference
 from protocol.sampling import SamplingParams
@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from worker.engine.request import Request
 
 _NO_TOP_K = 1 << 24  # top-k off: at least any vocabulary (exact in float32)
+_SEED_MIX = "seed_mix"  # SamplingRow.cache: mix64 of the request's seed (its keys' base)
+_PARAMS = "sampling_params"  # SamplingRow.cache: the row of ``SamplingTensors.host``
 Logprobs = tuple[float, list[tuple[int, float]]]  # (sampled token's, [(token, logprob)] top-n)
 
 
@@ -163,7 +165,7 @@ class Sampler:
         if grammar_mask is not None:  # [structured output]
             logits = apply_token_bitmask(logits, *grammar_mask)
         if all(r.plain_greedy for r in rows):
-            tokens = logits.argmax(dim=-1)  # [B]: nothing else to do, no parameters to send
+            tokens = _greedy_pass(logits)  # [B]: nothing else to do, no parameters to send
         else:
             tensors = sampling_tensors(rows, [self._key(r) for r in rows], logits.device)
             # [B] int64; bias, filters, race inside
@@ -181,7 +183,10 @@ class Sampler:
             return 0
         if row.params.seed is None:
             return random_key(self._rng)
-        return row_key(row.params.seed, row.output_index)
+        seed_mix = row.cache.get(_SEED_MIX)
+        if seed_mix is None:
+            seed_mix = row.cache[_SEED_MIX] = mix64(row.params.seed)
+        return key_at(seed_mix, row.output_index)
 
 
 def sampling_tensors(rows: list[SamplingRow], keys: list[int],
@@ -189,9 +194,7 @@ def sampling_tensors(rows: list[SamplingRow], keys: list[int],
     """The rows' parameters as the sampling pass reads them: two copies up, three more
     when a row has a logit bias. Greedy rows (temperature 0 or top-k 1) get temperature 0;
     top-k off is any value >= the vocabulary (2**24 here)."""
-    host = tuple((0.0 if r.params.greedy else r.params.temperature, r.params.top_p,
-                  r.params.min_p, float(r.params.top_k if r.params.top_k > 0 else _NO_TOP_K))
-                 for r in rows)
+    host = tuple(r.cache.get(_PARAMS) or _params_row(r) for r in rows)
     params = to_device(host, torch.float32, device)
     keys_up = to_device(keys, torch.long, device)
     if not any(r.params.logit_bias for r in rows):
@@ -208,6 +211,20 @@ def sampling_tensors(rows: list[SamplingRow], keys: list[int],
     return SamplingTensors(params, keys_up, host, to_device(offsets, torch.int32, device),
                            to_device(entries, torch.int32, device),
                            to_device(values, torch.float32, device))
+
+
+def _params_row(row: SamplingRow) -> tuple[float, float, float, float]:
+    """A row's (temperature, top-p, min-p, top-k) as the sampling pass reads them, kept in
+    its request's cache (the params never change)."""
+    p = row.params
+    row.cache[_PARAMS] = value = (0.0 if p.greedy else p.temperature, p.top_p, p.min_p,
+                                  float(p.top_k if p.top_k > 0 else _NO_TOP_K))
+    return value
+
+
+def _greedy_pass(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] int64: the argmax (one launch on a GPU)."""
+    return logits.argmax(dim=-1)
 
 
 def _sample_pass(logits: torch.Tensor, tensors: SamplingTensors,
