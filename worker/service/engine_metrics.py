@@ -57,7 +57,9 @@ class EngineMetrics:
         self._prefix_host_hits = Cumulative(self.prefix_host_hits)
         self._spec = [(Cumulative(self.spec_drafted), "spec_drafted_tokens"),
                       (Cumulative(self.spec_accepted), "spec_accepted_tokens"),
-                      (Cumulative(self.spec_draft_rows), "spec_draft_rows")]
+                      (Cumulative(self.spec_draft_rows), "spec_draft_rows"),
+                      (Cumulative(self.spec_store_rows), "spec_store_rows"),
+                      (Cumulative(self.spec_grammar_cut), "spec_grammar_cut_tokens")]
 
     def _build_gauges(self, reg: CollectorRegistry, p: str) -> None:
         self.running = Gauge(p + "running_requests", "Requests in the running batch.", registry=reg)
@@ -121,6 +123,12 @@ class EngineMetrics:
         self.spec_draft_rows = Counter(
             p + "spec_draft_rows", "Row-steps that carried drafts; tokens per drafted "
             "row-step = 1 + rate(accepted) / rate(draft_rows).", registry=reg)
+        self.spec_store_rows = Counter(
+            p + "spec_store_rows", "Of the drafted row-steps, drafted from the store of past "
+            "outputs (the fleet's included) rather than the request's own text.", registry=reg)
+        self.spec_grammar_cut = Counter(
+            p + "spec_grammar_cut_tokens", "Draft tokens a request's grammar rejected before "
+            "verification (never verified).", registry=reg)
 
     def update(self, stats: EngineStats) -> None:
         """Refresh batch/KV gauges and catch counters up with the engine's cumulative totals."""

@@ -49,6 +49,8 @@ EXPECTED = {
     "ferry_worker_spec_drafted_tokens": "counter",
     "ferry_worker_spec_accepted_tokens": "counter",
     "ferry_worker_spec_draft_rows": "counter",
+    "ferry_worker_spec_store_rows": "counter",
+    "ferry_worker_spec_grammar_cut_tokens": "counter",
 }
 
 
@@ -202,13 +204,15 @@ def test_speculative_counters_follow_the_engine() -> None:
     metrics.set_engine(EngineStats(**base, spec_drafted_tokens=40,  # type: ignore[arg-type]
                                    spec_accepted_tokens=25, spec_draft_rows=10))
     stats = EngineStats(**base, spec_drafted_tokens=48,  # type: ignore[arg-type]
-                        spec_accepted_tokens=30, spec_draft_rows=12)
+                        spec_accepted_tokens=30, spec_draft_rows=12, spec_store_rows=5,
+                        spec_grammar_cut_tokens=7)
     assert stats.spec_mean_acceptance_length == 3.5
     metrics.set_engine(stats)
     s = _samples(metrics)
     assert (s["ferry_worker_spec_drafted_tokens_total"],
             s["ferry_worker_spec_accepted_tokens_total"],
-            s["ferry_worker_spec_draft_rows_total"]) == (48, 30, 12)
+            s["ferry_worker_spec_draft_rows_total"], s["ferry_worker_spec_store_rows_total"],
+            s["ferry_worker_spec_grammar_cut_tokens_total"]) == (48, 30, 12, 5, 7)
 
 
 def test_metrics_module_imports_without_torch() -> None:
