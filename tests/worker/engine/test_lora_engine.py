@@ -253,3 +253,17 @@ def _collect(engine: Engine, jobs: dict[str, tuple[Any, SamplingParams, str | No
             slot = got[out.request_id].setdefault(out.index, "" if text else [])
             got[out.request_id][out.index] = slot + (out.text if text else out.new_token_ids)
     return {rid: [c[i] for i in sorted(c)] for rid, c in got.items()}
+
+
+def test_adapter_outputs_stay_out_of_the_draft_store(setup: Any) -> None:
+    """With speculation on, a finished base-model request's text goes into the store of
+    past outputs; an adapter's does not (the store drafts for base-model rows, and the
+    fleet's stream is the base model's)."""
+    path, adapters = setup
+    engine = _engine(path, adapters, speculative="suffix")
+    assert engine.spec is not None
+    store = engine.spec.store
+    _run(engine, [("lora", "all8", [5, 6, 7, 8, 9, 10])])
+    assert store.num_tokens == 0
+    _run(engine, [("base", None, [5, 6, 7, 8, 9, 10])])
+    assert store.num_tokens > 0

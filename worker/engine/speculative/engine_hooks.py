@@ -130,11 +130,13 @@ class SpecDecoding:
 
     def finished(self, request: Request) -> None:
         """A request ended: drop its drafter; a completed output goes into the store (and
-        to ``on_stored``: a hook that must not block, it runs on the engine thread)."""
+        to ``on_stored``: a hook that must not block, it runs on the engine thread). An
+        adapter's output is not stored: the store drafts for the base model's rows (LoRA
+        rows never draft), and the fleet's stream is the base model's."""
         self._seen.pop(request.request_id, None)
         self.proposer.forget(request.request_id)
         if request.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) \
-                and request.output_token_ids:
+                and request.output_token_ids and request.lora is None:
             tail = self.config.stored_prompt_tail
             prompt = request.prompt_token_ids[-tail:] if tail else []
             text = prompt + request.output_token_ids
