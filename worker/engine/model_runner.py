@@ -23,6 +23,7 @@ from worker.engine.config import CacheConfig, ModelConfig
 from worker.engine.decode_graphs import CudaGraphCapturer, DecodeGraphs, GraphCapturer
 from worker.engine.health import EngineHealth
 from worker.engine.inflight import InflightStep
+from worker.engine.lean_decode import build_lean_decode
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.manager import LoraManager
 from worker.engine.model_loader import _DTYPES, LoadedModel, LogitsHead, ModelShape, load_model
@@ -68,6 +69,8 @@ class ModelRunner:
         self.backend = make_backend(model_cfg.attention_backend, self.device, self.health)
         self.kv_dtype = self._kv_dtype(cache_cfg.kv_cache_dtype)
         self.logits_head = LogitsHead(self.model)
+        self.lean = build_lean_decode(self.model, self.backend) if (
+            self.device.type == "cpu" and model_cfg.lean_decode) else None
         self.num_blocks = self._num_blocks(cache_cfg)
         self.kv_caches = self._allocate_cache()
         self.tables = BlockTableBuffer(
@@ -211,6 +214,9 @@ class ModelRunner:
         extra_rows: list[int] | None,
     ) -> torch.Tensor:
         input_ids, positions, meta, sample_rows = self.prepare(sched, blocks, prev)
+        if (self.lean is not None and not extra_rows and self.lora is None
+                and sample_rows.numel() and self.lean.usable(meta, self.kv_caches)):
+            return self.lean(input_ids, positions, meta, self.kv_caches, sample_rows)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         if extra_rows:
             sample_rows = torch.cat([sample_rows, to_device(extra_rows, torch.long, self.device)])
