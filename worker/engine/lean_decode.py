@@ -27,9 +27,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_decode_attention
 from worker.engine.attention_metadata import AttentionBackend, AttentionMetadata, KVCache
-from worker.engine.packed_linear import _GEMV_ROWS
 
-SERIAL_ROWS = _GEMV_ROWS  # steps of at most this many rows run on one thread
 _Layer = tuple[Any, ...]  # (ln1 w, eps1, q, k, v, o, ln2 w, eps2, gate, up, down)
 
 
@@ -111,24 +109,7 @@ class LeanLlamaDecode:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata, kv_caches: list[KVCache],
                  sample_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T]; returns logits [len(sample_rows), vocab].
-
-        A one-row step runs on one thread: its projections are MKL matrix-vector products
-        (bit-identical at any thread count) and its other ops are too small to split, so a
-        second thread only adds a wake-up and a join per op, which on a loaded machine
-        waits for a time slice (measured 2-3x slower per token at 2 threads than at 1)."""
-        threads = torch.get_num_threads()
-        if input_ids.shape[0] > SERIAL_ROWS or threads == 1:
-            return self._forward(input_ids, positions, meta, kv_caches, sample_rows)
-        torch.set_num_threads(1)
-        try:
-            return self._forward(input_ids, positions, meta, kv_caches, sample_rows)
-        finally:
-            torch.set_num_threads(threads)
-
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata, kv_caches: list[KVCache],
-                 sample_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T]; returns logits [len(sample_rows), vocab]."""
         self._grow_rope(meta.max_seq_len)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)

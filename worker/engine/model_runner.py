@@ -29,6 +29,7 @@ from worker.engine.lora.manager import LoraManager
 from worker.engine.model_loader import _DTYPES, LoadedModel, LogitsHead, ModelShape, load_model
 from worker.engine.scheduler import SchedulerOutput
 from worker.engine.step_inputs import build_inputs, patch_placeholders, to_device_packed
+from worker.engine.step_threads import SERIAL_MACS, linear_macs_per_token, serial_if
 from worker.engine.transfer import to_device
 from worker.engine.warmup import warm_up_kernels
 
@@ -71,6 +72,9 @@ class ModelRunner:
         self.logits_head = LogitsHead(self.model)
         self.lean = build_lean_decode(self.model, self.backend) if (
             self.device.type == "cpu" and model_cfg.lean_decode) else None
+        # CPU steps of at most this many tokens run on one thread (step_threads.py)
+        self.serial_tokens = SERIAL_MACS // max(1, linear_macs_per_token(self.model)) \
+            if self.device.type == "cpu" else 0
         self.num_blocks = self._num_blocks(cache_cfg)
         self.kv_caches = self._allocate_cache()
         self.tables = BlockTableBuffer(
@@ -199,6 +203,13 @@ class ModelRunner:
         """Run one step; returns logits [num_sampled, vocab] for the rows that sample.
         ``prev``: the step launched before, whose sampled tokens fill the placeholders.
         ``extra_rows``: more flat token rows whose logits follow (prompt logprobs)."""
+        with serial_if(sched.num_batched_tokens <= self.serial_tokens):
+            return self._execute(sched, blocks, prev, extra_rows)
+
+    def _execute(
+        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None,
+        extra_rows: list[int] | None,
+    ) -> torch.Tensor:
         blocks.flush_copies(self.kv_pool)  # the host tier's copies land before the forward
         if not extra_rows and self.graphs is not None and self.graphs.fits(
                 len(sched.scheduled), sched.num_batched_tokens) and (

@@ -1,7 +1,8 @@
-"""The lean Llama decode path (worker/engine/lean_decode.py) gives the module path's logits
-bit for bit: one stream (run on one thread) and a batch of three (the oneDNN projections,
-the configured threads), with the rotary table grown past its first size; and it stays
-off where it would not reproduce the modules."""
+"""The lean Llama decode path (worker/engine/lean_decode.py), with small steps on one
+thread (step_threads.py), gives the module path's logits on all the configured threads
+bit for bit: one stream (MKL's one-row products) and a batch of three (the packed oneDNN
+projections), the rotary table grown past its first size; and the lean path stays off
+where it would not reproduce the modules."""
 
 from __future__ import annotations
 
@@ -46,19 +47,21 @@ def _engine(lean: bool, path: str | None = None) -> Engine:
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one-stream", "batch-3"])
-def test_logits_bitwise_equal_to_modules(prompts: list[list[int]]) -> None:
+def test_logits_bitwise_equal_to_modules(prompts: list[list[int]],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     threads = torch.get_num_threads()
     lean, plain = _engine(True), _engine(False)
     assert lean.runner.lean is not None and plain.runner.lean is None
+    plain.runner.serial_tokens = 0  # the reference runs every step on all the threads
     calls = 0
-    forward = lean.runner.lean._forward
+    forward = lean_decode.LeanLlamaDecode.__call__
 
     def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
         nonlocal calls
         calls += 1
         return forward(*args, **kwargs)
 
-    lean.runner.lean._forward = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(lean_decode.LeanLlamaDecode, "__call__", counted)
     got, got_tokens = _logits_per_step(lean, prompts, 80)  # past the 64-row rope table
     want, want_tokens = _logits_per_step(plain, prompts, 80)
     assert calls >= 70, "the decode steps were meant to take the lean path"
@@ -66,7 +69,8 @@ def test_logits_bitwise_equal_to_modules(prompts: list[list[int]]) -> None:
     assert len(got) == len(want)
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
-    assert torch.get_num_threads() == threads  # a one-row step's one thread is its own
+    assert lean.runner.serial_tokens >= len(prompts), "the steps were meant to be serial"
+    assert torch.get_num_threads() == threads  # a small step's one thread is its own
 
 
 def test_off_for_other_architectures(tmp_path_factory: pytest.TempPathFactory) -> None:
