@@ -96,3 +96,41 @@ def paged_decode_attention(
         out.copy_(res)
         return out
     return res if q.dtype == torch.float32 else res.to(q.dtype)
+
+
+class DecodeCall:
+    """``paged_decode_attention`` for every layer of one decode step: the step's block
+    tables and lengths are checked once here, and each layer's call is then the kernel
+    alone (the per-call checks cost more than the kernel at one short sequence). The
+    kernel still checks every table entry it reads against the cache it is given."""
+
+    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 scale: float) -> None:
+        chk.check_block_tables(block_tables, seq_lens, block_tables.shape[0])
+        if block_tables.device.type != "cpu" or seq_lens.device.type != "cpu":
+            raise ValueError("the CPU kernel needs CPU block tables and lengths")
+        self.tables, self.lens = block_tables, seq_lens.contiguous()
+        self.args = (block_tables.data_ptr(), block_tables.shape[1], block_tables.stride(0),
+                     self.lens.data_ptr())
+        self.scale = float(scale)
+        self.fn = _kernel()
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> torch.Tensor:
+        """q [S, Hq, D] float32 contiguous; caches as ``paged_decode_attention``'s."""
+        num_seqs, num_q_heads, head_dim = q.shape
+        num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
+        if (q.dtype != torch.float32 or kv_dim != head_dim or k_cache.shape != v_cache.shape
+                or not q.is_contiguous() or num_seqs != self.lens.shape[0]
+                or k_cache.dtype not in CACHE_DTYPES or k_cache.dtype != v_cache.dtype
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+            return paged_decode_attention(q, k_cache, v_cache, self.tables, self.lens,
+                                          self.scale)
+        res = torch.empty_like(q)
+        rc = self.fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+                     self.args[0], self.args[1], self.args[2], self.args[3], res.data_ptr(),
+                     num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, self.scale,
+                     0, 0.0, int(k_cache.dtype == torch.bfloat16))
+        if rc != 0:
+            raise ValueError(f"paged_decode_attention (cpu): {_ERRORS.get(rc, f'error {rc}')}")
+        return res

@@ -128,7 +128,9 @@ void decode(const Shape& sh, int num_seqs, const float* q, const T* k_cache,
             const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
             float* out) {
   const int64_t per_seq = static_cast<int64_t>(sh.num_kv_heads) * sh.group * sh.head_dim;
-#pragma omp parallel
+  // One sequence is one work item: no team (waking the other threads, and waiting for
+  // them at the end, cost more than the item itself on a loaded machine).
+#pragma omp parallel if (num_seqs > 1)
   {
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)

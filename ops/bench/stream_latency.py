@@ -12,6 +12,7 @@ also gives Ferry's time to first token and its decode rate after it. Outputs are
 
     .venv/bin/python ops/bench/stream_latency.py            # 5 prompts x 128 tokens, 2 rounds
     .venv/bin/python ops/bench/stream_latency.py --quick    # 2 prompts x 64 tokens
+    .venv/bin/python ops/bench/stream_latency.py --quick --threads 1  # both sides 1 thread
 """
 
 from __future__ import annotations
@@ -130,12 +131,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of both sides (default: this CPU's count, as ferry up)")
     ap.add_argument("--out", default=str(RESULT))
     args = ap.parse_args()
     prompts = PROMPTS[:2] if args.quick else PROMPTS
     max_tokens = args.max_tokens or (64 if args.quick else 128)
     rounds = args.rounds or (1 if args.quick else 2)
-    threads = os.cpu_count() or 1  # what ``ferry up`` gives its one worker
+    threads = args.threads or os.cpu_count() or 1  # what ``ferry up`` gives its one worker
     model, tokenizer = hf_load(threads)
     proc, base = start_ferry(threads)
     rows: list[dict[str, Any]] = []

@@ -34,6 +34,9 @@ class ModelConfig:
     # CUDA: pure-decode steps replay CUDA graphs (worker/engine/decode_graphs.py); True
     # runs every step eagerly
     enforce_eager: bool = False
+    # CPU: pure-decode steps of a Llama model take worker/engine/lean_decode.py (the same
+    # ops without the modules' Python); False keeps them on the modules
+    lean_decode: bool = True
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class EngineConfig:
             attention_backend=env.get("FERRY_ATTENTION_BACKEND"),
             pack_weights=_bool("FERRY_PACK_WEIGHTS"),
             enforce_eager=_bool("FERRY_ENFORCE_EAGER"),
+            lean_decode=_bool("FERRY_LEAN_DECODE"),
             max_model_len=_int("FERRY_MAX_MODEL_LEN"),
             block_size=_int("FERRY_BLOCK_SIZE"),
             num_blocks=_int("FERRY_KV_CACHE_BLOCKS"),

@@ -23,11 +23,13 @@ from worker.engine.config import CacheConfig, ModelConfig
 from worker.engine.decode_graphs import CudaGraphCapturer, DecodeGraphs, GraphCapturer
 from worker.engine.health import EngineHealth
 from worker.engine.inflight import InflightStep
+from worker.engine.lean_decode import build_lean_decode
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.manager import LoraManager
 from worker.engine.model_loader import _DTYPES, LoadedModel, LogitsHead, ModelShape, load_model
 from worker.engine.scheduler import SchedulerOutput
 from worker.engine.step_inputs import build_inputs, patch_placeholders, to_device_packed
+from worker.engine.step_threads import SERIAL_MACS, linear_macs_per_token, serial_if
 from worker.engine.transfer import to_device
 from worker.engine.warmup import warm_up_kernels
 
@@ -68,6 +70,11 @@ class ModelRunner:
         self.backend = make_backend(model_cfg.attention_backend, self.device, self.health)
         self.kv_dtype = self._kv_dtype(cache_cfg.kv_cache_dtype)
         self.logits_head = LogitsHead(self.model)
+        self.lean = build_lean_decode(self.model, self.backend) if (
+            self.device.type == "cpu" and model_cfg.lean_decode) else None
+        # CPU steps of at most this many tokens run on one thread (step_threads.py)
+        self.serial_tokens = SERIAL_MACS // max(1, linear_macs_per_token(self.model)) \
+            if self.device.type == "cpu" else 0
         self.num_blocks = self._num_blocks(cache_cfg)
         self.kv_caches = self._allocate_cache()
         self.tables = BlockTableBuffer(
@@ -196,6 +203,13 @@ class ModelRunner:
         """Run one step; returns logits [num_sampled, vocab] for the rows that sample.
         ``prev``: the step launched before, whose sampled tokens fill the placeholders.
         ``extra_rows``: more flat token rows whose logits follow (prompt logprobs)."""
+        with serial_if(sched.num_batched_tokens <= self.serial_tokens):
+            return self._execute(sched, blocks, prev, extra_rows)
+
+    def _execute(
+        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None,
+        extra_rows: list[int] | None,
+    ) -> torch.Tensor:
         blocks.flush_copies(self.kv_pool)  # the host tier's copies land before the forward
         if not extra_rows and self.graphs is not None and self.graphs.fits(
                 len(sched.scheduled), sched.num_batched_tokens) and (
@@ -211,6 +225,9 @@ class ModelRunner:
         extra_rows: list[int] | None,
     ) -> torch.Tensor:
         input_ids, positions, meta, sample_rows = self.prepare(sched, blocks, prev)
+        if (self.lean is not None and not extra_rows and self.lora is None
+                and sample_rows.numel() and self.lean.usable(meta, self.kv_caches)):
+            return self.lean(input_ids, positions, meta, self.kv_caches, sample_rows)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         if extra_rows:
             sample_rows = torch.cat([sample_rows, to_device(extra_rows, torch.long, self.device)])

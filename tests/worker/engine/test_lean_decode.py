@@ -1,0 +1,80 @@
+"""The lean Llama decode path (worker/engine/lean_decode.py), with small steps on one
+thread (step_threads.py), gives the module path's logits on all the configured threads
+bit for bit: one stream (MKL's one-row products) and a batch of three (the packed oneDNN
+projections), the rotary table grown past its first size; and the lean path stays off
+where it would not reproduce the modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protocol.sampling import SamplingParams
+from tests.checkpoints import build_checkpoint
+from worker import Engine, EngineConfig
+from worker.engine import lean_decode
+from worker.engine.text_output import TextOutputs
+from worker.models import default_model_path
+
+PROMPTS = [[5, 17, 300, 41], [9] * 11, [1000, 2, 3]]
+
+
+def _logits_per_step(engine: Engine, prompts: list[list[int]], max_tokens: int
+                     ) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Every step's logits (cloned) and each request's tokens."""
+    seen: list[torch.Tensor] = []
+    execute = engine.runner.execute
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = execute(*args, **kwargs)
+        seen.append(out.clone())
+        return out
+
+    engine.runner.execute = recording  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in TextOutputs.of(engine).step():
+            tokens[out.request_id] += out.new_token_ids
+    return seen, list(tokens.values())
+
+
+def _engine(lean: bool, path: str | None = None) -> Engine:
+    return Engine(EngineConfig.create(path or default_model_path(), device="cpu",
+                                      block_size=16, lean_decode=lean))
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one-stream", "batch-3"])
+def test_logits_bitwise_equal_to_modules(prompts: list[list[int]],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = torch.get_num_threads()
+    lean, plain = _engine(True), _engine(False)
+    assert lean.runner.lean is not None and plain.runner.lean is None
+    plain.runner.serial_tokens = 0  # the reference runs every step on all the threads
+    calls = 0
+    forward = lean_decode.LeanLlamaDecode.__call__
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(lean_decode.LeanLlamaDecode, "__call__", counted)
+    got, got_tokens = _logits_per_step(lean, prompts, 80)  # past the 64-row rope table
+    want, want_tokens = _logits_per_step(plain, prompts, 80)
+    assert calls >= 70, "the decode steps were meant to take the lean path"
+    assert got_tokens == want_tokens
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
+    assert lean.runner.serial_tokens >= len(prompts), "the steps were meant to be serial"
+    assert torch.get_num_threads() == threads  # a small step's one thread is its own
+
+
+def test_off_for_other_architectures(tmp_path_factory: pytest.TempPathFactory) -> None:
+    path = build_checkpoint("qwen2", tmp_path_factory.mktemp("qwen2"))
+    engine = _engine(True, path)
+    assert engine.runner.lean is None
+    assert lean_decode.build_lean_decode(engine.runner.model, engine.runner.backend) is None
