@@ -42,7 +42,8 @@ from ops.bench.workload import Job, main_workload  # noqa: E402
 
 ENGINE_KW = dict(max_num_batched_tokens=1024, long_prefill_token_threshold=512,
                  num_blocks=3300, device="cpu")
-SPEC_KW = dict(speculative="suffix")  # the defaults: up to 16 draft tokens, adaptive back-off
+# the defaults otherwise: up to 16 draft tokens, the adaptive back-off
+SPEC_KW: dict[str, object] = dict(speculative="suffix")
 MIXED_SEQS = 64
 
 
