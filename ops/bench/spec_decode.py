@@ -200,7 +200,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = default_model_path()
-    n, out = (16, 32) if args.quick else (64, 32)
+    n, out = (16, 32) if args.quick else (64, 64)
     workloads = build_workloads(path, n, out)
     run_setting(path, {"warm-up": (repeat_jobs(2, 8), 1)}, SPEC_KW)  # first-call costs
     runs: dict[str, list[dict[str, dict[str, Any]]]] = {"off": [], "on": []}
