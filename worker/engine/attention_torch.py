@@ -54,7 +54,7 @@ class TorchAttentionBackend:
 
 # A chunk over a cached prefix with at most this many query tokens (a speculative row's
 # last token and its drafts, a short resumed chunk) runs as decode rows, one per token.
-SHORT_QUERY = 32
+SHORT_QUERY = 65  # 1 + the most draft tokens (num_speculative_tokens <= 64)
 
 
 def short_chunks(meta: AttentionMetadata) -> tuple[list[int], list[int], list[int]]:

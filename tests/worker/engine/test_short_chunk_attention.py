@@ -17,13 +17,13 @@ BLOCK, HQ, HKV, D = 4, 4, 2, 16
 
 
 def _meta(ctx: list[int], q_lens: list[int], num_decodes: int) -> AttentionMetadata:
-    """Sequence i owns blocks [8i, 8i + 8); its new tokens are its last q_lens[i]."""
+    """Sequence i owns blocks [24i, 24i + 24); its new tokens are its last q_lens[i]."""
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
-    tables = torch.tensor([[8 * i + b for b in range(8)] for i in range(len(ctx))],
+    tables = torch.tensor([[24 * i + b for b in range(24)] for i in range(len(ctx))],
                           dtype=torch.int32)
-    slots = [8 * i * BLOCK + p for i, (c, n) in enumerate(zip(ctx, q_lens, strict=True))
+    slots = [24 * i * BLOCK + p for i, (c, n) in enumerate(zip(ctx, q_lens, strict=True))
              for p in range(c - n, c)]
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts,
@@ -37,7 +37,7 @@ def _meta(ctx: list[int], q_lens: list[int], num_decodes: int) -> AttentionMetad
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_short_chunks_match_the_torch_backend(window: int | None) -> None:
-    ctx, q_lens = [7, 10, 5, 30, 40], [1, 3, 5, 17, 33]  # decode, short, fresh, short, long
+    ctx, q_lens = [7, 10, 5, 30, 80], [1, 3, 5, 17, 66]  # decode, short, fresh, short, long
     meta = _meta(ctx, q_lens, num_decodes=1)
     tokens, seqs, lens = short_chunks(meta)
     assert seqs == [1] * 3 + [3] * 17 and lens[:3] == [8, 9, 10] and lens[-1] == 30
@@ -45,7 +45,7 @@ def test_short_chunks_match_the_torch_backend(window: int | None) -> None:
     g = torch.Generator().manual_seed(0)
     t = sum(q_lens)
     q, k, v = (torch.randn(t, h, D, generator=g) for h in (HQ, HKV, HKV))
-    cache = [torch.randn(64, BLOCK, HKV, D, generator=g) for _ in range(2)]
+    cache = [torch.randn(128, BLOCK, HKV, D, generator=g) for _ in range(2)]
     want = TorchAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,
                                            window, None)
     got = CpuAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,

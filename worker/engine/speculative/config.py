@@ -16,7 +16,7 @@ class SpeculativeConfig:
 
     method: SpeculativeMethod = "off"
     # Most tokens drafted for one row in one step.
-    num_speculative_tokens: int = 16
+    num_speculative_tokens: int = 32
     # A match shorter than this drafts nothing (a weak match is mostly rejected).
     min_match_tokens: int = 2
     # Draft length grows with the match: at most ``draft_per_matched`` per matched token.
