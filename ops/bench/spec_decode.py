@@ -1,17 +1,21 @@
 """Speculative decoding (suffix decoding, #29) on vs off, the same engine settings otherwise.
 
-On the default model (``worker.models.default_model_path()``), CPU, greedy, every request
-exactly ``max_tokens`` long, one torch thread (``--threads``):
+On the default model (``worker.models.default_model_path()``, a small Llama trained on the
+Python stdlib), CPU, greedy, every request exactly ``max_tokens`` long (64; 32 with
+``--quick``), one torch thread (``--threads``), the engine's speculative defaults:
 
-* ``repeat``: N prompts (64; 16 with ``--quick``) answered once (``1st pass``: drafts from
-  each request's own text and the store as it fills), the same N sent again on the same
-  engine as retries (``retries``: the store holds the first answers), and N requests whose
-  prompt repeats a span several times, so the output can copy it (``spans``); the
-  ``repeat`` row sums the three. At batch 1 (one request at a time) and batch 16 (16 at a
-  time, ``max_num_seqs`` 16), where the adaptive back-off decides what is worth drafting.
+* ``repeat``: N code prompts (64; 16 with ``--quick``; spans of the held-out stdlib files)
+  answered once (``1st pass``: drafts from each request's own text and the store as it
+  fills), the same N sent again on the same engine as retries (``retries``: the store holds
+  the first answers), and N "continue" requests whose output repeats a span of the prompt
+  (``continue``: a code prompt plus the model's own first 64 tokens of answer; this model's
+  greedy answers loop, so the continuation repeats the prompt's spans); ``repeat bB (all)``
+  sums the three. At batch 1 (``max_num_seqs`` 1) and batch 16 (``max_num_seqs`` 16, all
+  submitted at t=0, a finished row's slot taken by the next request), where the adaptive
+  back-off decides per row what is worth drafting.
 * ``mixed``: the engine benchmark's main workload (``workload.main_workload``: N prompts of
-  32-512 tokens, outputs 16-256, all at t=0, ``max_num_seqs`` 64): nothing repeats, so
-  speculation must cost nothing there.
+  32-512 tokens, outputs 16-256, all at t=0, ``max_num_seqs`` 64): nothing repeats across
+  requests, so speculation must cost nothing there.
 
 Off and on alternate (ABAB) for ``--rounds`` rounds on fresh engines; the ratios are of
 the summed times: wall-clock and CPU time (``time.process_time``; the machine is shared,
