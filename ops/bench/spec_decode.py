@@ -1,23 +1,28 @@
 """Speculative decoding (suffix decoding, #29) on vs off, the same engine settings otherwise.
 
-Workloads (seeded, the 30M bench model of ``workload.py``, greedy, every request exactly
-``max_tokens``):
+On the default model (``worker.models.default_model_path()``, a small Llama trained on the
+Python stdlib), CPU, greedy, every request exactly ``max_tokens`` long (64; 32 with
+``--quick``), one torch thread (``--threads``), the engine's speculative defaults:
 
-* ``repeat, 1st pass``: N prompts answered once (drafts only from each request's own
-  text and the store as it fills); N is 6 at batch 1 and 16 at batch 16 with ``--quick``
-  (32-token outputs), 16 and 32 without (128 tokens);
-* ``repeat, 2nd pass``: the same N prompts again on the same engine: the store holds the
-  first answers, so nearly every draft is accepted (retries, repeated batch lines);
-* ``repeated spans``: prompts that repeat a span several times (a list, a table, code
-  copied with edits): the request's own index drafts the span's continuation.
+* ``repeat``: N code prompts (64; 16 with ``--quick``; spans of the held-out stdlib files)
+  answered once (``1st pass``: drafts from each request's own text and the store as it
+  fills), the same N sent again on the same engine as retries (``retries``: the store holds
+  the first answers), and N "continue" requests whose output repeats a span of the prompt
+  (``continue``: a code prompt plus the model's own first 64 tokens of answer; this model's
+  greedy answers loop, so the continuation repeats the prompt's spans); ``repeat bB (all)``
+  sums the three. At batch 1 (``max_num_seqs`` 1) and batch 16 (``max_num_seqs`` 16, all
+  submitted at t=0, a finished row's slot taken by the next request), where the adaptive
+  back-off decides per row what is worth drafting.
+* ``mixed``: the engine benchmark's main workload (``workload.main_workload``: N prompts of
+  32-512 tokens, outputs 16-256, all at t=0, ``max_num_seqs`` 64): nothing repeats across
+  requests, so speculation must cost nothing there.
 
-Each at batch 1 (one request at a time) and batch 16 (all at t=0, ``max_num_seqs`` 16),
-where the back-off (``spec_max_batch``, 8 by default) turns drafting off; batch 16 is also
-run with the back-off raised to 16 to show what verification costs in a large batch.
-Outputs are compared on/off request by request. Prints a table, writes
-``ops/bench/results/spec_decode.json``.
+Off and on alternate (ABAB) for ``--rounds`` rounds on fresh engines; the ratios are of
+the summed times: wall-clock and CPU time (``time.process_time``; the machine is shared,
+CPU time is what its load disturbs least). Outputs are compared on/off request by request,
+every round. Prints a table, writes ``ops/bench/results/spec_decode.json``.
 
-    .venv/bin/python ops/bench/spec_decode.py [--quick] [--rounds N]
+    python ops/bench/spec_decode.py [--quick] [--rounds N]
 """
 
 from __future__ import annotations
@@ -37,151 +42,189 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from ops.bench.workload import VOCAB, Job, build_bench_model  # noqa: E402
+from ops.bench.workload import Job, main_workload  # noqa: E402
 
 ENGINE_KW = dict(max_num_batched_tokens=1024, long_prefill_token_threshold=512,
-                 num_blocks=1024, device="cpu")
-SPEC_KW = dict(speculative="suffix", num_speculative_tokens=8)
+                 num_blocks=3300, device="cpu")
+# the defaults otherwise: up to 16 draft tokens, the adaptive back-off
+SPEC_KW: dict[str, object] = dict(speculative="suffix")
+MIXED_SEQS = 64
 
 
-def repeat_jobs(n: int, out: int, seed: int = 3) -> list[Job]:
+def code_snippets(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    """``n`` token spans of ``lo``..``hi`` tokens from the held-out stdlib files (the
+    default model's domain, text it was not trained on), seeded."""
+    from transformers import AutoTokenizer
+
+    from ops.train.data import is_heldout, list_sources, stdlib_root
+    from worker.models import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    root = stdlib_root()
+    files = [rel for i, rel in enumerate(list_sources(root)) if is_heldout(i)]
+    texts = [tok.encode((root / rel).read_text(encoding="utf-8"), add_special_tokens=False,
+                        verbose=False) for rel in files]
+    texts = [t for t in texts if len(t) > hi]
     rng = random.Random(seed)
-    return [Job([rng.randrange(2, VOCAB) for _ in range(rng.randint(32, 128))], out)
-            for _ in range(n)]
-
-
-def span_jobs(n: int, out: int, seed: int = 5) -> list[Job]:
-    rng = random.Random(seed)
-    jobs = []
+    spans = []
     for _ in range(n):
-        span = [rng.randrange(2, VOCAB) for _ in range(rng.randint(8, 24))]
-        jobs.append(Job(span * rng.randint(3, 5), out))
-    return jobs
+        ids, size = rng.choice(texts), rng.randint(lo, hi)
+        start = rng.randrange(0, len(ids) - size)
+        spans.append(ids[start:start + size])
+    return spans
 
 
-def run_pass(engine: Any, jobs: list[Job], batch: int, tag: str) -> tuple[float, list]:
-    """Every job through ``engine``, ``batch`` at a time; (seconds, outputs)."""
+def repeat_jobs(n: int, out: int) -> list[Job]:
+    return [Job(p, out) for p in code_snippets(n, 48, 128, seed=3)]
+
+
+def continuation_jobs(path: str, n: int, out: int, answered: int = 64) -> list[Job]:
+    """"Continue" requests: a code prompt plus the model's own first ``answered`` tokens
+    of answer; this model's greedy answers loop, so the continuation repeats spans of the
+    prompt (the request's own index drafts them)."""
+    prompts = code_snippets(n, 32, 64, seed=5)
+    first = run_setting(path, {"answers": ([Job(p, answered) for p in prompts], 64)}, {})
+    return [Job(p + o, out) for p, o in zip(prompts, first["answers"]["outs"], strict=True)]
+
+
+def run_pass(engine: Any, jobs: list[Job], tag: str) -> dict[str, Any]:
+    """Every job through ``engine`` (submitted at once): times, outputs, spec counters."""
     from protocol.sampling import SamplingParams
     from worker.engine.text_output import TextOutputs
 
     outs: dict[str, list[int]] = {}
-    start = time.perf_counter()
-    for lo in range(0, len(jobs), batch):
-        for i, job in enumerate(jobs[lo:lo + batch], lo):
-            outs[f"{tag}{i}"] = []
-            engine.add_request(f"{tag}{i}", job.prompt, SamplingParams(
-                temperature=0, max_tokens=job.max_tokens, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            for out in TextOutputs.of(engine).step():
-                outs[out.request_id] += out.new_token_ids
-    elapsed = time.perf_counter() - start
-    return elapsed, [outs[f"{tag}{i}"] for i in range(len(jobs))]
+    before, steps = engine.stats(), engine.steps
+    wall, cpu = time.perf_counter(), time.process_time()
+    for i, job in enumerate(jobs):  # all at t=0; the engine runs max_num_seqs at a time
+        outs[f"{tag}{i}"] = []
+        engine.add_request(f"{tag}{i}", job.prompt, SamplingParams(
+            temperature=0, max_tokens=job.max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        for out in TextOutputs.of(engine).step():
+            outs[out.request_id] += out.new_token_ids
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    after = engine.stats()
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": sum(j.max_tokens for j in jobs),
+            "steps": engine.steps - steps,
+            "drafted": after.spec_drafted_tokens - before.spec_drafted_tokens,
+            "accepted": after.spec_accepted_tokens - before.spec_accepted_tokens,
+            "draft_rows": after.spec_draft_rows - before.spec_draft_rows,
+            "outs": [outs[f"{tag}{i}"] for i in range(len(jobs))]}
 
 
-def run_setting(path: str, workloads: dict[str, list[Job]], batch: int,
-                spec: dict[str, object]) -> dict[str, Any]:
-    """One engine per workload family (the repeat passes share theirs: the store)."""
+def run_setting(path: str, workloads: dict[str, tuple[list[Job], int]],
+                spec: dict[str, object]) -> dict[str, dict[str, Any]]:
+    """Each workload (jobs, max_num_seqs) once; the passes of one family and batch
+    share an engine (the retries need the first answers in its store)."""
     from worker import Engine, EngineConfig
 
-    rows: dict[str, Any] = {}
-    engines = {}
-    for k, (name, jobs) in enumerate(workloads.items()):
+    got: dict[str, dict[str, Any]] = {}
+    engines: dict[str, Any] = {}
+    for k, (name, (jobs, seqs)) in enumerate(workloads.items()):
         family = name.split(",")[0]
         if family not in engines:
-            engines[family] = Engine(EngineConfig.create(path, max_num_seqs=max(batch, 1),
+            engines[family] = Engine(EngineConfig.create(path, max_num_seqs=seqs,
                                                          **ENGINE_KW, **spec))
-        engine = engines[family]
-        before, steps = engine.stats(), engine.steps
-        seconds, outs = run_pass(engine, jobs, batch, f"w{k}-")
-        after = engine.stats()
-        drafted = after.spec_drafted_tokens - before.spec_drafted_tokens
-        accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-        rows_ = after.spec_draft_rows - before.spec_draft_rows
-        tokens = sum(j.max_tokens for j in jobs)
-        rows[name] = {"seconds": round(seconds, 2), "output_tok_s": round(tokens / seconds, 1),
-                      "steps": engine.steps - steps,
-                      "drafted": drafted, "accepted": accepted, "draft_row_steps": rows_,
-                      "mean_acceptance_length": round((accepted + rows_) / rows_, 2)
-                      if rows_ else 0.0, "_outs": outs}
+        got[name] = run_pass(engines[family], jobs, f"w{k}-")
     engines.clear()
     gc.collect()  # engines hold reference cycles: free their KV pools before the next
-    return rows
+    return got
+
+
+def build_workloads(path: str, n: int, out: int) -> dict[str, tuple[list[Job], int]]:
+    repeat, spans = repeat_jobs(n, out), continuation_jobs(path, n, out)
+    workloads: dict[str, tuple[list[Job], int]] = {}
+    for batch in (1, 16):
+        for part, jobs in (("1st pass", repeat), ("retries", repeat), ("continue", spans)):
+            workloads[f"repeat b{batch}, {part}"] = (jobs, batch)
+    workloads["mixed"] = (main_workload(n), MIXED_SEQS)
+    return workloads
+
+
+def summarize(name: str, off: list[dict[str, Any]], on: list[dict[str, Any]]
+              ) -> dict[str, Any]:
+    """Ratios of summed tokens/time over the rounds; outputs compared every round."""
+    def total(runs: list[dict[str, Any]], key: str) -> float:
+        return sum(r[key] for r in runs)
+
+    tokens = total(off, "tokens")
+    same = sum(x == y for a, b in zip(off, on, strict=True)
+               for x, y in zip(a["outs"], b["outs"], strict=True))
+    drafted, accepted, rows = (total(on, k) for k in ("drafted", "accepted", "draft_rows"))
+    row = {"workload": name, "rounds": len(off),
+           "off_wall_tok_s": tokens / total(off, "wall_s"),
+           "on_wall_tok_s": tokens / total(on, "wall_s"),
+           "off_cpu_tok_s": tokens / total(off, "cpu_s"),
+           "on_cpu_tok_s": tokens / total(on, "cpu_s"),
+           "cpu_x_per_round": [round(a["cpu_s"] / b["cpu_s"], 3)
+                               for a, b in zip(off, on, strict=True)],
+           "steps_off": off[0]["steps"], "steps_on": on[0]["steps"],
+           "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
+           "mean_acceptance_length": round((accepted + rows) / rows, 2) if rows else 0.0,
+           "drafted_tokens": drafted,
+           "identical_outputs": f"{same}/{sum(len(r['outs']) for r in off)}"}
+    row["wall_x"] = round(row["on_wall_tok_s"] / row["off_wall_tok_s"], 3)
+    row["cpu_x"] = round(row["on_cpu_tok_s"] / row["off_cpu_tok_s"], 3)
+    for key in ("off_wall_tok_s", "on_wall_tok_s", "off_cpu_tok_s", "on_cpu_tok_s"):
+        row[key] = round(row[key], 1)
+    return row
+
+
+def merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The passes of one family as one run (their outputs in order)."""
+    out = {k: sum(r[k] for r in runs) for k in runs[0] if k != "outs"}
+    out["steps"] = sum(r["steps"] for r in runs)
+    out["outs"] = [o for r in runs for o in r["outs"]]
+    return out
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'workload':<20} {'batch':>5} {'off tok/s':>9} {'on tok/s':>9} {'x':>6} "
-            f"{'steps off':>9} {'on':>5} {'accept':>7} {'mean len':>8} {'same':>6}")
+    head = (f"{'workload':<24} {'off tok/s':>9} {'on tok/s':>9} {'wall x':>7} "
+            f"{'cpu off':>8} {'cpu on':>8} {'cpu x':>6} {'steps':>11} {'accept':>7} "
+            f"{'len':>5} {'same':>7}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['workload']:<20} {r['batch']:>5} {r['off_tok_s']:>9.1f} "
-                     f"{r['on_tok_s']:>9.1f} {r['speedup_x']:>5.2f}x "
-                     f"{r['spec_off']['steps']:>9} {r['spec_on']['steps']:>5} "
-                     f"{r['acceptance_rate']:>7.0%} {r['mean_acceptance_length']:>8.2f} "
-                     f"{r['identical_outputs']:>6}")
+        lines.append(f"{r['workload']:<24} {r['off_wall_tok_s']:>9.1f} "
+                     f"{r['on_wall_tok_s']:>9.1f} {r['wall_x']:>6.2f}x "
+                     f"{r['off_cpu_tok_s']:>8.1f} {r['on_cpu_tok_s']:>8.1f} "
+                     f"{r['cpu_x']:>5.2f}x {r['steps_off']:>5}/{r['steps_on']:<5} "
+                     f"{r['acceptance_rate']:>7.0%} {r['mean_acceptance_length']:>5.2f} "
+                     f"{r['identical_outputs']:>7}")
     return "\n".join(lines)
 
 
-def best_of(path: str, workloads: dict[str, list[Job]], batch: int,
-            settings: list[dict[str, object]], rounds: int) -> list[dict[str, Any]]:
-    """Each setting ``rounds`` times, alternating; per workload the fastest round (a
-    shared 2-core machine's load comes and goes: the fastest is the least disturbed)."""
-    best: list[dict[str, Any]] = [{} for _ in settings]
-    for _ in range(rounds):
-        for i, spec in enumerate(settings):
-            got = run_setting(path, workloads, batch, spec)
-            for name, row in got.items():
-                if name not in best[i] or row["seconds"] < best[i][name]["seconds"]:
-                    best[i][name] = row
-    return best
-
-
-def compare(path: str, workloads: dict[str, list[Job]], batch: int,
-            specs: dict[str, dict[str, object]], rounds: int = 1) -> list[dict[str, Any]]:
-    """Speculation off, then each labelled speculative setting, on ``workloads``."""
-    off, *ons = best_of(path, workloads, batch, [{}, *specs.values()], rounds)
-    outs = {name: off[name].pop("_outs") for name in workloads}
-    rows = []
-    for label, on in zip(specs, ons, strict=True):
-        for name in workloads:
-            a, b = off[name], on[name]
-            same = sum(x == y for x, y in zip(outs[name], b.pop("_outs"), strict=True))
-            rows.append({"workload": name, "batch": label, "off_tok_s": a["output_tok_s"],
-                         "on_tok_s": b["output_tok_s"],
-                         "speedup_x": round(b["output_tok_s"] / a["output_tok_s"], 3),
-                         "acceptance_rate": round(b["accepted"] / b["drafted"], 3)
-                         if b["drafted"] else 0.0,
-                         "mean_acceptance_length": b["mean_acceptance_length"],
-                         "identical_outputs": f"{same}/{len(workloads[name])}",
-                         "spec_off": a, "spec_on": b})
-            print("  " + table(rows[-1:]).splitlines()[1], flush=True)
-    return rows
-
-
 def main() -> None:
+    from worker.models import default_model_path
+
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer, shorter requests")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="runs of each setting, alternating; the fastest counts")
+    ap.add_argument("--quick", action="store_true", help="16 requests per workload")
+    ap.add_argument("--rounds", type=int, default=2, help="off/on pairs, ABAB")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "ops/bench/results/spec_decode.json"))
     args = ap.parse_args()
-    path = build_bench_model()
-    n1, n16, out = (6, 16, 32) if args.quick else (16, 32, 128)
-    run_setting(path, {"warm-up": repeat_jobs(2, 8)}, 1, SPEC_KW)  # first-call costs out
-    print(f"suffix decoding on vs off, {torch.get_num_threads()} threads", flush=True)
-    print("  " + table([]).splitlines()[0])
-    rows = []
-    for batch, n in ((1, n1), (16, n16)):
-        repeat = repeat_jobs(n, out)
-        workloads = {"repeat, 1st pass": repeat, "repeat, 2nd pass": repeat,
-                     "repeated spans": span_jobs(n, out)}
-        specs = {str(batch): SPEC_KW}
-        if batch > 8:  # the default back-off drafts nothing there: also without it
-            specs[f"{batch}/nb"] = {**SPEC_KW, "spec_max_batch": batch}
-        rows += compare(path, workloads, batch, specs, args.rounds)
-    print("\n" + table(rows) + "\n(16/nb: batch 16 with the back-off raised to 16)")
+    torch.set_num_threads(args.threads)
+    path = default_model_path()
+    n, out = (16, 32) if args.quick else (64, 64)
+    workloads = build_workloads(path, n, out)
+    run_setting(path, {"warm-up": (repeat_jobs(2, 8), 1)}, SPEC_KW)  # first-call costs
+    runs: dict[str, list[dict[str, dict[str, Any]]]] = {"off": [], "on": []}
+    for r in range(args.rounds):
+        for label, spec in (("off", {}), ("on", SPEC_KW)):
+            runs[label].append(run_setting(path, workloads, spec))
+            print(f"round {r + 1} {label}: " + ", ".join(
+                f"{k} {v['cpu_s']:.1f}s" for k, v in runs[label][-1].items()), flush=True)
+    rows = [summarize(name, [g[name] for g in runs["off"]], [g[name] for g in runs["on"]])
+            for name in workloads]
+    for batch in (1, 16):
+        parts = [k for k in workloads if k.startswith(f"repeat b{batch},")]
+        rows.append(summarize(f"repeat b{batch} (all)",
+                              *[[merged([g[k] for k in parts]) for g in runs[label]]
+                                for label in ("off", "on")]))
+    print("\n" + table(rows))
     result = {"machine": {"cpu": platform.processor() or platform.machine(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__},
-              "engine": ENGINE_KW, "speculative": SPEC_KW, "quick": args.quick,
+              "model": "default", "engine": ENGINE_KW, "speculative": SPEC_KW,
+              "requests": n, "output_tokens": out, "quick": args.quick,
               "rounds": args.rounds, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

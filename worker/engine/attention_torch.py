@@ -52,8 +52,62 @@ class TorchAttentionBackend:
         return out
 
 
+# A chunk over a cached prefix with at most this many query tokens (a speculative row's
+# last token and its drafts, a short resumed chunk) runs as decode rows, one per token.
+SHORT_QUERY = 65  # 1 + the most draft tokens (num_speculative_tokens <= 64)
+
+
+def short_chunks(meta: AttentionMetadata) -> tuple[list[int], list[int], list[int]]:
+    """The chunks after the decodes that ``SHORT_QUERY`` covers, as one decode row per
+    query token: (token index, sequence, context length up to and including the token).
+    Query token j of a chunk of Lq over a context of L attends to the first L - Lq + 1 + j
+    tokens: exactly causal attention, and what a plain decode of that token would read."""
+    tokens: list[int] = []
+    seqs: list[int] = []
+    lens: list[int] = []
+    starts, ctxs = meta.query_start_host, meta.seq_lens_host
+    for i in range(meta.num_decodes, len(ctxs)):
+        lo, hi = starts[i], starts[i + 1]
+        if hi - lo > SHORT_QUERY or ctxs[i] <= hi - lo:
+            continue
+        first = ctxs[i] - (hi - lo) + 1
+        tokens.extend(range(lo, hi))
+        seqs.extend([i] * (hi - lo))
+        lens.extend(range(first, first + hi - lo))
+    return tokens, seqs, lens
+
+
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+
+    def forward(self, q, k, v, cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
+        """As the torch backend, but short chunks over a cached prefix (verification rows
+        of speculative decoding) join the decodes in one kernel call instead of one SDPA
+        each (a per-sequence loop that costs more than the rows' arithmetic)."""
+        k_cache, v_cache = cache
+        tokens, seqs, lens = short_chunks(meta)
+        if not tokens or soft_cap or k_cache.dtype not in cpu_decode_attention.CACHE_DTYPES:
+            return super().forward(q, k, v, cache, meta, scale, sliding_window, soft_cap)
+        reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        rows = torch.tensor(list(range(nd)) + tokens, device=q.device)  # [R]
+        tables = torch.cat([meta.block_tables[:nd],
+                            meta.block_tables[torch.tensor(seqs, device=q.device)]])
+        seq_lens = torch.cat([meta.seq_lens[:nd],
+                              meta.seq_lens.new_tensor(lens)])  # [R]
+        out[rows] = cpu_decode_attention.paged_decode_attention(
+            q[rows], k_cache, v_cache, tables, seq_lens, scale,
+            sliding_window=sliding_window, logits_soft_cap=soft_cap,
+        )
+        done = set(seqs)
+        for i in range(nd, len(meta.seq_lens_host)):
+            if i in done:
+                continue
+            lo, hi = meta.query_start_host[i], meta.query_start_host[i + 1]
+            out[lo:hi] = _prefill_one(q[lo:hi], k[lo:hi], v[lo:hi], k_cache, v_cache, meta, i,
+                                      scale, sliding_window, soft_cap)
+        return out
 
     def _decode(self, q, k_cache, v_cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
         if k_cache.dtype not in cpu_decode_attention.CACHE_DTYPES:  # a float16 cache

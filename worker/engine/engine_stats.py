@@ -41,4 +41,5 @@ def _spec_stats(engine: Any) -> dict[str, int]:
     return {"spec_drafted_tokens": spec.drafted_tokens,
             "spec_accepted_tokens": spec.accepted_tokens, "spec_draft_rows": spec.draft_rows,
             "spec_store_rows": spec.store_rows,
-            "spec_grammar_cut_tokens": spec.grammar_cut_tokens}
+            "spec_grammar_cut_tokens": spec.grammar_cut_tokens,
+            "spec_backoff_cut_tokens": spec.backoff_cut_tokens}

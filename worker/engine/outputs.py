@@ -90,6 +90,7 @@ class EngineStats:
     spec_draft_rows: int = 0
     spec_store_rows: int = 0  # ... whose draft came from past outputs (fleet's too)
     spec_grammar_cut_tokens: int = 0
+    spec_backoff_cut_tokens: int = 0  # ... and because the back-off found them not worth it
 
     @property
     def spec_mean_acceptance_length(self) -> float:

@@ -31,7 +31,10 @@ def _engine(path: str, spec: bool, **kw: object) -> Engine:
                                    attention_backend="cpu")
     opts.update(kw)
     if spec:
-        opts.update(speculative="suffix", num_speculative_tokens=5, min_match_tokens=1)
+        # the back-off all but off (test_spec_backoff.py): every weak match drafts, so the
+        # verification path runs as often as it can
+        opts.update(speculative="suffix", num_speculative_tokens=5, min_match_tokens=1,
+                    draft_token_cost=1e-3, draft_step_cost=0.0)
     return Engine(EngineConfig.create(path, **opts))
 
 

@@ -16,7 +16,7 @@ class SpeculativeConfig:
 
     method: SpeculativeMethod = "off"
     # Most tokens drafted for one row in one step.
-    num_speculative_tokens: int = 16
+    num_speculative_tokens: int = 32
     # A match shorter than this drafts nothing (a weak match is mostly rejected).
     min_match_tokens: int = 2
     # Draft length grows with the match: at most ``draft_per_matched`` per matched token.
@@ -27,9 +27,13 @@ class SpeculativeConfig:
     stored_prompt_tail: int = 64
     # Context tokens a store query walks (the longest match it can find).
     match_window: int = 32
-    # Back-off: no drafts while more rows than this run (a big batch is bound by compute,
-    # so verifying drafts there costs more than it saves).
-    max_batch_rows: int = 8
+    # Back-off (``backoff.py``): costs in decode rows (measured on CPU, default model): a
+    # step's fixed part, one draft token's verification, a step carrying drafts.
+    overhead_rows: float = 13.0
+    draft_token_cost: float = 0.55
+    draft_step_cost: float = 6.0
+    # Hard cap: no drafts at all while more rows than this run.
+    max_batch_rows: int = 256
 
     def __post_init__(self) -> None:
         if self.method not in ("off", "suffix"):
@@ -40,11 +44,17 @@ class SpeculativeConfig:
                              f"{self.num_speculative_tokens}")
         if self.min_match_tokens < 1 or self.draft_per_matched <= 0:
             raise ValueError("min_match_tokens must be >= 1 and draft_per_matched > 0")
-        if self.max_batch_rows < 1:
-            raise ValueError(f"max_batch_rows must be >= 1, got {self.max_batch_rows}")
+        if self.max_batch_rows < 1 or self.overhead_rows <= 0 or self.draft_token_cost <= 0 \
+                or self.draft_step_cost < 0:
+            raise ValueError("max_batch_rows must be >= 1, overhead_rows and "
+                             "draft_token_cost > 0, draft_step_cost >= 0")
         if self.store_tokens < 0 or self.stored_prompt_tail < 0 or self.match_window < 1:
             raise ValueError("store_tokens and stored_prompt_tail must be >= 0, "
                              "match_window >= 1")
+
+    @property
+    def costs(self) -> tuple[float, float, float]:
+        return self.overhead_rows, self.draft_token_cost, self.draft_step_cost
 
     @property
     def enabled(self) -> bool:

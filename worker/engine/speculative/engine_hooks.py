@@ -38,6 +38,7 @@ from worker.engine.logits_processors import wants_penalties
 from worker.engine.request import FinishReason, Request
 from worker.engine.sampler import SamplingRow
 from worker.engine.schedule_output import ScheduledRequest, SchedulerOutput
+from worker.engine.speculative.backoff import AcceptanceModel
 from worker.engine.speculative.config import SpeculativeConfig
 from worker.engine.speculative.draft_store import DraftStore
 from worker.engine.speculative.suffix_proposer import SuffixProposer
@@ -74,6 +75,10 @@ class SpecDecoding:
         self.store_rows = 0  # ... of which drafted from the store (past outputs)
         self.grammar_cut_tokens = 0  # draft tokens dropped: a grammar rejected them
         self._from_store: set[str] = set()  # this step's rows drafted from the store
+        # The back-off's acceptance estimates, and this step's drafts' (source, match length)
+        self.acceptance = AcceptanceModel(config.costs)
+        self._matches: dict[str, tuple[str, int]] = {}
+        self.backoff_cut_tokens = 0  # draft tokens the back-off dropped (not worth verifying)
         # Called with each text stored (the service shares it with the fleet, #29.2)
         self.on_stored: Callable[[list[int]], None] | None = None
 
@@ -95,14 +100,17 @@ class SpecDecoding:
 
     # -- before scheduling ---------------------------------------------------------------
     def propose(self) -> None:
-        """Drafts for the running rows into ``scheduler.drafts`` (none for a batch larger
-        than ``max_batch_rows``, nor while a request waits for prompt logprobs)."""
+        """Drafts for the running rows into ``scheduler.drafts``, each cut to what the
+        back-off finds worth verifying at this batch size (none for a batch larger than
+        ``max_batch_rows``, nor while a request waits for prompt logprobs)."""
         engine = self.engine
         scheduler = engine.scheduler
-        if len(scheduler.running) > self.config.max_batch_rows or engine.scoring.pending:
+        rows = len(scheduler.running)
+        if rows > self.config.max_batch_rows or engine.scoring.pending:
             return
         drafts: dict[str, list[int]] = {}
         self._from_store.clear()
+        self._matches.clear()
         for request in scheduler.running:
             if not eligible(request):
                 continue
@@ -112,10 +120,15 @@ class SpecDecoding:
                 continue
             self._observe(request)
             draft = self.proposer.propose(request.request_id, limit)
-            valid = engine.structured.valid_draft(request, draft.tokens)  # [structured output]
-            self.grammar_cut_tokens += len(draft.tokens) - valid
+            worth = self.acceptance.draft_length(request.request_id, draft.source,
+                                                 draft.match_length, len(draft.tokens), rows)
+            self.backoff_cut_tokens += len(draft.tokens) - worth
+            tokens = draft.tokens[:worth]
+            valid = engine.structured.valid_draft(request, tokens)  # [structured output]
+            self.grammar_cut_tokens += len(tokens) - valid
             if valid:
-                drafts[request.request_id] = draft.tokens[:valid]
+                drafts[request.request_id] = tokens[:valid]
+                self._matches[request.request_id] = (draft.source, draft.match_length)
                 if draft.source == "store":
                     self._from_store.add(request.request_id)
         scheduler.drafts = drafts
@@ -135,6 +148,7 @@ class SpecDecoding:
         rows never draft), and the fleet's stream is the base model's."""
         self._seen.pop(request.request_id, None)
         self.proposer.forget(request.request_id)
+        self.acceptance.forget(request.request_id)
         if request.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) \
                 and request.output_token_ids and request.lora is None:
             tail = self.config.stored_prompt_tail
@@ -217,6 +231,8 @@ class SpecDecoding:
             self.accepted_tokens += a
             self.draft_rows += 1
             self.store_rows += request.request_id in self._from_store
+            source, length = self._matches[request.request_id]
+            self.acceptance.record(request.request_id, source, length, k, a)
             out.append(sampled[:a + 1])
         return out
 

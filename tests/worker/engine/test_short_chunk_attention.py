@@ -1,0 +1,53 @@
+"""The CPU backend runs short chunks over a cached prefix (speculative verification rows)
+as decode rows: the same attention as the torch backend's one SDPA per chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.attention_torch import (
+    CpuAttentionBackend,
+    TorchAttentionBackend,
+    short_chunks,
+)
+
+BLOCK, HQ, HKV, D = 4, 4, 2, 16
+
+
+def _meta(ctx: list[int], q_lens: list[int], num_decodes: int) -> AttentionMetadata:
+    """Sequence i owns blocks [24i, 24i + 24); its new tokens are its last q_lens[i]."""
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    tables = torch.tensor([[24 * i + b for b in range(24)] for i in range(len(ctx))],
+                          dtype=torch.int32)
+    slots = [24 * i * BLOCK + p for i, (c, n) in enumerate(zip(ctx, q_lens, strict=True))
+             for p in range(c - n, c)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts,
+                                                                       dtype=torch.int32),
+        seq_lens=torch.tensor(ctx, dtype=torch.int32), block_tables=tables,
+        num_decodes=num_decodes, max_decode_seq_len=max(ctx[:num_decodes], default=0),
+        decode_buckets=[(0, num_decodes, max(ctx[:num_decodes]))] if num_decodes else [],
+        max_query_len=max(q_lens), max_seq_len=max(ctx), query_start_host=starts,
+        seq_lens_host=ctx)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_short_chunks_match_the_torch_backend(window: int | None) -> None:
+    ctx, q_lens = [7, 10, 5, 30, 80], [1, 3, 5, 17, 66]  # decode, short, fresh, short, long
+    meta = _meta(ctx, q_lens, num_decodes=1)
+    tokens, seqs, lens = short_chunks(meta)
+    assert seqs == [1] * 3 + [3] * 17 and lens[:3] == [8, 9, 10] and lens[-1] == 30
+    assert tokens == list(range(1, 4)) + list(range(9, 26))
+    g = torch.Generator().manual_seed(0)
+    t = sum(q_lens)
+    q, k, v = (torch.randn(t, h, D, generator=g) for h in (HQ, HKV, HKV))
+    cache = [torch.randn(128, BLOCK, HKV, D, generator=g) for _ in range(2)]
+    want = TorchAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,
+                                           window, None)
+    got = CpuAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,
+                                        window, None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
