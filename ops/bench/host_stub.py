@@ -75,9 +75,11 @@ class DeviceClock:
 
 
 def stub_engine(engine: Any, vocab: int = STUB_VOCAB) -> Any:
-    """Swap ``engine``'s model for the stub; static decode buffers are dropped (the stub
-    has no graph path), so every step goes through ``ModelRunner.execute``'s eager path."""
+    """Swap ``engine``'s model for the stub; static decode buffers and the lean CPU decode
+    are dropped (the stub has neither), so every step goes through ``ModelRunner.execute``'s
+    eager path."""
     runner = engine.runner
     runner.model = StubModel(runner.model, vocab)
     runner.graphs = None
+    runner.lean = None  # the lean CPU decode runs the real layers: the stub must answer
     return engine
