@@ -122,9 +122,18 @@ def test_cancel_and_deadlines(stack: Any) -> None:
     final = decode_event(stack.r.lindex(KEYS.events("cl-cancel"), -1))
     assert final.finish_reason == "cancelled" and final.error
 
-    now, params = time.time(), SamplingParams(**long)
+    params = SamplingParams(**long)
+    # how long 400 tokens take on this stack (the lean CPU decode runs this tiny model at
+    # ~1 ms a token: a fixed half second let "slow" finish first); "slow" gets half that
+    probe = GenerateRequest(prompt="probe", params=params)
+    start = time.time()
+    stack.client.enqueue(probe)
+    assert list(stack.client.stream(probe.request_id, timeout=60))[-1].finish_reason == "length"
+    window = (time.time() - start) / 2
+    now = time.time()
     expired = GenerateRequest(prompt="late", params=params, created_at=now - 10, timeout_s=5)
-    running = GenerateRequest(prompt="slow", params=params, created_at=now - 9.5, timeout_s=10)
+    running = GenerateRequest(prompt="slow", params=params, created_at=now + window - 10,
+                              timeout_s=10)
     for request in (expired, running):
         stack.client.enqueue(request)
     for request in (expired, running):
