@@ -282,13 +282,14 @@ class Engine(RequestEnds):
         if lp is not None:
             request.cumulative_logprob += lp[0]
             lp = lp if request.report_logprobs else None
-        row = batch.add_row(self.streams.by_request[request.request_id], token, lp)
+        stream = self.streams.by_request[request.request_id]
+        row = batch.add_row(stream, token, lp)
         if request.is_finished:
             batch.ends.append(self._final(request, row))
         elif request.prompt_logprobs is not None:
             first = take(request)
             if first is not None:
-                batch.prompt_logprobs[self.streams.by_request[request.request_id]] = first
+                batch.prompt_logprobs[stream] = first
 
     def stats(self) -> EngineStats:
         return engine_stats(self)

@@ -34,7 +34,6 @@ import numpy as np
 import structlog
 import torch
 
-from worker.engine.logits_processors import wants_penalties
 from worker.engine.request import FinishReason, Request
 from worker.engine.sampler import SamplingRow
 from worker.engine.schedule_output import ScheduledRequest, SchedulerOutput
@@ -56,7 +55,7 @@ def eligible(request: Request) -> bool:
     return (request.num_pending == 0
             and request.num_computed_tokens == request.num_tokens - 1
             and not request.bans_follow_output
-            and not wants_penalties(p) and p.logprobs is None
+            and not request.penalised and p.logprobs is None
             and request.prompt_logprobs is None and request.parent_id is None
             and request.lora is None)
 
