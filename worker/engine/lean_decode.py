@@ -15,7 +15,9 @@ the same order, the same kernel), so the logits are bit-for-bit those of the mod
 model's own rotary module, one position at a time, as a one-row decode computes them.
 
 Only for what it reproduces: ``LlamaForCausalLM`` with default RoPE, SiLU MLP, no
-sliding window; prefill, mixed steps, prompt logprobs and LoRA keep the module path.
+sliding window; prefill, mixed steps and prompt logprobs keep the module path. With
+multi-LoRA on, the path is built over the ``LoraLinear`` wrappers, so a decode row's
+adapter is applied by the very module call the module path makes.
 """
 
 from __future__ import annotations

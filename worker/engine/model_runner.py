@@ -225,7 +225,7 @@ class ModelRunner:
         extra_rows: list[int] | None,
     ) -> torch.Tensor:
         input_ids, positions, meta, sample_rows = self.prepare(sched, blocks, prev)
-        if (self.lean is not None and not extra_rows and self.lora is None
+        if (self.lean is not None and not extra_rows
                 and sample_rows.numel() and self.lean.usable(meta, self.kv_caches)):
             return self.lean(input_ids, positions, meta, self.kv_caches, sample_rows)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
@@ -255,6 +255,8 @@ class ModelRunner:
         if self.lora is None:
             self.lora = LoraManager(self.model, self.model_name, cfg, self.device,
                                     self.loaded.dtype)
+            if self.lean is not None:  # rebuilt over the wrappers: it runs the adapters too
+                self.lean = build_lean_decode(self.model, self.backend)
         return self.lora
 
     def _execute_lora(

@@ -6,22 +6,29 @@ where it would not reproduce the modules."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
 from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
+from tests.worker.engine.lora_adapters import ATTN, write_adapter
 from worker import Engine, EngineConfig
 from worker.engine import lean_decode
+from worker.engine.lora.targets import base_targets
 from worker.engine.text_output import TextOutputs
 from worker.models import default_model_path
 
 PROMPTS = [[5, 17, 300, 41], [9] * 11, [1000, 2, 3]]
 
 
-def _logits_per_step(engine: Engine, prompts: list[list[int]], max_tokens: int
+def _logits_per_step(engine: Engine, prompts: list[list[int]], max_tokens: int,
+                     adapters: list[str | None] | None = None,
                      ) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Every step's logits (cloned) and each request's tokens."""
+    """Every step's logits (cloned) and each request's tokens (request i on
+    ``adapters[i]`` when given)."""
     seen: list[torch.Tensor] = []
     execute = engine.runner.execute
 
@@ -33,7 +40,8 @@ def _logits_per_step(engine: Engine, prompts: list[list[int]], max_tokens: int
     engine.runner.execute = recording  # type: ignore[method-assign]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"r{i}", prompt, params,
+                           lora_name=adapters[i] if adapters else None)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     while engine.has_unfinished_requests():
         for out in TextOutputs.of(engine).step():
@@ -41,9 +49,10 @@ def _logits_per_step(engine: Engine, prompts: list[list[int]], max_tokens: int
     return seen, list(tokens.values())
 
 
-def _engine(lean: bool, path: str | None = None) -> Engine:
+def _engine(lean: bool, path: str | None = None, **lora: Any) -> Engine:
     return Engine(EngineConfig.create(path or default_model_path(), device="cpu",
-                                      block_size=16, lean_decode=lean))
+                                      block_size=16, num_blocks=64, lean_decode=lean,
+                                      **lora))  # 1024 cached tokens: plenty, and small
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one-stream", "batch-3"])
@@ -78,3 +87,39 @@ def test_off_for_other_architectures(tmp_path_factory: pytest.TempPathFactory) -
     engine = _engine(True, path)
     assert engine.runner.lean is None
     assert lean_decode.build_lean_decode(engine.runner.model, engine.runner.backend) is None
+
+
+def test_lora_rows_bitwise_equal_to_modules(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """With multi-LoRA on, the lean path is built over the adapters' wrappers: a decode
+    batch mixing two adapters and the base model gives the module path's logits."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    base = base_targets(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                        path)
+    modules = [f"all={write_adapter(tmp_path / 'all', base, rank=8, seed=1)}",
+               f"attn={write_adapter(tmp_path / 'attn', base, rank=16, targets=ATTN, seed=2)}"]
+    lora = dict(max_loras=2, max_lora_rank=16, lora_modules=modules)
+    lean, plain = _engine(True, **lora), _engine(False, **lora)
+    assert lean.runner.lean is not None and plain.runner.lean is None
+    plain.runner.serial_tokens = 0
+    calls = 0
+    forward = lean_decode.LeanLlamaDecode.__call__
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(lean_decode.LeanLlamaDecode, "__call__", counted)
+    names: list[str | None] = ["all", None, "attn"]
+    got, got_tokens = _logits_per_step(lean, PROMPTS, 12, names)
+    want, want_tokens = _logits_per_step(plain, PROMPTS, 12, names)
+    assert calls >= 10, "the decode steps were meant to take the lean path"
+    _, base_tokens = _logits_per_step(_engine(True), PROMPTS, 12)
+    assert got_tokens == want_tokens
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
+    assert got_tokens[1] == base_tokens[1]  # the base row is the base model's
+    assert got_tokens[0] != base_tokens[0] and got_tokens[2] != base_tokens[2]

@@ -44,6 +44,8 @@ class LoraLinear(nn.Module):
             cols = meta.wide_cols
             t = torch.mm(flat_x, self._a_flat[cols].T).mul_(meta.wide)
             flat_y.addmm_(t, self._b_flat[:, cols].T)
+        elif meta.groups is not None and flat_x.dtype == torch.float32:
+            _apply_groups(flat_x, flat_y, self._a, self._b, meta)
         elif meta.groups is not None:
             t = lora_reference.lora_shrink(flat_x, self._a, meta.groups, meta.ranks)
             lora_reference.lora_expand(t, self._b, self._scale, meta.groups, flat_y,
@@ -51,6 +53,22 @@ class LoraLinear(nn.Module):
         else:
             _apply_triton(flat_x, flat_y, self._a, self._b, self._scale, meta)
         return y  # type: ignore[no-any-return]
+
+
+def _apply_groups(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  meta: LoraMetadata) -> None:
+    """Large fp32 CPU steps: per adapter, ``y[tokens] += scale·(x[tokens] A[:r]ᵀ) B[:, :r]ᵀ``
+    as one shrink and one accumulating product, in place: a prefill chunk's tokens are a
+    slice, so nothing is gathered, zero-filled or copied back (the reference's
+    ``lora_expand`` rebuilt ``y[tokens]`` through three [n, out] temporaries)."""
+    assert meta.groups is not None
+    for slot, tokens in meta.groups:
+        r = meta.ranks[slot]
+        t = torch.mm(x[tokens], a[slot, :r].T)  # [n, r]
+        if isinstance(tokens, slice):
+            y[tokens].addmm_(t, b[slot, :, :r].T, alpha=meta.scales[slot])
+        else:
+            y.index_add_(0, tokens, torch.mm(t, b[slot, :, :r].T), alpha=meta.scales[slot])
 
 
 def _apply_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

@@ -31,6 +31,7 @@ class LoraMetadata:
     token_slots: torch.Tensor  # [T] int32 on the model's device, -1 = no adapter
     groups: LoraGroups | None  # CPU path
     ranks: list[int]  # [S] host: each slot's rank (the CPU path multiplies only that)
+    scales: list[float] = field(default_factory=list)  # [S] host: each slot's scale (CPU)
     wide: torch.Tensor | None = None  # CPU, small steps: [T, n*R] fp32 (module docstring)
     # the columns of the flat [.., S*R] views that ``wide`` covers
     wide_cols: slice = field(default_factory=lambda: slice(0))
@@ -83,7 +84,8 @@ def build_metadata(token_slots: np.ndarray, ranks: list[int], scales: list[float
     if device.type != "cuda":
         wide, cols = (wide_scales(token_slots, ranks, scales, max_rank)
                       if len(token_slots) <= WIDE_MAX_TOKENS else (None, slice(0)))
-        return LoraMetadata(slots, cpu_groups(token_slots), list(ranks), wide, cols)
+        return LoraMetadata(slots, cpu_groups(token_slots), list(ranks), list(scales), wide,
+                            cols)
     from kernels.lora import lora_segments
 
     slots = host_to_device(slots, device)
