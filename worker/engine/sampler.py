@@ -28,9 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from kernels.sampling_noise import key_at, mix64, random_key
+from kernels.sampling_noise import key_at, keys_at, mix64, random_key
 from kernels.sampling_reference import SamplingTensors
 from kernels.sampling_reference import sample as sample_reference
 from protocol.sampling import SamplingParams
@@ -42,7 +43,7 @@ from worker.engine.logits_processors import (
     apply_token_bitmask,
     wants_penalties,
 )
-from worker.engine.transfer import ReadBack, to_device
+from worker.engine.transfer import ReadBack, host_to_device, to_device
 
 if TYPE_CHECKING:
     from worker.engine.request import Request
@@ -167,7 +168,7 @@ class Sampler:
         if all(r.plain_greedy for r in rows):
             tokens = _greedy_pass(logits)  # [B]: nothing else to do, no parameters to send
         else:
-            tensors = sampling_tensors(rows, [self._key(r) for r in rows], logits.device)
+            tensors = sampling_tensors(rows, self.keys(rows), logits.device)
             # [B] int64; bias, filters, race inside
             tokens = _sample_pass(logits, tensors, self.fused)
         packed = None
@@ -176,6 +177,25 @@ class Sampler:
                                     max(rows[i].params.logprobs or 0 for i in asked))
         return PendingSample(tokens, packed, rows)
 
+    def keys(self, rows: list[SamplingRow]) -> np.ndarray:
+        """[B] int64: each row's ``_key``, the seeded ones computed together (``keys_at``);
+        unseeded rows draw from the host generator in row order, as ``_key`` would."""
+        keys = np.zeros(len(rows), dtype=np.int64)
+        seeded: list[int] = []
+        for i, row in enumerate(rows):
+            if row.params.greedy:
+                continue
+            if row.params.seed is None:
+                keys[i] = random_key(self._rng)
+            else:
+                seeded.append(i)
+        if seeded:
+            mixes = np.fromiter((_seed_mix(rows[i]) for i in seeded), np.uint64, len(seeded))
+            indices = np.fromiter((rows[i].output_index for i in seeded), np.uint64,
+                                  len(seeded))
+            keys[seeded] = keys_at(mixes, indices)
+        return keys
+
     def _key(self, row: SamplingRow) -> int:
         """The row's noise key: from its seed and output index, else fresh (sampled rows
         only, in row order: the host generator advances as it always has)."""
@@ -183,20 +203,27 @@ class Sampler:
             return 0
         if row.params.seed is None:
             return random_key(self._rng)
-        seed_mix = row.cache.get(_SEED_MIX)
-        if seed_mix is None:
-            seed_mix = row.cache[_SEED_MIX] = mix64(row.params.seed)
-        return key_at(seed_mix, row.output_index)
+        return key_at(_seed_mix(row), row.output_index)
 
 
-def sampling_tensors(rows: list[SamplingRow], keys: list[int],
+def _seed_mix(row: SamplingRow) -> int:
+    """``mix64`` of the row's seed, kept in its request's cache."""
+    seed_mix = row.cache.get(_SEED_MIX)
+    if seed_mix is None:
+        assert row.params.seed is not None
+        seed_mix = row.cache[_SEED_MIX] = mix64(row.params.seed)
+    return seed_mix  # type: ignore[no-any-return]
+
+
+def sampling_tensors(rows: list[SamplingRow], keys: list[int] | np.ndarray,
                      device: torch.device) -> SamplingTensors:
     """The rows' parameters as the sampling pass reads them: two copies up, three more
     when a row has a logit bias. Greedy rows (temperature 0 or top-k 1) get temperature 0;
     top-k off is any value >= the vocabulary (2**24 here)."""
     host = tuple(r.cache.get(_PARAMS) or _params_row(r) for r in rows)
-    params = to_device(host, torch.float32, device)
-    keys_up = to_device(keys, torch.long, device)
+    # numpy builds the host tensors ~1.6x faster than torch.tensor from lists
+    params = host_to_device(torch.from_numpy(np.array(host, dtype=np.float32)), device)
+    keys_up = host_to_device(torch.from_numpy(np.asarray(keys, dtype=np.int64)), device)
     if not any(r.params.logit_bias for r in rows):
         return SamplingTensors(params, keys_up, host)
     offsets: list[int] = [0]

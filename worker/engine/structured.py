@@ -216,8 +216,10 @@ class StructuredOutputs:
         ``drafts`` (speculative decoding): a drafted request's k draft positions sample
         from logits rows after all of ``requests``' (in order, as ``engine_hooks``), its
         own row at the bonus position; each gets the mask after the drafts before it."""
-        drafts = drafts or {}
         self._settle()
+        if not drafts and not any(r.grammar is not None for r in requests):
+            return PendingMask([], None)  # the usual step: no row is constrained
+        drafts = drafts or {}
         rows: list[int] = []  # logits row of each bitmask row
         jobs: list[tuple[RequestGrammar, list[int], int]] = []  # grammar, draft, first row
         extra = len(requests)

@@ -272,3 +272,25 @@ def test_filtered_sampling_follows_the_reference_distribution():
     sigma = (expected * (1 - expected) / n).sqrt()
     assert ((counts / n - expected).abs() <= 4 * sigma + 1e-9).all(), (counts / n, expected)
     assert counts[3:].sum() == 0  # top-p 0.75 keeps 0.4 + 0.25 + 0.15 of the top 4
+
+
+def test_step_keys_equal_the_per_row_keys():
+    """``Sampler.keys`` (the seeded rows' keys in one numpy pass) gives each row's
+    ``_key`` bit for bit, and draws the unseeded rows' keys in row order as before."""
+    import random
+
+    from kernels import sampling_noise as noise
+
+    rng = random.Random(3)
+    seeds = [0, 1, 2**63 - 1, *(rng.getrandbits(63) for _ in range(60))]
+    rows = [row(index=rng.choice([0, 1, 77, 2**20, 2**40]), temperature=0.7, seed=s)
+            for s in seeds]
+    rows[5:5] = [row(temperature=0.9), row(index=3), row(index=4, temperature=0.5)]
+    one = Sampler(seed=9)
+    want = [one._key(r) for r in rows]
+    assert Sampler(seed=9).keys(rows).tolist() == want
+    mixes = [noise.mix64(s) for s in seeds]
+    import numpy as np
+
+    got = noise.keys_at(np.array(mixes, dtype=np.uint64), np.arange(len(seeds)) * 2**33)
+    assert got.tolist() == [noise.key_at(m, i * 2**33) for i, m in enumerate(mixes)]
