@@ -19,6 +19,7 @@ from protocol.sampling import SamplingParams
 from worker.engine.transfer import host_to_device, to_device
 
 PROMPT_MASK = "prompt_mask"  # SamplingRow.cache key: [V] bool, the prompt's tokens
+OUTPUT_IDS = "penalty_output_ids"  # SamplingRow.cache key: (int64 buffer, tokens in it)
 ALLOWED_MASK = "allowed_mask"  # SamplingRow.cache key: [V] bool, its allowed_token_ids
 
 
@@ -50,10 +51,12 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         return logits
     device, vocab = logits.device, logits.shape[1]
     picked = [rows[i] for i in targets]
-    longest = max(1, max(len(r.output_token_ids) for r in picked))
-    padded = [[t if 0 <= t < vocab else vocab for t in r.output_token_ids]
-              + [vocab] * (longest - len(r.output_token_ids)) for r in picked]
-    ids = to_device(padded, torch.long, device)  # [P, L]; vocab: a spare column, dropped
+    histories = [_output_ids(r, vocab) for r in picked]
+    padded = np.full((len(picked), max(1, max(len(h) for h in histories))), vocab,
+                     dtype=np.int64)  # [P, L]; vocab: a spare column, dropped
+    for j, history in enumerate(histories):
+        padded[j, :len(history)] = history
+    ids = host_to_device(torch.from_numpy(padded), device)
     counts = torch.zeros(len(picked), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     _count_pending(counts, picked, vocab)
@@ -70,6 +73,28 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     sub = torch.where(seen, penalised, sub)
     sub = sub - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).to(sub.dtype)
     return logits.index_copy(0, index, sub)
+
+
+def _output_ids(row: SamplingRow, vocab: int) -> np.ndarray:
+    """[L] int64: the row's known output tokens (ids outside the vocabulary as ``vocab``),
+    kept in its request's cache and extended by the tokens new since the last step, so a
+    step's host work is O(new tokens) rather than O(output length) per penalised row.
+    A history that got shorter (it never should) is rebuilt."""
+    known = row.output_token_ids
+    buffer, count = row.cache.get(OUTPUT_IDS) or (np.empty(0, dtype=np.int64), 0)
+    if len(known) < count:
+        buffer, count = np.empty(0, dtype=np.int64), 0
+    if len(known) > count:
+        new = np.fromiter(known[count:], dtype=np.int64, count=len(known) - count)
+        new[(new < 0) | (new >= vocab)] = vocab
+        if len(known) > len(buffer):  # grow by doubling
+            grown = np.empty(max(64, 2 * len(known)), dtype=np.int64)
+            grown[:count] = buffer[:count]
+            buffer = grown
+        buffer[count:len(known)] = new
+        count = len(known)
+        row.cache[OUTPUT_IDS] = (buffer, count)
+    return buffer[:count]
 
 
 def _count_pending(counts: torch.Tensor, rows: Sequence[SamplingRow], vocab: int) -> None:
