@@ -84,6 +84,9 @@ def _run(engine: Engine, jobs: list[SamplingParams]) -> dict[str, Any]:
     for i, params in enumerate(jobs):
         prompt = [(13 * i + 7 * k) % (vocab - 3) + 3 for k in range(6 + 5 * i)]
         engine.add_request(f"r{i}", prompt, params)
+    for request in engine.scheduler.waiting:  # grammars compiled before the first step, so
+        if request.grammar is not None:  # both runs batch alike (float sums: same shapes)
+            request.grammar.future.exception()
     while engine.has_unfinished_requests():
         for out in TextOutputs.of(engine).step():
             entry = got.setdefault(out.request_id, {"tokens": [], "text": "", "lp": []})
