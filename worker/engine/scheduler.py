@@ -83,6 +83,8 @@ class Scheduler(StepUpdates):
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):  # every position computed
+            self.block_manager.cache_partial_block(request)
         self.block_manager.free(request.request_id)
         del self.requests[request.request_id]
 
@@ -130,7 +132,7 @@ class Scheduler(StepUpdates):
         bm = self.block_manager
         # A request reporting prompt logprobs computes the positions it reports.
         hits = [] if request.needs_prompt_logits else bm.cached_prefix(request)
-        hit_tokens = len(hits) * bm.block_size
+        hit_tokens = bm.hit_tokens(hits)
         start = request.num_computed_tokens + hit_tokens
         drafted = len(self.drafts.get(request.request_id, ())) if self.drafts else 0
         num_new = min(request.num_tokens + drafted - start, budget,
