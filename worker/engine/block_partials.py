@@ -6,10 +6,11 @@ turn's last block: the answer rarely ends on a block boundary, and up to ``block
 tokens were computed again (15 of a returning turn's 64 new tokens in ``ops/bench/kv_tier.py``,
 a quarter of its forward). Here a request that finishes normally (a stop or its length)
 leaves its partly filled last block cached under a key naming its parent block's hash and
-the tokens it holds (``partial_key``), next to the full blocks: it is evicted like them
-(least recently used; through the host tier when one is attached), and a request whose
-chain of full blocks ends where such a block continues with the same leading tokens takes
-it (``PartialHit``) and computes from the first token after them.
+the tokens it holds (``partial_key``), next to the full blocks. It is evicted before any
+of them (at the front of the free list, where a block without a hash always went: keeping
+it evicts no full block sooner), through the host tier when one is attached. A request
+whose chain of full blocks ends where such a block continues with the same leading tokens
+takes it (``PartialHit``) and computes from the first token after them.
 
 A partial block is taken, not shared: the new owner writes past its kept tokens, so a
 device hit leaves the cache (unregistered as it is claimed: it had no other holder), and a
@@ -76,30 +77,41 @@ class PartialBlocks:
     def _take_free_block(self) -> int:
         raise NotImplementedError  # BlockManager's
 
+    def free(self, request_id: str) -> None:
+        raise NotImplementedError  # BlockManager's
+
     def _parent(self, request: Request, block_index: int) -> bytes:
         if block_index == 0:
             return self._root_of(request)
         return self._hashes(request, block_index)[block_index - 1]
 
-    def cache_partial_block(self, request: Request) -> None:
-        """Keep the finishing request's last block if it is partly filled (call before
-        ``free``): under ``partial_key`` of its computed tokens, all but the last one
-        (sampled, never run through the model)."""
+    def free_keeping_partial(self, request: Request) -> None:
+        """``free`` the finishing request's blocks, keeping its last one if partly filled:
+        under ``partial_key`` of its computed tokens, all but the last one (sampled, never
+        run through the model). It stays at the front of the free list, where ``free``
+        puts every block without a hash: the first evicted (through the host tier when one
+        is attached), so keeping it pushes no full block out of the device cache sooner."""
+        kept = self._partial_of(request)
+        self.free(request.request_id)
+        if kept is not None and kept[1] not in self._block_of:
+            self._block_of[kept[1]] = kept[0]
+            self._hash_of[kept[0]] = kept[1]
+
+    def _partial_of(self, request: Request) -> tuple[int, bytes] | None:
+        """The request's partly filled last block and its key, or None."""
         table = self._tables.get(request.request_id)
         if not self.enable_caching or not table:
-            return
+            return None
         computed = min(request.num_computed_tokens, request.num_tokens - 1)
         full, kept = divmod(computed, self.block_size)
         if kept == 0 or full >= len(table):
-            return
+            return None
         block = table[full]
         if self._ref_counts[block] != 1 or block in self._hash_of:
-            return
+            return None
         start = full * self.block_size
         key = partial_key(self._parent(request, full), request.all_token_ids[start:computed])
-        if key not in self._block_of:
-            self._block_of[key] = block
-            self._hash_of[block] = key
+        return block, key
 
     def _partial_hit(self, request: Request, block_index: int, end: int) -> PartialHit | None:
         """The kept partial block with the most of the request's tokens from block

@@ -84,8 +84,9 @@ class Scheduler(StepUpdates):
         request.finish_reason = reason
         request.error = error
         if reason in (FinishReason.STOP, FinishReason.LENGTH):  # every position computed
-            self.block_manager.cache_partial_block(request)
-        self.block_manager.free(request.request_id)
+            self.block_manager.free_keeping_partial(request)
+        else:
+            self.block_manager.free(request.request_id)
         del self.requests[request.request_id]
 
     def has_unfinished(self) -> bool:
