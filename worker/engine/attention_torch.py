@@ -149,9 +149,10 @@ def _prefill_one(
         )
     if ctx > q.shape[0]:  # a cached prefix: attend to the whole context from the pages
         nb = -(-ctx // k_cache.shape[1])
-        table = meta.block_tables[seq:seq + 1]
-        k = reference.gather_kv(k_cache, table, nb)[0, :ctx].to(q.dtype)  # [L, Hkv, D]
-        v = reference.gather_kv(v_cache, table, nb)[0, :ctx].to(q.dtype)
+        pages = meta.block_tables[seq, :nb].to(torch.long)  # [nb]
+        # index_select of whole pages: a few times faster than advanced indexing
+        k = k_cache.index_select(0, pages).flatten(0, 1)[:ctx].to(q.dtype)  # [L, Hkv, D]
+        v = v_cache.index_select(0, pages).flatten(0, 1)[:ctx].to(q.dtype)
         if q.dtype == torch.float32 and q.shape[0] * q.shape[1] * ctx <= MATMUL_SCORES_MAX:
             return prefix_attention(q, k, v, scale, sliding_window)
     return causal_sdpa(q, k, v, scale, sliding_window)
