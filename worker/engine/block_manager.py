@@ -23,6 +23,7 @@ the forward fails, so no block is ever cached with contents that were not comput
 With a host tier (``kv_host_tier.py``, ``attach_tier``), an evicted block with a hash is
 copied to host memory first, and ``cached_prefix`` goes on looking there: a host hit is
 returned as its hash and ``allocate_slots`` gives it a fresh block that the copy fills.
+A finished request's partly filled last block is kept too (``block_partials.py``).
 """
 
 from __future__ import annotations
@@ -173,12 +174,6 @@ class BlockManager(StepRegistrations, PartialBlocks):
         if partial is not None:
             hits.append(partial)
         return hits
-
-    def hit_tokens(self, hits: Sequence[int | bytes | PartialHit]) -> int:
-        """The tokens ``cached_prefix``'s answer covers."""
-        if hits and isinstance(hits[-1], PartialHit):
-            return (len(hits) - 1) * self.block_size + hits[-1].tokens
-        return len(hits) * self.block_size
 
     # -- mutations ---------------------------------------------------------------------
     def allocate_slots(

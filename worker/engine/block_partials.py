@@ -113,6 +113,12 @@ class PartialBlocks:
         key = partial_key(self._parent(request, full), request.all_token_ids[start:computed])
         return block, key
 
+    def hit_tokens(self, hits: Sequence[int | bytes | PartialHit]) -> int:
+        """The tokens ``cached_prefix``'s answer covers."""
+        if hits and isinstance(hits[-1], PartialHit):
+            return (len(hits) - 1) * self.block_size + hits[-1].tokens
+        return len(hits) * self.block_size
+
     def _partial_hit(self, request: Request, block_index: int, end: int) -> PartialHit | None:
         """The kept partial block with the most of the request's tokens from block
         ``block_index`` on, fewer than a block and not past token ``end``; None if none."""
