@@ -23,6 +23,7 @@ the forward fails, so no block is ever cached with contents that were not comput
 With a host tier (``kv_host_tier.py``, ``attach_tier``), an evicted block with a hash is
 copied to host memory first, and ``cached_prefix`` goes on looking there: a host hit is
 returned as its hash and ``allocate_slots`` gives it a fresh block that the copy fills.
+A finished request's partly filled last block is kept too (``block_partials.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from worker.engine.block_partials import PartialBlocks, PartialHit
 from worker.engine.block_registrations import StepRegistrations
 from worker.engine.host_tables import HostTables
 from worker.engine.kv_host_tier import HostTier
@@ -53,7 +55,7 @@ def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
-class BlockManager(StepRegistrations):
+class BlockManager(StepRegistrations, PartialBlocks):
     def __init__(
         self, num_blocks: int, block_size: int, watermark: float = 0.01,
         enable_caching: bool = True, salt: str = "",
@@ -144,19 +146,21 @@ class BlockManager(StepRegistrations):
         # ASCII after the root: never the bytes of a block (token ids' high bytes are 0)
         return hashlib.sha256(self._root + b"lora|" + request.lora.cache_key.encode()).digest()
 
-    def cached_prefix(self, request: Request) -> list[int | bytes]:
+    def cached_prefix(self, request: Request) -> list[int | bytes | PartialHit]:
         """Cached blocks that continue the request's table from where it has computed, up
-        to the block before its last token (whose logits must be computed): a device
-        block id, or the hash of a block the host tier holds. Empty unless the request
-        stands at a block boundary with nothing allocated ahead."""
+        to its last token (whose logits must be computed): a device block id, or the hash
+        of a block the host tier holds, and last maybe a kept partial block
+        (``block_partials.py``). Empty unless the request stands at a block boundary with
+        nothing allocated ahead."""
         table = self._tables.get(request.request_id, [])
         computed = request.num_computed_tokens
         if not self.enable_caching or computed != len(table) * self.block_size:
             return []
-        limit = min(request.num_tokens - 1, request.num_known_tokens) // self.block_size
-        if limit <= len(table):
+        end = min(request.num_tokens - 1, request.num_known_tokens)
+        limit = end // self.block_size
+        if limit < len(table) or end <= computed:
             return []
-        hits: list[int | bytes] = []
+        hits: list[int | bytes | PartialHit] = []
         tier = self.tier
         for h in self.block_hashes(request, limit)[len(table):]:
             block = self._block_of.get(h)
@@ -166,12 +170,15 @@ class BlockManager(StepRegistrations):
                 hits.append(h)
             else:
                 break
+        partial = self._partial_hit(request, len(table) + len(hits), end)
+        if partial is not None:
+            hits.append(partial)
         return hits
 
     # -- mutations ---------------------------------------------------------------------
     def allocate_slots(
         self, request_id: str, total_tokens: int, *, admitting: bool = False,
-        cached: Sequence[int | bytes] = (),
+        cached: Sequence[int | bytes | PartialHit] = (),
     ) -> list[int] | None:
         """Grow the request's table to hold ``total_tokens`` tokens: first the ``cached``
         blocks (from ``cached_prefix``; a hash is restored from the host tier into a
@@ -182,7 +189,10 @@ class BlockManager(StepRegistrations):
         """
         table = self._tables.get(request_id, [])
         need = max(0, self.blocks_needed(total_tokens) - len(table) - len(cached))
+        partial = cached[-1] if cached and isinstance(cached[-1], PartialHit) else None
         device = [b for b in cached if isinstance(b, int)]
+        if partial is not None and partial.block is not None:
+            device.append(partial.block)
         restores = len(cached) - len(device)
         reclaimed = sum(1 for block in device if self._ref_counts[block] == 0)
         reserve = self.watermark_blocks if admitting else 0
@@ -198,11 +208,14 @@ class BlockManager(StepRegistrations):
                 del self._free[block]
             self._ref_counts[block] += 1
         if restores and self.tier is not None:  # no restore may evict the next one
-            self.tier.hold([entry for entry in cached if isinstance(entry, bytes)])
-        hits = [entry if isinstance(entry, int) else self._restore(entry) for entry in cached]
+            held = [entry for entry in cached if isinstance(entry, bytes)]
+            self.tier.hold(held if partial is None or partial.block is not None
+                           else [*held, partial.key])
+        hits = [entry if isinstance(entry, int) else self._restore(entry)
+                if isinstance(entry, bytes) else self._take_partial(entry) for entry in cached]
         table.extend(hits)
-        if hits:
-            self.host.registered[row] = len(table)
+        if hits:  # a partial block is registered once it is full, by cache_full_blocks
+            self.host.registered[row] = len(table) - (partial is not None)
         new_blocks = [self._take_free_block() for _ in range(need)]
         table.extend(new_blocks)
         if hits or new_blocks:

@@ -10,7 +10,8 @@ when it is rescheduled, so only its partial last block is recomputed (recompute 
 fallback for what the tier no longer holds).
 
 Copies are queued while the step is scheduled and applied by ``flush`` just before the
-forward, in whole-block batches (one gather per direction over every layer at once):
+forward, in whole-block batches (on a CPU one strided copy per block over every layer,
+on CUDA one gather per direction):
 copies out first (they read blocks this step's forward is about to overwrite), then copies
 in (which may reuse those very blocks). On CUDA both directions go through pinned staging
 with non-blocking copies on the compute stream, so the host never waits for the device:
@@ -179,11 +180,11 @@ class HostTier:
         self._released.clear()
 
     def _copy_out(self, pool: torch.Tensor, outs: list[tuple[int, int]]) -> None:
+        if pool.device.type != "cuda":
+            _copy_blocks(self.pool, pool, outs)
+            return
         blocks = torch.tensor([b for b, _ in outs], dtype=torch.long)
         slots = [s for _, s in outs]
-        if pool.device.type != "cuda":
-            self.pool[:, :, torch.tensor(slots)] = pool[:, :, blocks]
-            return
         self._settle(wait=False)
         gathered = pool[:, :, blocks.to(pool.device, non_blocking=True)]
         staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
@@ -193,12 +194,12 @@ class HostTier:
         self._in_flight.append(_PendingOut(slots, staged, done))
 
     def _copy_in(self, pool: torch.Tensor, ins: list[tuple[int, int]]) -> None:
+        if pool.device.type != "cuda":
+            _copy_blocks(pool, self.pool, ins)
+            return
         slots = torch.tensor([s for s, _ in ins], dtype=torch.long)
         blocks = torch.tensor([b for _, b in ins], dtype=torch.long)
         gathered = self.pool[:, :, slots]  # [layers, 2, n, block_size, Hkv, D]
-        if pool.device.type != "cuda":
-            pool[:, :, blocks] = gathered
-            return
         staged = gathered.pin_memory()
         pool[:, :, blocks.to(pool.device, non_blocking=True)] = \
             staged.to(pool.device, non_blocking=True)
@@ -214,3 +215,14 @@ class HostTier:
                 out.done.synchronize()
             self.pool[:, :, torch.tensor(out.slots)] = out.staged
         self._in_flight = pending
+
+
+def _copy_blocks(dst: torch.Tensor, src: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """``dst[:, :, d] = src[:, :, s]`` for each (source block, destination block) pair of
+    two pools in host memory ([layers, 2, blocks, block_size, Hkv, D]). One strided copy
+    per block: each is ``layers * 2`` contiguous runs of a block's bytes, which a memcpy
+    moves at memory speed, where an advanced-index gather and scatter over the third
+    dimension went element by element through a temporary (a few times slower, measured:
+    ~0.4 against ~0.05 ms for 4 blocks of the default model)."""
+    for s, d in pairs:
+        dst[:, :, d].copy_(src[:, :, s])

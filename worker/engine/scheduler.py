@@ -83,7 +83,10 @@ class Scheduler(StepUpdates):
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
-        self.block_manager.free(request.request_id)
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):  # every position computed
+            self.block_manager.free_keeping_partial(request)
+        else:
+            self.block_manager.free(request.request_id)
         del self.requests[request.request_id]
 
     def has_unfinished(self) -> bool:
@@ -130,7 +133,7 @@ class Scheduler(StepUpdates):
         bm = self.block_manager
         # A request reporting prompt logprobs computes the positions it reports.
         hits = [] if request.needs_prompt_logits else bm.cached_prefix(request)
-        hit_tokens = len(hits) * bm.block_size
+        hit_tokens = bm.hit_tokens(hits)
         start = request.num_computed_tokens + hit_tokens
         drafted = len(self.drafts.get(request.request_id, ())) if self.drafts else 0
         num_new = min(request.num_tokens + drafted - start, budget,

@@ -8,8 +8,11 @@ import torch
 
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.attention_torch import (
+    KERNEL_ROWS_MAX,
     CpuAttentionBackend,
     TorchAttentionBackend,
+    causal_sdpa,
+    prefix_attention,
     short_chunks,
 )
 
@@ -50,4 +53,35 @@ def test_short_chunks_match_the_torch_backend(window: int | None) -> None:
                                            window, None)
     got = CpuAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,
                                         window, None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("q_len", "ctx", "heads", "window"),
+                         [(64, 288, (8, 8), None), (17, 40, (4, 2), None), (30, 90, (6, 2), 20)])
+def test_prefix_attention_matches_sdpa(q_len: int, ctx: int, heads: tuple[int, int],
+                                       window: int | None) -> None:
+    """The matmul path of a chunk over a cached prefix equals causal SDPA (GQA, window)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(q_len, heads[0], D, generator=g)
+    k, v = (torch.randn(ctx, heads[1], D, generator=g) for _ in range(2))
+    torch.testing.assert_close(prefix_attention(q, k, v, 0.3, window),
+                               causal_sdpa(q, k, v, 0.3, window), atol=1e-5, rtol=1e-4)
+
+
+def test_long_chunks_leave_the_kernel_rows() -> None:
+    """A chunk whose tokens times its context pass KERNEL_ROWS_MAX runs as matmuls (one
+    row per token would read the whole context for each), and both backends agree."""
+    ctx, q_lens = [9, 90, 80], [1, 60, 40]  # decode, 5400 > max, 3200 <= max
+    assert 60 * 90 > KERNEL_ROWS_MAX >= 40 * 80
+    meta = _meta(ctx, q_lens, num_decodes=1)
+    tokens, seqs, _ = short_chunks(meta)
+    assert seqs == [2] * 40 and tokens == list(range(61, 101))
+    g = torch.Generator().manual_seed(2)
+    t = sum(q_lens)
+    q, k, v = (torch.randn(t, h, D, generator=g) for h in (HQ, HKV, HKV))
+    cache = [torch.randn(128, BLOCK, HKV, D, generator=g) for _ in range(2)]
+    want = TorchAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,
+                                           None, None)
+    got = CpuAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,
+                                        None, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

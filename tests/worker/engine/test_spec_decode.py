@@ -17,6 +17,7 @@ from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from worker import Engine, EngineConfig
 from worker.engine.block_manager import chain_hash
+from worker.engine.block_partials import partial_key
 from worker.engine.speculative.config import SpeculativeConfig
 
 
@@ -148,10 +149,13 @@ def test_prefix_cache_holds_only_verified_blocks(checkpoint: str) -> None:
     for (rid, prompt, _), (tokens, _) in zip(_jobs(prompts, GREEDY, "v"), out.values(),
                                               strict=True):
         assert rid.startswith("v")
-        text, parent = prompt + tokens, bm._root
-        for i in range(len(text) // bm.block_size):
-            parent = chain_hash(parent, text[i * bm.block_size:(i + 1) * bm.block_size])
-            valid.add(parent)
+        text, parents, bs = prompt + tokens, [bm._root], bm.block_size
+        for i in range(len(text) // bs):
+            parents.append(chain_hash(parents[-1], text[i * bs:(i + 1) * bs]))
+        valid.update(parents[1:])
+        full, kept = divmod(len(text) - 1, bs)  # the last token sampled is never run
+        if kept:  # its kept partial block: verified tokens only
+            valid.add(partial_key(parents[full], text[full * bs:full * bs + kept]))
     assert bm._block_of and set(bm._block_of) <= valid
 
 
