@@ -11,7 +11,10 @@ that end are replaced at once, so the batch stays full. One JSON line per worklo
   JSON-schema grammar; ``logprobs`` — every row asks for 5 logprobs.
 
 Fields: ``engine_ms_per_step`` (median wall time of ``Engine.step()``, which emits token
-ids only), ``phases_ms`` (mean per step of each engine phase), ``sampling_bytes_per_step`` (device
+ids only), ``host_ms_per_step`` (the same less the device stand-ins, ``host_stub.DeviceClock``)
+and ``host_cpu_ms_per_step`` (that in the engine thread's CPU time: steadier on a shared
+machine, where wall time also counts the time other processes hold the cores),
+``phases_ms`` (mean per step of each engine phase), ``sampling_bytes_per_step`` (device
 traffic of the sampling ops at 256 x 128k, ``sampling_traffic.py``). Each step's batch also goes
 to a real output process (``worker/service/output_process.py``) publishing to a real
 redis-server the bench starts: ``output_ms_per_step`` (its busy time per batch: text,
@@ -90,6 +93,7 @@ class Feeder:
         self.engine, self.workload, self.link = engine, workload, link
         self.clock = DeviceClock().install(engine)
         self.device_times: list[float] = []  # per step: seconds in the device stand-ins
+        self.host_cpu: list[float] = []  # per step: engine-thread CPU s outside them
         self.batches: list[Any] = []  # what went to the output process (the identity check)
         self.rng = random.Random(0)
         self.count = 0
@@ -106,9 +110,11 @@ class Feeder:
 
     def step(self) -> tuple[float, int]:
         start, device = time.perf_counter(), self.clock.seconds
+        cpu, device_cpu = time.thread_time(), self.clock.cpu_seconds
         batch = self.engine.step()  # token ids only: text is the output side's
         elapsed = time.perf_counter() - start
         self.device_times.append(self.clock.seconds - device)
+        self.host_cpu.append(time.thread_time() - cpu - (self.clock.cpu_seconds - device_cpu))
         if self.link is not None:
             self.link.send(batch)
             self.batches.append(batch)
@@ -129,6 +135,7 @@ def run_workload(workload: str, steps: int, rows: int, redis_url: str | None) ->
     engine.timer.reset()
     times: list[float] = []
     feeder.device_times.clear()
+    feeder.host_cpu.clear()
     tokens = 0
     before = wait_caught_up(link, len(feeder.batches)) if link is not None else {}
     run_start = time.perf_counter()
@@ -143,6 +150,7 @@ def run_workload(workload: str, steps: int, rows: int, redis_url: str | None) ->
         "engine_ms_per_step": round(statistics.median(times) * 1e3, 3),
         "host_ms_per_step": round(statistics.median(
             t - d for t, d in zip(times, feeder.device_times, strict=True)) * 1e3, 3),
+        "host_cpu_ms_per_step": round(statistics.median(feeder.host_cpu) * 1e3, 3),
         "device_standin_ms_per_step": round(statistics.mean(feeder.device_times) * 1e3, 3),
         "engine_ms_p90": round(sorted(times)[int(0.9 * len(times))] * 1e3, 3),
         "phases_ms": phases,

@@ -50,17 +50,19 @@ class DeviceClock:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.cpu_seconds = 0.0  # the same spans in this thread's CPU time
 
     def wrap(self, fn: Any) -> Any:
         """``fn`` timed on this clock (the function itself, if another clock wrapped it)."""
         fn = getattr(fn, "__wrapped__", fn)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
+                self.cpu_seconds += time.thread_time() - cpu
         timed.__wrapped__ = fn  # type: ignore[attr-defined]
         return timed
 
