@@ -220,7 +220,7 @@ class WorkerService:
 
     def _step(self) -> None:
         start = time.perf_counter()
-        outputs = self.table.text.step()
+        outputs = self.table.step()
         elapsed = time.perf_counter() - start
         self.slots.set_running(len(self.engine.scheduler.running))
         batch, tokens = self.table.events(outputs, time.monotonic())
