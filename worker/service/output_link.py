@@ -45,7 +45,9 @@ class OutputLink:
         ready = self._reader.read()
         if ready is None or ready[0] != m.READY:
             raise OutputDied(f"output process did not start (exit {proc.poll()})")
-        threading.Thread(target=self._read_back, name="output-link", daemon=True).start()
+        self._reading = threading.Thread(target=self._read_back, name="output-link",
+                                         daemon=True)
+        self._reading.start()
 
     @classmethod
     def start(cls, options: dict[str, Any], timeout_s: float = 120.0) -> OutputLink:
@@ -123,7 +125,11 @@ class OutputLink:
             m.write_all(self._wfd, m.frame([m.QUIT]))
         try:
             self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:  # stuck: what it did not write, a resume redoes
+            self.proc.kill()
+            self.proc.wait(10.0)
         finally:
             os.close(self._wfd)
+        self._reading.join(5.0)  # everything it wrote before exiting is read
         with contextlib.suppress(OutputDied):
             self.poll()
