@@ -217,7 +217,9 @@ def _load_tokenizer(options: dict[str, Any]) -> Any:
     if options.get("decode_spec") is not None:
         from worker.engine.rust_decode import RustDecoder
 
-        return RustDecoder(options["decode_spec"])
+        decoder = RustDecoder(options["decode_spec"])
+        decoder.streams = decoder.streams and not options.get("window_decode")  # bench A/B
+        return decoder
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(options["tokenizer"])
