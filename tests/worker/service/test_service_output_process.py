@@ -76,7 +76,8 @@ def _serve(checkpoint: str, url: str, wid: str, log_dir: Path, env: dict[str, st
            requests: list[GenerateRequest]) -> list[list[Any]]:
     with WorkerProcess(checkpoint, url, wid, log_dir, env=env) as w:
         w.wait_live()
-        assert (_output_pid(w, 5.0) > 0) if env else "output_process" not in w.log_tail(400)
+        on = env["FERRY_OUTPUT_PROCESS"] == "1"
+        assert (_output_pid(w, 5.0) > 0) if on else "output_process" not in w.log_tail(400)
         results = stream_all(url, requests)
     return [_view(results[r.request_id]) for r in requests]
 
@@ -85,7 +86,8 @@ def test_output_process_streams_what_the_in_process_path_streams(
         redis_server: Any, checkpoint: str, log_dir: Path, reference: Any) -> None:
     stops = _stop_strings(reference)
     url = redis_server.url
-    inproc = _serve(checkpoint, url, "in-proc", log_dir, {}, _requests(stops))
+    inproc = _serve(checkpoint, url, "in-proc", log_dir, {"FERRY_OUTPUT_PROCESS": "0"},
+                    _requests(stops))
     outproc = _serve(checkpoint, url, "out-proc", log_dir, OUT, _requests(stops))
     stopped = 0
     for i, (a, b) in enumerate(zip(inproc, outproc, strict=True)):
