@@ -10,7 +10,7 @@ also engine -> output: ``JOB`` (an admitted request's ``ActiveJob``, pickled), `
 dropped without events: lease lost, shutdown); output -> engine: ``DISCARD`` (an entry
 whose terminal event is written or whose lease is lost: no longer held), ``LOST`` (the
 fence refused an event: stop the request), ``FINISHED`` (a terminal event's outcome,
-for the stats and the fair ledger).
+for the stats and the fair ledger), ``GAPS`` (inter-token latencies binned per pass).
 Torch-free: the output process imports this and the engine's ``step_batch`` only.
 """
 
@@ -25,7 +25,7 @@ import msgpack
 from worker.engine.step_batch import EngineEnd, StepBatch, StreamOpen
 
 CONFIG, BATCH, QUIT, READY, STOP, STATS = "C", "B", "Q", "R", "S", "T"
-JOB, END, DROP, DISCARD, LOST, FINISHED = "J", "E", "D", "X", "L", "F"
+JOB, END, DROP, DISCARD, LOST, FINISHED, GAPS = "J", "E", "D", "X", "L", "F", "G"
 _LEN = struct.Struct("<I")
 PIPE_BYTES = 1 << 20  # pipes raised to 1 MiB where the kernel allows (F_SETPIPE_SZ)
 

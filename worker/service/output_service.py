@@ -9,7 +9,8 @@ engine ends the request a step late, its extra token never published), ``JobEven
 (the code the in-process path runs) builds the events, and an ``Outbox`` of its own
 writes them with the same fenced-push script, so leases, fencing and the replay log are
 exactly today's. What the outbox learns goes back: ``DISCARD`` (an entry no longer held),
-``LOST`` (the fence refused: stop the request), ``FINISHED`` (stats, fair ledger).
+``LOST`` (the fence refused: stop the request), ``FINISHED`` (stats, fair ledger), and
+``GAPS`` (inter-token latencies, binned per pass).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from worker.service import output_messages as m
 from worker.service.active_job import ActiveJob
 from worker.service.job_events import JobEvents
 from worker.service.jobs import Command, Outgoing
+from worker.service.metrics import GapBins
 from worker.service.outbox import Outbox
 from worker.service.stats import finished_fields
 
@@ -64,7 +66,8 @@ class ServiceOutputs:
         self.texts = StreamTexts(tokenizer, self._on_stop)
         token_text = functools.lru_cache(maxsize=1 << 16)(
             lambda token: str(tokenizer.decode([token])))
-        self.ev = JobEvents(token_text, self._on_end, lambda request_id: [])
+        self.gaps = GapBins()
+        self.ev = JobEvents(token_text, self._on_end, lambda request_id: [], self.gaps)
         self.outbox = Outbox(settings, _HeldProxy(send), _MailboxProxy(send))  # type: ignore[arg-type]
         self.outbox.start()
 
@@ -102,9 +105,13 @@ class ServiceOutputs:
         return self.texts.ends([m.unpack_end(e) for e in ends])
 
     def flush_stops(self) -> None:
+        """After each pass: the stop strings found, and the inter-token gaps binned."""
         for stop in self.stops:
             self._send(stop)
         self.stops.clear()
+        gaps = self.gaps.take()
+        if gaps is not None:
+            self._send([m.GAPS, *gaps])
 
     def close(self, timeout_s: float) -> None:
         """Write what is pending (up to ``timeout_s``), then stop the outbox."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import queue
+from collections import Counter
 from typing import Any
 
 from protocol.models import FinishReason
@@ -56,11 +57,15 @@ class RemoteJobTable(JobTable):
             self.mailbox.put(Command("lost", message[1]))
         elif kind == m.FINISHED:
             self.book.record(*message[1])
+        elif kind == m.GAPS:
+            self.metrics.add_inter_token(message[1], message[2])
 
     # -- the step ----------------------------------------------------------------------
     def step(self) -> StepBatch:
         self.poll()
         batch = self.engine.step()
+        if self._adapter_of and self.lora_metrics is not None:
+            self._count_adapter_tokens(batch)
         self._track(batch.opened, batch.ends)
         self.link.send(batch)
         for request_id in self._abort_after:
@@ -70,6 +75,16 @@ class RemoteJobTable(JobTable):
             self.link.send_ends(opened, ends)
         self._abort_after.clear()
         return batch
+
+    def _count_adapter_tokens(self, batch: StepBatch) -> None:
+        """Per-adapter token counts (multi-LoRA), from the rows: the text is elsewhere."""
+        assert self.lora_metrics is not None
+        new = {o.stream: o.request_id for o in batch.opened}
+        rows = Counter(self._request_of.get(s) or new.get(s) for s in batch.streams)
+        for request_id, n in rows.items():
+            adapter = self._adapter_of.get(request_id or "")
+            if adapter is not None:
+                self.lora_metrics.tokens.labels(adapter=adapter).inc(n)
 
     def events(self, outputs: Any, now: float) -> tuple[list[Outgoing], int]:
         return [], len(outputs)  # the output process makes them
