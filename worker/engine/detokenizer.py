@@ -174,8 +174,10 @@ def make_detokenizer(
 ) -> IncrementalDetokenizer:
     """The detokenizer of one stream (the output side's single way to build one): the
     ``DecodeStream`` one where the tokenizer offers it (same text, one decode a token)."""
-    cls = StreamingDetokenizer if getattr(tokenizer, "streams", False) else \
-        IncrementalDetokenizer
+    from worker.engine.rust_decode import RustDecoder
+
+    streams = isinstance(tokenizer, RustDecoder) and tokenizer.streams
+    cls = StreamingDetokenizer if streams else IncrementalDetokenizer
     return cls(
         tokenizer, prompt_token_ids, stop=stop,
         include_stop_str_in_output=include_stop_str_in_output,
