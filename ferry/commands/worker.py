@@ -80,6 +80,10 @@ SpecFleet = Annotated[bool, _opt(
 SpecFleetEntries = Annotated[int, _opt("FERRY_SPEC_FLEET_ENTRIES", "Outputs the fleet's "
                                        "draft stream keeps (about; the oldest go first).")]
 WaitTimeoutMs = Annotated[int, _opt("FERRY_REDIS_WAIT_TIMEOUT_MS", "Cluster: WAIT timeout.")]
+OutputProc = Annotated[bool, _opt(
+    "FERRY_OUTPUT_PROCESS", "Detokenize, build events and write them to Redis in a second "
+    "process (off the engine's GIL); ignored with --redis-cluster.",
+    "--output-process/--no-output-process")]
 
 
 def _name_for(model: str) -> str:
@@ -104,7 +108,7 @@ def worker(
     redis_cluster: RedisCluster = False, stream_shards: StreamShards = 3,
     redis_wait_replicas: WaitReplicas = 1, redis_wait_timeout_ms: WaitTimeoutMs = 2000,
     lora: Lora = None, speculative: Speculative = None, spec_fleet: SpecFleet = True,
-    spec_fleet_entries: SpecFleetEntries = 4096,
+    spec_fleet_entries: SpecFleetEntries = 4096, output_process: OutputProc = False,
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
     from protocol.cluster import Replication
@@ -131,7 +135,7 @@ def worker(
             redis_cluster=redis_cluster, stream_shards=stream_shards,
             replication=Replication(redis_wait_replicas, redis_wait_timeout_ms),
             metrics_host=metrics_host, spec_fleet=spec_fleet,
-            spec_fleet_entries=spec_fleet_entries,
+            spec_fleet_entries=spec_fleet_entries, output_process=output_process,
             dead_letters=DeadLetterBounds(dead_letter_max_len, dead_letter_max_age_s,
                                           dead_letter_max_payload_bytes),
         )

@@ -169,12 +169,16 @@ def sampling_bytes(workload: str, rows: int) -> int:
                                     for i in range(rows)])
 
 
+WINDOW_DECODE = False  # --window-decode: the output process's A/B baseline
+
+
 def start_output(engine: Any, redis_url: str) -> Any:
     from worker.engine.rust_decode import decode_spec
     from worker.service.output_link import OutputLink
 
     return OutputLink.start({"tokenizer": engine.config.model.model, "redis_url": redis_url,
-                             "collect": True, "decode_spec": decode_spec(engine.tokenizer)})
+                             "collect": True, "decode_spec": decode_spec(engine.tokenizer),
+                             "window_decode": WINDOW_DECODE})
 
 
 def wait_caught_up(link: Any, batches: int) -> dict[str, Any]:
@@ -220,7 +224,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="30 steps")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-output", action="store_true", help="engine half only")
+    parser.add_argument("--window-decode", action="store_true",
+                        help="the output process decodes with two window decodes a token, "
+                        "not DecodeStream (the A/B baseline)")
     args = parser.parse_args()
+    global WINDOW_DECODE
+    WINDOW_DECODE = args.window_decode
     import torch
 
     # the stub's ops stand for launches; two threads spin on a shared machine

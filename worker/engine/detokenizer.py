@@ -114,13 +114,71 @@ class IncrementalDetokenizer:
         return longest
 
 
+class StreamingDetokenizer(IncrementalDetokenizer):
+    """The same text as ``IncrementalDetokenizer`` through ``tokenizers``' ``DecodeStream``:
+    one Rust decode per token instead of two (``rust_decode.RustDecoder.decode_stream``).
+
+    ``DecodeStream`` runs the window algorithm above (decode from the last chunk's first
+    token, emit the growth unless it ends in U+FFFD, then start over from the new chunk),
+    so its state is ours: ``_ids`` mirrors its buffer (``_prefix_offset`` stays 0) and
+    ``_read_offset`` its prefix index. Where it cannot follow ours exactly (a prompt tail
+    that decodes to nothing whole, a decode whose text stops extending the last chunk's:
+    it raises) this stream goes on with the two window decodes from the mirrored state,
+    and back to ``DecodeStream`` at the next chunk they emit (``_resume``). (A prompt tail
+    with no whole text could be followed with DecodeStream too, but it then decodes its
+    buffer twice a token while nothing is emitted: no faster than the windows.)
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], **kw: Any) -> None:
+        tail = list(prompt_token_ids[-_WINDOW:])
+        stream = tokenizer.decode_stream(kw.get("skip_special_tokens", True))
+        # Prime with the prompt tail: ours starts with it all read; so does DecodeStream
+        # when the tail decodes to whole text (it emits it and starts over from there).
+        self._stream = stream if not tail or stream.step(tokenizer.rust, tail) else None
+        self._rust = tokenizer.rust
+        super().__init__(tokenizer, tail, **kw)
+
+    def _resume(self) -> None:
+        """After a window emission the state is a whole chunk: hand it back to
+        ``DecodeStream`` (primed with the chunk, it emits it and starts over from it)."""
+        chunk = self._ids[self._prefix_offset:]
+        stream = self._tok.decode_stream(self._skip)
+        if stream.step(self._rust, chunk) is not None:
+            self._stream = stream
+            self._ids, self._prefix_offset, self._read_offset = chunk, 0, len(chunk)
+
+    def _decode_next(self, token_id: int) -> str:
+        if self._stream is None:
+            new_text = super()._decode_next(token_id)
+            if new_text:
+                self._resume()
+            return new_text
+        try:
+            new_text = self._stream.step(self._rust, token_id)
+        except Exception:  # noqa: BLE001 - InvalidPrefix: the window decodes take over
+            self._stream = None
+            return super()._decode_next(token_id)
+        self._ids.append(token_id)
+        if new_text is None:
+            return ""
+        del self._ids[: self._read_offset]
+        self._read_offset = len(self._ids)
+        self.text += new_text
+        return str(new_text)
+
+
 def make_detokenizer(
     tokenizer: Any, prompt_token_ids: list[int], *, stop: list[str] | None = None,
     include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
     prior_output_ids: list[int] | None = None,
 ) -> IncrementalDetokenizer:
-    """The detokenizer of one stream (the output side's single way to build one)."""
-    return IncrementalDetokenizer(
+    """The detokenizer of one stream (the output side's single way to build one): the
+    ``DecodeStream`` one where the tokenizer offers it (same text, one decode a token)."""
+    from worker.engine.rust_decode import RustDecoder
+
+    streams = isinstance(tokenizer, RustDecoder) and tokenizer.streams
+    cls = StreamingDetokenizer if streams else IncrementalDetokenizer
+    return cls(
         tokenizer, prompt_token_ids, stop=stop,
         include_stop_str_in_output=include_stop_str_in_output,
         skip_special_tokens=skip_special_tokens, prior_output_ids=prior_output_ids,

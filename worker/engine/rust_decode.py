@@ -10,6 +10,7 @@ spec: the output side then loads the tokenizer itself the old way.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -27,16 +28,41 @@ def decode_spec(tokenizer: Any) -> dict[str, Any] | None:
     return {"json": backend.to_str(), "clean_up": clean_up}
 
 
+# Decoders whose text for ids[:n] is always a prefix of the text for ids (per-token maps,
+# byte joins, a strip at the very start): there ``DecodeStream`` never meets a chunk that
+# stops extending the last one, so it follows the window decodes exactly.
+_STREAM_SAFE = frozenset({"ByteLevel", "Metaspace", "ByteFallback", "Fuse", "Replace",
+                          "Strip", "Sequence"})
+
+
 class RustDecoder:
     def __init__(self, spec: dict[str, Any]) -> None:
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_str(spec["json"])
+        self.rust = Tokenizer.from_str(spec["json"])
         self._clean_up = bool(spec["clean_up"])
+        # ``DecodeStream`` (one Rust decode a token, not two): never with transformers'
+        # clean-up (it rewrites text across chunks), only with a prefix-safe decoder.
+        self.streams = not self._clean_up and _stream_safe(
+            json.loads(spec["json"]).get("decoder"))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self.rust.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up(text) if self._clean_up else text
+
+    def decode_stream(self, skip_special_tokens: bool) -> Any:
+        """A fresh ``tokenizers.decoders.DecodeStream`` (``detokenizer.StreamingDetokenizer``)."""
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+
+def _stream_safe(decoder: Any) -> bool:
+    if not isinstance(decoder, dict):
+        return False  # no decoder: tokens joined with spaces, WordPiece-like; keep windows
+    if decoder.get("type") not in _STREAM_SAFE:
+        return False
+    return all(_stream_safe(d) for d in decoder.get("decoders", []))
 
 
 def _clean_up(text: str) -> str:

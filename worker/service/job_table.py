@@ -21,6 +21,7 @@ from worker.engine.outputs import StepOutput
 from worker.engine.prompts import PromptError
 from worker.engine.text_output import TextOutputs
 from worker.service.active_job import ActiveJob
+from worker.service.job_events import JobEvents
 from worker.service.jobs import Admission, Command, Outgoing
 from worker.service.leases import HeldEntries
 from worker.service.lora_metrics import LoraMetrics
@@ -49,66 +50,61 @@ class JobTable:
         self.worker_id = worker_id
         self.token_text = token_text
         self.log = log
-        self.jobs: dict[str, ActiveJob] = {}
+        self.ev = JobEvents(token_text, self._on_end, self.text.abort, metrics)
+        self.jobs: dict[str, ActiveJob] = self.ev.jobs
         self._deadlines: dict[str, float] = {}
         self._early_cancels: dict[str, tuple[str, float]] = {}
         # multi-LoRA (service.py sets both when LoRA is on): model name -> adapter, and
         # the adapter of each running job (per-adapter metrics)
         self.adapters: LoraSync | None = None
-        self.lora_metrics: LoraMetrics | None = None
-        self._adapter_of: dict[str, str] = {}
+        self._adapter_of: dict[str, str] = self.ev.adapter_of
 
     def __len__(self) -> int:
         return len(self.jobs)
 
+    @property
+    def lora_metrics(self) -> LoraMetrics | None:
+        return self.ev.lora_metrics  # type: ignore[no-any-return]
+
+    @lora_metrics.setter
+    def lora_metrics(self, value: LoraMetrics | None) -> None:
+        self.ev.lora_metrics = value
+
+    def step(self) -> Any:
+        """One engine step (timed by the caller); ``events`` turns it into events."""
+        return self.text.step()
+
     def events(self, outputs: list[StepOutput], now: float) -> tuple[list[Outgoing], int]:
-        """One step's engine outputs -> (events to send, tokens produced)."""
-        batch: list[Outgoing] = []
-        tokens = 0
-        for out in outputs:
-            job = self.jobs.get(out.request_id)
-            if job is None:
-                continue
-            tokens += len(out.new_token_ids)
-            if self._adapter_of and out.request_id in self._adapter_of and self.lora_metrics:
-                self.lora_metrics.tokens.labels(adapter=self._adapter_of[out.request_id]) \
-                    .inc(len(out.new_token_ids))
-            if out.new_token_ids and job.last_token_mono is not None:
-                self.metrics.observe_inter_token(now - job.last_token_mono)
-            if out.new_token_ids:
-                job.last_token_mono = now
-            if out.finished:
-                batch += self._candidate_end(job, out)
-            else:
-                item = job.step_event(out, self.token_text)
-                if item is not None:
-                    batch.append(item)
-        return batch, tokens
+        """One step's outputs -> (events to send, tokens produced)."""
+        return self.ev.events(outputs, now)
 
-    def _candidate_end(self, job: ActiveJob, out: StepOutput) -> list[Outgoing]:
-        """A request (or one of its n candidates) ended in the engine: its events."""
-        reason, kind = _engine_finish(out)
-        if not job.multi:
-            return [self._end(job, reason, out, out.error, kind)]
-        if reason not in ("stop", "length"):  # one candidate failed: so does the request
-            job.absorb(out)
-            for other in self.text.abort(job.request_id):
-                job.absorb(other)
-            return [self._end(job, reason, None, out.error, kind)]
-        item = job.choice_event(out, self.token_text)
-        items = [item] if item is not None else []
-        if job.done:
-            items.append(self._end(job, job.overall_reason(), None))
-        return items
+    def _on_end(self, job: ActiveJob, item: Outgoing | None) -> None:
+        """A job's terminal event was built: forget it, record it, free its slot."""
+        self._deadlines.pop(job.request_id, None)
+        self._adapter_of.pop(job.request_id, None)
+        try:
+            if item is not None:
+                self.book.finished(job, item)  # its cost is in the fair ledger...
+        finally:
+            self.slots.release()  # ...before the intake, woken by the room, pulls again
 
-    def _stop_in_engine(self, job: ActiveJob) -> StepOutput | None:
-        """Abort a request's candidates; the output to close its event with (n = 1)."""
-        outs = self.text.abort(job.request_id)
-        if not job.multi:
-            return outs[0] if outs else None
-        for out in outs:
-            job.absorb(out)
-        return None
+    def poll(self) -> None:
+        """Between steps: what an output process sent back (in-process: nothing)."""
+
+    def close(self, timeout_s: float) -> None:
+        """Shutdown, after ``abort_all``: an output process writes what it has."""
+
+    def _admitted(self, job: ActiveJob) -> None:
+        """The job is in the engine (the output process hears of it here)."""
+
+    def _close(self, job: ActiveJob, reason: FinishReason, error: str) -> None:
+        """Stop a running job from outside (cancel, timeout) with its terminal event."""
+        out = self.ev.closing_output(job, self.text.abort(job.request_id))
+        self.outbox.put([self._end(job, reason, out, error)])
+
+    def _drop(self, request_id: str) -> None:
+        """Drop a request from the engine without events (lease lost, shutdown)."""
+        self.text.abort(request_id)
 
     def admit(self, admission: Admission) -> None:
         job = ActiveJob(admission, self.worker_id)
@@ -152,6 +148,7 @@ class JobTable:
             self._finish_now(job, "error", f"{type(exc).__name__}: {exc}", "internal")
             return
         self.jobs[rid] = job
+        self._admitted(job)
         if job.deadline is not None:
             self._deadlines[rid] = job.deadline
         if lora is not None:
@@ -175,15 +172,14 @@ class JobTable:
             if job is not None:
                 self.jobs.pop(cmd.request_id)
                 self._deadlines.pop(cmd.request_id, None)
-                self.text.abort(cmd.request_id)
+                self._drop(cmd.request_id)
                 self.slots.release()
                 self.log.warning("request_dropped_lease_lost", request_id=cmd.request_id)
             return
         if job is None:
             self._remember_cancel(cmd)
             return
-        out = self._stop_in_engine(job)
-        self.outbox.put([self._end(job, "cancelled", out, cmd.reason or "cancelled")])
+        self._close(job, "cancelled", cmd.reason or "cancelled")
         self.log.info("request_cancelled", request_id=cmd.request_id)
 
     def _remember_cancel(self, cmd: Command) -> None:
@@ -200,24 +196,14 @@ class JobTable:
         now = time.time()
         for rid, deadline in list(self._deadlines.items()):
             if now >= deadline:
-                job = self.jobs[rid]
-                out = self._stop_in_engine(job)
-                self.outbox.put([self._end(job, "timeout", out, _timeout_message(job))])
+                self._close(self.jobs[rid], "timeout", _timeout_message(self.jobs[rid]))
 
     def _end(
         self, job: ActiveJob, reason: FinishReason, out: StepOutput | None,
         error: str | None = None, kind: ErrorKind | None = None,
     ) -> Outgoing:
         """Forget a job that the engine no longer holds; its terminal event."""
-        self.jobs.pop(job.request_id, None)
-        self._deadlines.pop(job.request_id, None)
-        self._adapter_of.pop(job.request_id, None)
-        try:
-            item = job.final_event(reason, out, error, kind, self.token_text)
-            self.book.finished(job, item)  # its cost is in the fair ledger...
-        finally:
-            self.slots.release()  # ...before the intake, woken by the room, pulls again
-        return item
+        return self.ev.end(job, reason, out, error, kind)
 
     def _finish_now(
         self, job: ActiveJob, reason: FinishReason, error: str, kind: ErrorKind | None = None
@@ -229,19 +215,10 @@ class JobTable:
         """Shutdown: drop every request from the engine (their entries are handed back)."""
         count = len(self.jobs)
         for rid in list(self.jobs):
-            self.text.abort(rid)
+            self._drop(rid)
         self.jobs.clear()
         self._deadlines.clear()
         return count
-
-
-def _engine_finish(out: StepOutput) -> tuple[FinishReason, ErrorKind | None]:
-    reason = out.finish_reason or "stop"
-    if reason == "error":  # the engine says when the request is at fault (structured output)
-        return "error", "invalid_request" if out.error_kind == "invalid_request" else "internal"
-    if reason in ("stop", "length", "abort"):
-        return reason, None  # type: ignore[return-value]
-    return "error", "internal"
 
 
 def _timeout_message(job: ActiveJob) -> str:

@@ -14,6 +14,7 @@ paths advance one baseline, so calling both never double counts.
 
 from __future__ import annotations
 
+import bisect
 import errno
 
 from prometheus_client import (
@@ -170,6 +171,15 @@ class WorkerMetrics:
         """Gap between consecutive tokens of one request (TPOT for streaming clients)."""
         self.inter_token.observe(seconds)
 
+    def add_inter_token(self, counts: list[int], total: float) -> None:
+        """Gaps an output process binned itself (``GapBins``), as ``observe`` would have:
+        per bucket (the first bound at or above the gap; not cumulative), and their sum."""
+        hist = self.inter_token
+        for i, n in enumerate(counts):
+            if n:
+                hist._buckets[i].inc(n)  # type: ignore[attr-defined]
+        hist._sum.inc(total)  # type: ignore[attr-defined]
+
     def set_engine(self, stats: EngineStats) -> None:
         """Refresh batch/KV gauges and catch counters up with the engine's cumulative totals."""
         self.engine.update(stats)
@@ -190,3 +200,25 @@ class WorkerMetrics:
     def dead_lettered(self, n: int = 1) -> None:
         """``n`` malformed entries went to the dead-letter stream."""
         self.dead_letters.inc(n)
+
+
+class GapBins:
+    """Inter-token gaps binned where they are measured (the output process), sent to the
+    worker's histogram once per pass (``WorkerMetrics.add_inter_token``)."""
+
+    def __init__(self) -> None:
+        self.bounds = [*_ITL_BUCKETS, float("inf")]
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.total += seconds
+
+    def take(self) -> tuple[list[int], float] | None:
+        """The gaps since the last call (None: none)."""
+        if not any(self.counts):
+            return None
+        taken = (self.counts, self.total)
+        self.counts, self.total = [0] * len(self.bounds), 0.0
+        return taken

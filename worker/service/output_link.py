@@ -17,6 +17,7 @@ import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from worker.engine.step_batch import EngineEnd, StepBatch, StreamOpen
@@ -39,11 +40,14 @@ class OutputLink:
         self._back: queue.Queue[list[Any] | None] = queue.Queue()
         self.stats: dict[str, Any] = {}
         self.texts: dict[str, str] | None = None  # with ``collect``, after ``close``
+        self.on_message: Callable[[list[Any]], None] | None = None  # the service's kinds
         self._reader = m.FrameReader(rfd)
         ready = self._reader.read()
         if ready is None or ready[0] != m.READY:
             raise OutputDied(f"output process did not start (exit {proc.poll()})")
-        threading.Thread(target=self._read_back, name="output-link", daemon=True).start()
+        self._reading = threading.Thread(target=self._read_back, name="output-link",
+                                         daemon=True)
+        self._reading.start()
 
     @classmethod
     def start(cls, options: dict[str, Any], timeout_s: float = 120.0) -> OutputLink:
@@ -73,17 +77,21 @@ class OutputLink:
     def send(self, batch: StepBatch) -> None:
         if batch.is_empty:
             return
-        try:
-            m.write_all(self._wfd, m.frame(m.pack_batch(batch)))
-        except (BrokenPipeError, OSError) as exc:
-            raise OutputDied(f"output process gone: {exc}") from exc
+        self.send_message(m.pack_batch(batch))
 
     def send_ends(self, opened: list[StreamOpen], ends: list[EngineEnd]) -> None:
         """Ends outside a step (aborts), after any stream they need opened."""
         self.send(StepBatch(opened=opened, ends=ends))
 
+    def send_message(self, message: list[Any]) -> None:
+        try:
+            m.write_all(self._wfd, m.frame(message))
+        except (BrokenPipeError, OSError) as exc:
+            raise OutputDied(f"output process gone: {exc}") from exc
+
     def poll(self) -> list[tuple[int, str]]:
-        """The stop strings found since the last call; raises ``OutputDied``."""
+        """The stop strings found since the last call (other kinds go to ``on_message``,
+        in order); raises ``OutputDied`` once everything it sent before dying is read."""
         stops: list[tuple[int, str]] = []
         while True:
             try:
@@ -91,6 +99,7 @@ class OutputLink:
             except queue.Empty:
                 return stops
             if message is None:
+                self._back.put(None)  # every later poll says so too
                 raise OutputDied(f"output process exited ({self.proc.poll()})")
             if message[0] == m.STOP:
                 stops.append((message[1], message[2]))
@@ -98,6 +107,8 @@ class OutputLink:
                 self.stats = message[1]
                 if message[2] is not None:
                     self.texts = message[2]
+            elif self.on_message is not None:
+                self.on_message(message)
 
     def step(self, engine: Engine) -> StepBatch:
         """One engine step through the output process: the stop strings it found first
@@ -114,7 +125,11 @@ class OutputLink:
             m.write_all(self._wfd, m.frame([m.QUIT]))
         try:
             self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:  # stuck: what it did not write, a resume redoes
+            self.proc.kill()
+            self.proc.wait(10.0)
         finally:
             os.close(self._wfd)
+        self._reading.join(5.0)  # everything it wrote before exiting is read
         with contextlib.suppress(OutputDied):
             self.poll()

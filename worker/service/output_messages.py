@@ -4,7 +4,13 @@ Frames are ``<u32 length><msgpack>`` on a pipe; a message is a list whose first 
 its kind. Engine -> output: ``CONFIG`` (once), ``BATCH`` (one ``StepBatch``; ends outside
 a step, aborts, travel as a batch without rows), ``QUIT``. Output -> engine: ``READY``
 (the tokenizer is loaded), ``STOP`` (a stop string ended a stream:
-``Engine.finish_stream``), ``STATS``.
+``Engine.finish_stream``), ``STATS``. In the worker service (``FERRY_OUTPUT_PROCESS``)
+also engine -> output: ``JOB`` (an admitted request's ``ActiveJob``, pickled), ``END``
+(a request stopped from outside: cancel, timeout; with its abort's ends), ``DROP`` (one
+dropped without events: lease lost, shutdown); output -> engine: ``DISCARD`` (an entry
+whose terminal event is written or whose lease is lost: no longer held), ``LOST`` (the
+fence refused an event: stop the request), ``FINISHED`` (a terminal event's outcome,
+for the stats and the fair ledger), ``GAPS`` (inter-token latencies binned per pass).
 Torch-free: the output process imports this and the engine's ``step_batch`` only.
 """
 
@@ -19,6 +25,7 @@ import msgpack
 from worker.engine.step_batch import EngineEnd, StepBatch, StreamOpen
 
 CONFIG, BATCH, QUIT, READY, STOP, STATS = "C", "B", "Q", "R", "S", "T"
+JOB, END, DROP, DISCARD, LOST, FINISHED, GAPS = "J", "E", "D", "X", "L", "F", "G"
 _LEN = struct.Struct("<I")
 PIPE_BYTES = 1 << 20  # pipes raised to 1 MiB where the kernel allows (F_SETPIPE_SZ)
 
@@ -82,6 +89,14 @@ def unpack_batch(message: list[Any]) -> StepBatch:
         prompt_logprobs={int(k): v for k, v in prompt_lps.items()},
         ends=[unpack_end(e) for e in ends],
     )
+
+
+def pack_opened(opened: list[StreamOpen]) -> list[Any]:
+    return [list(_open_fields(o)) for o in opened]
+
+
+def unpack_opened(packed: list[Any]) -> list[StreamOpen]:
+    return [StreamOpen(*o) for o in packed]
 
 
 def pack_end(end: EngineEnd) -> list[Any]:

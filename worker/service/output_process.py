@@ -9,6 +9,9 @@ finds (the engine ends the request a step late; rows of a stream already ended h
 dropped, never published) and ``STATS``. A reader thread drains the pipe at once, so
 when publishing falls behind, the next pass takes every batch waiting (coalescing): the
 engine's write never blocks on Redis. It exits when the engine's end of the pipe closes.
+With ``service`` in its ``CONFIG`` (the worker's ``FERRY_OUTPUT_PROCESS``) it runs
+``output_service.serve`` instead: the requests' events and fenced writes, as the
+engine loop makes them in-process.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import signal
 import sys
 import threading
 import time
@@ -156,6 +160,14 @@ class OutputProcess:
             return 2
         options: dict[str, Any] = config[1]
         tokenizer = _load_tokenizer(options)
+        if options.get("service"):  # the worker service's: events and fenced writes
+            from worker.service.output_service import locked, serve
+
+            for sig in (signal.SIGINT, signal.SIGTERM):  # the engine process says when
+                signal.signal(sig, signal.SIG_IGN)
+            send = locked(self._send)
+            send([m.READY, os.getpid()])
+            return serve(options, tokenizer, _Inbox(self._reader), send)
         texts = StreamTexts(tokenizer, self._on_stop)
         publisher = _Publisher(options.get("redis_url"), options.get("prefix", "ferry"),
                                int(options.get("ttl_s", 3600)))
@@ -205,7 +217,9 @@ def _load_tokenizer(options: dict[str, Any]) -> Any:
     if options.get("decode_spec") is not None:
         from worker.engine.rust_decode import RustDecoder
 
-        return RustDecoder(options["decode_spec"])
+        decoder = RustDecoder(options["decode_spec"])
+        decoder.streams = decoder.streams and not options.get("window_decode")  # bench A/B
+        return decoder
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(options["tokenizer"])

@@ -11,6 +11,7 @@ batch takes new requests at every iteration. See ``docs/service.md``.
 from __future__ import annotations
 
 import functools
+import pickle
 import queue
 import threading
 import time
@@ -34,6 +35,7 @@ from worker.service.lora_metrics import LoraMetrics
 from worker.service.lora_sync import LoraSync
 from worker.service.metrics import WorkerMetrics
 from worker.service.outbox import Observer, Outbox
+from worker.service.output_link import EXIT_OUTPUT_DIED, OutputDied, OutputLink
 from worker.service.prompt_pool import PromptPool, build_with
 from worker.service.redis_io import (
     TRANSIENT_ERRORS,
@@ -87,8 +89,7 @@ class WorkerService:
         self._drain_until: float | None = None
         self.metrics_port = 0
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
-        self.table = JobTable(engine, self.outbox, self.slots, self.held, self.book,
-                              self.metrics, settings.worker_id, self.token_text, self.log)
+        self.table = _job_table(self, engine, settings)
         self.table.adapters, self.table.lora_metrics = self.lora, self.lora.metrics
         self.drafts = _draft_feed(engine, settings)  # None: no speculation, or no fleet
 
@@ -146,6 +147,10 @@ class WorkerService:
             self.log.error("device_fault", error=str(exc), exit_code=EXIT_DEVICE_FAULT,
                            requests_handed_back=len(self.table.jobs))
             return EXIT_DEVICE_FAULT
+        except OutputDied as exc:  # its requests resume from the replay log elsewhere
+            self.log.error("output_process_died", error=str(exc), exit_code=EXIT_OUTPUT_DIED,
+                           requests_handed_back=len(self.table.jobs))
+            return EXIT_OUTPUT_DIED
         finally:
             self._shutdown()
         return 0
@@ -186,6 +191,7 @@ class WorkerService:
             if self.drafts is not None:  # the fleet's outputs, a few per step when busy
                 self.drafts.drain(self.engine.spec.store, 8 if busy else 256)
             self.table.expire()
+            self.table.poll()  # an output process's stop strings, settled entries (or death)
             if self._stop.is_set() and self._drained():
                 return
             if self.engine.has_unfinished_requests():
@@ -220,7 +226,7 @@ class WorkerService:
 
     def _step(self) -> None:
         start = time.perf_counter()
-        outputs = self.table.text.step()
+        outputs = self.table.step()
         elapsed = time.perf_counter() - start
         self.slots.set_running(len(self.engine.scheduler.running))
         batch, tokens = self.table.events(outputs, time.monotonic())
@@ -238,6 +244,7 @@ class WorkerService:
         self.intake.join(self.settings.idle_block_ms / 1000 + 6)
         self.prompts.close()
         unfinished = self.table.abort_all()
+        self.table.close(15.0)  # an output process writes its events, reports their entries
         flushed = self.outbox.close(timeout=10.0)
         usable = [entry for entry in self.held.snapshot()
                   if self.gate.usable(self.gate.shard_of_stream(entry[0]))]
@@ -249,6 +256,27 @@ class WorkerService:
         self.control.stop()
         self.log.info("worker_stopped", unfinished=unfinished, handed_back=handed,
                       events_flushed=flushed)
+
+
+def _job_table(service: WorkerService, engine: Engine, settings: WorkerSettings) -> JobTable:
+    """The engine loop's job table: in-process events, or (``output_process``) a table
+    that hands text, events and their writes to an output process."""
+    args = (engine, service.outbox, service.slots, service.held, service.book,
+            service.metrics, settings.worker_id, service.token_text, service.log)
+    if not settings.output_process:
+        return JobTable(*args)
+    if settings.redis_cluster:
+        service.log.warning("output_process_ignored", reason="not with redis_cluster yet")
+        return JobTable(*args)
+    from worker.engine.rust_decode import decode_spec
+    from worker.service.remote_table import RemoteJobTable
+
+    link = OutputLink.start({
+        "service": True, "settings": pickle.dumps(settings),
+        "tokenizer": engine.config.model.model, "decode_spec": decode_spec(engine.tokenizer),
+    })
+    service.log.info("output_process_started", pid=link.proc.pid)
+    return RemoteJobTable(*args, link=link, mailbox=service.mailbox)
 
 
 def _draft_feed(engine: Engine, settings: WorkerSettings) -> DraftFeed | None:

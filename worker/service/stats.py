@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from protocol.tenancy import DEFAULT_TENANT
 from worker.engine.outputs import EngineStats
@@ -59,22 +60,17 @@ class StatsBook:
 
     def finished(self, job: ActiveJob, item: Outgoing) -> None:
         """Engine loop: a request ended; record its outcome and latencies."""
-        event = item.event
-        if event is None or event.finish_reason is None:
-            return
-        timings, usage = event.timings, event.usage
-        self.metrics.request_finished(
-            event.finish_reason,
-            timings.ttft_s if timings else None,
-            (timings.total_s or 0.0) if timings else 0.0,
-            (timings.queued_s or 0.0) if timings else 0.0,
-            usage.completion_tokens if usage else 0,
-        )
-        tenant = job.request.tenant or DEFAULT_TENANT
-        prompt, completion = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
-        self.metrics.tenant_finished(tenant, prompt, completion,
-                                     (timings.queued_s or 0.0) if timings else 0.0)
-        self.ledger.note(job.entry[0], tenant, prompt + completion, job.charged)
+        fields = finished_fields(job, item)
+        if fields is not None:
+            self.record(*fields)
+
+    def record(self, stream: str, tenant: str, reason: str, ttft_s: float | None,
+               total_s: float, queued_s: float, prompt: int, completion: int,
+               charged: int) -> None:
+        """A request's outcome (``finished_fields``; the output process sends them)."""
+        self.metrics.request_finished(reason, ttft_s, total_s, queued_s, completion)
+        self.metrics.tenant_finished(tenant, prompt, completion, queued_s)
+        self.ledger.note(stream, tenant, prompt + completion, charged)
 
     def _tokens_per_s(self, tokens: int) -> float:
         now = time.monotonic()
@@ -129,3 +125,15 @@ class StatsBook:
             # comma-separated health.DEGRADED_REASONS; "" when healthy (ferry top marks it)
             "degraded": ",".join(s.degraded),
         }
+
+
+def finished_fields(job: ActiveJob, item: Outgoing) -> list[Any] | None:
+    """``StatsBook.record``'s arguments for a terminal event (None: not one)."""
+    event = item.event
+    if event is None or event.finish_reason is None:
+        return None
+    timings, usage = event.timings, event.usage
+    prompt, completion = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
+    return [job.entry[0], job.request.tenant or DEFAULT_TENANT, event.finish_reason,
+            timings.ttft_s if timings else None, (timings.total_s or 0.0) if timings else 0.0,
+            (timings.queued_s or 0.0) if timings else 0.0, prompt, completion, job.charged]

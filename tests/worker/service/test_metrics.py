@@ -228,3 +228,24 @@ def test_metrics_module_imports_without_torch() -> None:
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
     assert importlib.util.find_spec("prometheus_client") is not None
+
+
+def test_gaps_binned_in_an_output_process_export_like_observed_ones() -> None:
+    """``FERRY_OUTPUT_PROCESS``: inter-token gaps are binned there (``GapBins``) and added
+    here once per pass; the histogram reads exactly as if each had been observed."""
+    from worker.service.metrics import GapBins
+
+    gaps = [0.001, 0.002, 0.0021, 0.05, 0.3, 1.0, 7.5, 0.015]
+    observed, binned = WorkerMetrics(CollectorRegistry()), WorkerMetrics(CollectorRegistry())
+    bins = GapBins()
+    for g in gaps:
+        observed.observe_inter_token(g)
+        bins.observe_inter_token(g)
+    taken = bins.take()
+    assert taken is not None and bins.take() is None
+    binned.add_inter_token(*taken)
+
+    def itl(m: WorkerMetrics) -> dict[str, float]:
+        return {k: v for k, v in _samples(m).items() if "inter_token" in k and "_created" not in k}
+
+    assert itl(binned) == itl(observed) and itl(observed)

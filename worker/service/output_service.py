@@ -1,0 +1,144 @@
+"""The output process in the worker service (``FERRY_OUTPUT_PROCESS``): text, the requests'
+events and their fenced writes to Redis, off the engine's GIL.
+
+The engine process (``remote_table.RemoteJobTable``) keeps admission, cancels, deadlines,
+slots and the held entries; it sends each admitted request's ``ActiveJob`` (``JOB``),
+every step's ``StepBatch``, and how a request it stopped ended (``END``, ``DROP``). Here
+``StreamTexts`` turns the batches into text (a stop string goes back as ``STOP``: the
+engine ends the request a step late, its extra token never published), ``JobEvents``
+(the code the in-process path runs) builds the events, and an ``Outbox`` of its own
+writes them with the same fenced-push script, so leases, fencing and the replay log are
+exactly today's. What the outbox learns goes back: ``DISCARD`` (an entry no longer held),
+``LOST`` (the fence refused: stop the request), ``FINISHED`` (stats, fair ledger), and
+``GAPS`` (inter-token latencies, binned per pass).
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from worker.engine.step_batch import EngineEnd
+from worker.engine.text_output import StreamTexts
+from worker.service import output_messages as m
+from worker.service.active_job import ActiveJob
+from worker.service.job_events import JobEvents
+from worker.service.jobs import Command, Outgoing
+from worker.service.metrics import GapBins
+from worker.service.outbox import Outbox
+from worker.service.stats import finished_fields
+
+Send = Callable[[list[Any]], None]
+
+
+class _HeldProxy:
+    """The outbox's ``HeldEntries``: the engine process holds them; tell it."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+
+    def discard(self, entry: tuple[str, str]) -> None:
+        self._send([m.DISCARD, list(entry)])
+
+    def holds_request(self, request_id: str) -> bool:
+        return True  # only a cluster pusher asks (the output process is not used there)
+
+
+class _MailboxProxy:
+    """The outbox's mailbox to the engine loop: a refused event stops its request."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+
+    def put(self, command: Command) -> None:
+        self._send([m.LOST, command.request_id])
+
+
+class ServiceOutputs:
+    def __init__(self, options: dict[str, Any], tokenizer: Any, send: Send) -> None:
+        settings = pickle.loads(options["settings"])  # noqa: S301 - our own engine process
+        self._send = send
+        self.stops: list[list[Any]] = []
+        self.texts = StreamTexts(tokenizer, self._on_stop)
+        token_text = functools.lru_cache(maxsize=1 << 16)(
+            lambda token: str(tokenizer.decode([token])))
+        self.gaps = GapBins()
+        self.ev = JobEvents(token_text, self._on_end, lambda request_id: [], self.gaps)
+        self.outbox = Outbox(settings, _HeldProxy(send), _MailboxProxy(send))  # type: ignore[arg-type]
+        self.outbox.start()
+
+    def _on_stop(self, stream: int, stop_str: str) -> EngineEnd | None:
+        self.stops.append([m.STOP, stream, stop_str])
+        return None  # the engine hears of it with the next message: this stream ends here
+
+    def _on_end(self, job: ActiveJob, item: Outgoing | None) -> None:
+        fields = finished_fields(job, item) if item is not None else None
+        if fields is not None:
+            self._send([m.FINISHED, fields])
+
+    def handle(self, message: list[Any]) -> None:
+        kind = message[0]
+        if kind == m.BATCH:
+            outputs = self.texts.apply(m.unpack_batch(message))
+            items, _ = self.ev.events(outputs, time.monotonic())
+            self.outbox.put(items)
+        elif kind == m.JOB:
+            admitted: ActiveJob = pickle.loads(message[1])  # noqa: S301 - our engine process
+            self.ev.jobs[admitted.request_id] = admitted
+        elif kind == m.END:  # [END, request id, reason, error, opened, ends]
+            _, request_id, reason, error, opened, ends = message
+            outs = self._ends(opened, ends)
+            job = self.ev.jobs.get(request_id)
+            if job is not None:  # else it ended here already (a stop string)
+                out = self.ev.closing_output(job, outs)
+                self.outbox.put([self.ev.end(job, reason, out, error)])
+        elif kind == m.DROP:  # [DROP, request id, opened, ends]
+            self._ends(message[2], message[3])
+            self.ev.jobs.pop(message[1], None)
+
+    def _ends(self, opened: list[Any], ends: list[Any]) -> list[Any]:
+        self.texts.open(m.unpack_opened(opened))
+        return self.texts.ends([m.unpack_end(e) for e in ends])
+
+    def flush_stops(self) -> None:
+        """After each pass: the stop strings found, and the inter-token gaps binned."""
+        for stop in self.stops:
+            self._send(stop)
+        self.stops.clear()
+        gaps = self.gaps.take()
+        if gaps is not None:
+            self._send([m.GAPS, *gaps])
+
+    def close(self, timeout_s: float) -> None:
+        """Write what is pending (up to ``timeout_s``), then stop the outbox."""
+        self.outbox.close(timeout=timeout_s)
+
+
+def serve(options: dict[str, Any], tokenizer: Any, inbox: Any, send: Send) -> int:
+    """The service mode's loop: every message in order, the stop strings after each pass;
+    at ``QUIT`` (a clean shutdown) the outbox drains; when the engine process is gone
+    (end of file) only briefly, since its entries are handed on by the lease anyway."""
+    outputs = ServiceOutputs(options, tokenizer, send)
+    while True:
+        for message in inbox.take(0.5):
+            if message is None or message[0] == m.QUIT:
+                outputs.flush_stops()
+                outputs.close(10.0 if message is not None else 2.0)
+                return 0
+            outputs.handle(message)
+        outputs.flush_stops()
+
+
+def locked(send: Send) -> Send:
+    """``send`` from several threads (the outbox thread reports too)."""
+    lock = threading.Lock()
+
+    def locked_send(message: list[Any]) -> None:
+        with lock:
+            send(message)
+
+    return locked_send
