@@ -38,6 +38,18 @@ def _meta(ctx: list[int], q_lens: list[int], num_decodes: int) -> AttentionMetad
         seq_lens_host=ctx)
 
 
+def _backends_agree(meta: AttentionMetadata, tokens: int, window: int | None, seed: int) -> None:
+    """The CPU backend's output equals the torch backend's on random q/k/v and cache."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(tokens, h, D, generator=g) for h in (HQ, HKV, HKV))
+    cache = [torch.randn(128, BLOCK, HKV, D, generator=g) for _ in range(2)]
+    want = TorchAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,
+                                           window, None)
+    got = CpuAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,
+                                        window, None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_short_chunks_match_the_torch_backend(window: int | None) -> None:
     ctx, q_lens = [7, 10, 5, 30, 80], [1, 3, 5, 17, 66]  # decode, short, fresh, short, long
@@ -45,15 +57,7 @@ def test_short_chunks_match_the_torch_backend(window: int | None) -> None:
     tokens, seqs, lens = short_chunks(meta)
     assert seqs == [1] * 3 + [3] * 17 and lens[:3] == [8, 9, 10] and lens[-1] == 30
     assert tokens == list(range(1, 4)) + list(range(9, 26))
-    g = torch.Generator().manual_seed(0)
-    t = sum(q_lens)
-    q, k, v = (torch.randn(t, h, D, generator=g) for h in (HQ, HKV, HKV))
-    cache = [torch.randn(128, BLOCK, HKV, D, generator=g) for _ in range(2)]
-    want = TorchAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,
-                                           window, None)
-    got = CpuAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,
-                                        window, None)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    _backends_agree(meta, sum(q_lens), window, seed=0)
 
 
 @pytest.mark.parametrize(("q_len", "ctx", "heads", "window"),
@@ -76,12 +80,4 @@ def test_long_chunks_leave_the_kernel_rows() -> None:
     meta = _meta(ctx, q_lens, num_decodes=1)
     tokens, seqs, _ = short_chunks(meta)
     assert seqs == [2] * 40 and tokens == list(range(61, 101))
-    g = torch.Generator().manual_seed(2)
-    t = sum(q_lens)
-    q, k, v = (torch.randn(t, h, D, generator=g) for h in (HQ, HKV, HKV))
-    cache = [torch.randn(128, BLOCK, HKV, D, generator=g) for _ in range(2)]
-    want = TorchAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,
-                                           None, None)
-    got = CpuAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,
-                                        None, None)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    _backends_agree(meta, sum(q_lens), None, seed=2)
