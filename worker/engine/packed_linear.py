@@ -9,11 +9,17 @@ matrices on the 2-core dev machine: 2.9x faster at 4 rows, 1.8x at 64, 1.3x at 1
 transformers model code is unchanged; a tied LM head keeps its shared weight (packing it
 would duplicate the embedding).
 
-At one row (a single stream's decode) it is the other way round: oneDNN's primitive for
-the padded 8 rows cost 4-5x MKL's matrix-vector product (``F.linear`` of one row) on the
-2-core machine, so a one-row input takes ``F.linear`` on the weight as loaded (kept
-beside the packed copy; exactness: both are fp32 dot products, and greedy outputs are
-checked against transformers, which runs ``F.linear``).
+At a few rows it is the other way round: oneDNN's primitive for the padded 8 rows cost
+4-5x MKL's matrix-vector product (``F.linear`` of one row) on the 2-core machine, so a
+small input takes ``F.linear`` on the weight as loaded (kept beside the packed copy;
+exactness: both are fp32 dot products, and greedy outputs are checked against
+transformers, which runs ``F.linear``). How small depends on the weight (one thread,
+2026-11-26, ``F.linear`` vs packed): for a weight under 1 MiB (the default model's
+256x256, 704x256 and 256x704) oneDNN's ~25 us per call and padded rows lose up to 32
+rows and more (the model's 42 projections, weights cycled as a step streams them: 0.83
+vs 2.29 ms at 3 rows, 2.28 vs 2.40 at 16, 3.22 vs 3.39 at 32); a larger weight (1024x1024
+and up) favours ``F.linear`` at 2 rows (217 vs 361 us), ties at 4 and loses at 8 (594 vs
+384). Speculative decoding's verification steps (1 + a few drafts a row) are these sizes.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from torch.nn import functional as F
 
 _log = structlog.get_logger("ferry.worker.packed_linear")
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-_GEMV_ROWS = 1  # at most this many rows: F.linear (MKL's gemv) beats the packed layout
+_GEMV_ROWS = 2  # at most this many rows: F.linear (MKL) beats the packed layout
+_CACHED_GEMV_ROWS = 32  # the same for a weight of at most _CACHED_BYTES
+_CACHED_BYTES = 1 << 20
 
 
 def bucket_rows(rows: int) -> int:
@@ -56,12 +64,14 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        self.weight = weight  # [out, in] as loaded: the one-row path
+        self.weight = weight  # [out, in] as loaded: the few-row path
+        small = weight.numel() * weight.element_size() <= _CACHED_BYTES
+        self.gemv_rows = _CACHED_GEMV_ROWS if small else _GEMV_ROWS
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.numel() // self.in_features
-        if rows <= _GEMV_ROWS:
+        if rows <= self.gemv_rows:
             return F.linear(x, self.weight, self.bias)
         padded = bucket_rows(rows)
         flat = x.reshape(rows, self.in_features)

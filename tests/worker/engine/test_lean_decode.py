@@ -1,10 +1,13 @@
 """The lean Llama decode path (worker/engine/lean_decode.py), with small steps on one
 thread (step_threads.py), gives the module path's logits on all the configured threads
-bit for bit: one stream (MKL's one-row products) and a batch of three (the packed oneDNN
-projections), the rotary table grown past its first size; and the lean path stays off
-where it would not reproduce the modules."""
+bit for bit: one stream and a batch of three, the rotary table grown past its first size,
+and speculative decoding's verification steps (rows of 1 + k query tokens over a cached
+prefix, with the drafts' logits kept); and the lean path stays off where it would not
+reproduce the modules."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -41,9 +44,14 @@ def _logits_per_step(engine: Engine, prompts: list[list[int]], max_tokens: int
     return seen, list(tokens.values())
 
 
-def _engine(lean: bool, path: str | None = None) -> Engine:
+def _engine(lean: bool, path: str | None = None, **kw: object) -> Engine:
     return Engine(EngineConfig.create(path or default_model_path(), device="cpu",
-                                      block_size=16, lean_decode=lean))
+                                      block_size=16, lean_decode=lean, **kw))
+
+
+# every weak match drafts (the back-off all but off), so most steps verify
+SPEC: dict[str, Any] = dict(speculative="suffix", num_speculative_tokens=6, min_match_tokens=1,
+            draft_token_cost=1e-3, draft_step_cost=0.0, num_blocks=64)
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one-stream", "batch-3"])
@@ -78,3 +86,27 @@ def test_off_for_other_architectures(tmp_path_factory: pytest.TempPathFactory) -
     engine = _engine(True, path)
     assert engine.runner.lean is None
     assert lean_decode.build_lean_decode(engine.runner.model, engine.runner.backend) is None
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[1:2], PROMPTS], ids=["one-stream", "batch-3"])
+def test_verification_steps_bitwise_equal_to_modules(prompts: list[list[int]],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    lean, plain = _engine(True, **SPEC), _engine(False, **SPEC)
+    plain.runner.serial_tokens = 0
+    verifying = 0
+    forward = lean_decode.LeanLlamaDecode.__call__
+
+    def counted(self, input_ids, positions, meta, kv_caches, sample_rows):  # type: ignore[no-untyped-def]
+        nonlocal verifying
+        verifying += meta.num_decodes < len(meta.seq_lens_host)
+        return forward(self, input_ids, positions, meta, kv_caches, sample_rows)
+
+    monkeypatch.setattr(lean_decode.LeanLlamaDecode, "__call__", counted)
+    got, got_tokens = _logits_per_step(lean, prompts, 60)
+    want, want_tokens = _logits_per_step(plain, prompts, 60)
+    assert verifying >= 5, "verification steps were meant to take the lean path"
+    assert lean.stats().spec_accepted_tokens > 0
+    assert got_tokens == want_tokens
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
