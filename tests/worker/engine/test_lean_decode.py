@@ -7,6 +7,8 @@ reproduce the modules."""
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +22,13 @@ from worker.engine.text_output import TextOutputs
 from worker.models import default_model_path
 
 PROMPTS = [[5, 17, 300, 41], [9] * 11, [1000, 2, 3]]
+
+
+@pytest.fixture(autouse=True)
+def _free_engines() -> Iterator[None]:
+    """Engines hold reference cycles: free each test's KV pools before the next test's."""
+    yield
+    gc.collect()
 
 
 def _logits_per_step(engine: Engine, prompts: list[list[int]], max_tokens: int
