@@ -107,8 +107,9 @@ def pack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of a CPU model by a ``PackedLinear`` (a tied LM head
     only while small); returns how many."""
     tied = _tied_output(model)
-    if tied is not None and tied.weight.numel() * tied.weight.element_size() \
-            <= _TIED_PACK_BYTES:
+    weight = getattr(tied, "weight", None)
+    if isinstance(weight, torch.Tensor) \
+            and weight.numel() * weight.element_size() <= _TIED_PACK_BYTES:
         tied = None
     targets = [(name, mod) for name, mod in model.named_modules()
                if type(mod) is nn.Linear and mod is not tied]
