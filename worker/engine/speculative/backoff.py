@@ -4,12 +4,11 @@ Costs in units of one decode row's share of a step: a step of ``B`` decode rows 
 ``overhead_rows + B`` (a fixed part: the host's bookkeeping, launches, weights streamed
 once), so an accepted draft token, one step of its row saved, is worth
 ``gain(B) = (overhead_rows + B) / B``. Verifying costs ``token_cost`` per draft token plus
-``step_cost`` per step that carries any draft (its verification bookkeeping; on the CPU
-the lean decode path verifies too), shared by the rows, so about ``step_cost / B`` per
-row. With acceptance modelled as geometric (draft token ``j`` accepted with probability
-``p ** j``), a row drafts the longest prefix whose last token still pays
-(``p ** j * gain >= token_cost``), and nothing unless the whole draft pays its share of
-the step too. A retry (``p`` near 1) drafts in
+``step_cost`` per step that carries any draft (the ragged path instead of the decode
+path), shared by the rows, so about ``step_cost / B`` per row. With acceptance modelled as
+geometric (draft token ``j`` accepted with probability ``p ** j``), a row drafts the
+longest prefix whose last token still pays (``p ** j * gain >= token_cost``), and nothing
+unless the whole draft pays its share of the step too. A retry (``p`` near 1) drafts in
 full at batch 16; a weak match drafts little at batch 1 and nothing in a big batch.
 
 ``p`` is learnt online, per draft source and match-length bucket (a longer match is a
