@@ -6,14 +6,23 @@ oneDNN with the weight reordered once into its blocked layout (what Inductor's f
 pass does) is the same fp32 arithmetic and measured, for the 30M benchmark model's
 matrices on the 2-core dev machine: 2.9x faster at 4 rows, 1.8x at 64, 1.3x at 1,024
 (``ops/bench/cpu_ops.py``). The modules are swapped in place after loading, so the
-transformers model code is unchanged; a tied LM head keeps its shared weight (packing it
-would duplicate the embedding).
+transformers model code is unchanged. A tied LM head is packed only while the packed copy
+is small (at most 64 MiB: the default model's 8192x256 head, 8 MiB; its few-row path still
+reads the embedding's storage); a larger one keeps its shared weight (packing it would
+duplicate a big embedding). The default model's head at 4-16 rows (a verification step):
+packed 405-677 us against 656-960 us for ``F.linear``.
 
-At one row (a single stream's decode) it is the other way round: oneDNN's primitive for
-the padded 8 rows cost 4-5x MKL's matrix-vector product (``F.linear`` of one row) on the
-2-core machine, so a one-row input takes ``F.linear`` on the weight as loaded (kept
-beside the packed copy; exactness: both are fp32 dot products, and greedy outputs are
-checked against transformers, which runs ``F.linear``).
+At a few rows it is the other way round: oneDNN's primitive for the padded 8 rows cost
+4-5x MKL's matrix-vector product (``F.linear`` of one row) on the 2-core machine, so a
+small input takes ``F.linear`` on the weight as loaded (kept beside the packed copy;
+exactness: both are fp32 dot products, and greedy outputs are checked against
+transformers, which runs ``F.linear``). How small depends on the weight (one thread,
+2026-11-26, ``F.linear`` vs packed): for a weight under 1 MiB (the default model's
+256x256, 704x256 and 256x704) oneDNN's ~25 us per call and padded rows lose up to 32
+rows and more (the model's 42 projections, weights cycled as a step streams them: 0.83
+vs 2.29 ms at 3 rows, 2.28 vs 2.40 at 16, 3.22 vs 3.39 at 32); a larger weight (1024x1024
+and up) favours ``F.linear`` at 2 rows (217 vs 361 us), ties at 4 and loses at 8 (594 vs
+384). Speculative decoding's verification steps (1 + a few drafts a row) are these sizes.
 """
 
 from __future__ import annotations
@@ -27,7 +36,10 @@ from torch.nn import functional as F
 
 _log = structlog.get_logger("ferry.worker.packed_linear")
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-_GEMV_ROWS = 1  # at most this many rows: F.linear (MKL's gemv) beats the packed layout
+_GEMV_ROWS = 2  # at most this many rows: F.linear (MKL) beats the packed layout
+_CACHED_GEMV_ROWS = 32  # the same for a weight of at most _CACHED_BYTES
+_CACHED_BYTES = 1 << 20
+_TIED_PACK_BYTES = 64 << 20  # a tied LM head up to this size is packed (a second copy)
 
 
 def bucket_rows(rows: int) -> int:
@@ -56,12 +68,14 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        self.weight = weight  # [out, in] as loaded: the one-row path
+        self.weight = weight  # [out, in] as loaded: the few-row path
+        small = weight.numel() * weight.element_size() <= _CACHED_BYTES
+        self.gemv_rows = _CACHED_GEMV_ROWS if small else _GEMV_ROWS
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.numel() // self.in_features
-        if rows <= _GEMV_ROWS:
+        if rows <= self.gemv_rows:
             return F.linear(x, self.weight, self.bias)
         padded = bucket_rows(rows)
         flat = x.reshape(rows, self.in_features)
@@ -90,8 +104,13 @@ def packing_works(dtype: torch.dtype) -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of a CPU model by a ``PackedLinear``; returns how many."""
+    """Replace every ``nn.Linear`` of a CPU model by a ``PackedLinear`` (a tied LM head
+    only while small); returns how many."""
     tied = _tied_output(model)
+    weight = getattr(tied, "weight", None)
+    if isinstance(weight, torch.Tensor) \
+            and weight.numel() * weight.element_size() <= _TIED_PACK_BYTES:
+        tied = None
     targets = [(name, mod) for name, mod in model.named_modules()
                if type(mod) is nn.Linear and mod is not tied]
     if not targets or not packing_works(targets[0][1].weight.dtype):

@@ -1,11 +1,14 @@
 """The lean Llama decode path (worker/engine/lean_decode.py), with small steps on one
 thread (step_threads.py), gives the module path's logits on all the configured threads
-bit for bit: one stream (MKL's one-row products) and a batch of three (the packed oneDNN
-projections), the rotary table grown past its first size; and the lean path stays off
-where it would not reproduce the modules."""
+bit for bit: one stream and a batch of three, the rotary table grown past its first size,
+and speculative decoding's verification steps (rows of 1 + k query tokens over a cached
+prefix, with the drafts' logits kept); and the lean path stays off where it would not
+reproduce the modules."""
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,13 @@ from worker.engine.text_output import TextOutputs
 from worker.models import default_model_path
 
 PROMPTS = [[5, 17, 300, 41], [9] * 11, [1000, 2, 3]]
+
+
+@pytest.fixture(autouse=True)
+def _free_engines() -> Iterator[None]:
+    """Engines hold reference cycles: free each test's KV pools before the next test's."""
+    yield
+    gc.collect()
 
 
 def _logits_per_step(engine: Engine, prompts: list[list[int]], max_tokens: int,
@@ -49,10 +59,36 @@ def _logits_per_step(engine: Engine, prompts: list[list[int]], max_tokens: int,
     return seen, list(tokens.values())
 
 
-def _engine(lean: bool, path: str | None = None, **lora: Any) -> Engine:
+def _engine(lean: bool, path: str | None = None, **kw: Any) -> Engine:
+    kw.setdefault("num_blocks", 64)  # 1024 cached tokens: plenty, and small
     return Engine(EngineConfig.create(path or default_model_path(), device="cpu",
-                                      block_size=16, num_blocks=64, lean_decode=lean,
-                                      **lora))  # 1024 cached tokens: plenty, and small
+                                      block_size=16, lean_decode=lean, **kw))
+
+
+# every weak match drafts (the back-off all but off), so most steps verify
+SPEC: dict[str, Any] = dict(speculative="suffix", num_speculative_tokens=6, min_match_tokens=1,
+            draft_token_cost=1e-3, draft_step_cost=0.0, num_blocks=64)
+
+
+def _count_lean_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the steps the lean path runs: [all of them, those with a verification row]."""
+    counts = [0, 0]
+    forward = lean_decode.LeanLlamaDecode.__call__
+
+    def counted(self, input_ids, positions, meta, kv_caches, sample_rows):  # type: ignore[no-untyped-def]
+        counts[0] += 1
+        counts[1] += meta.num_decodes < len(meta.seq_lens_host)
+        return forward(self, input_ids, positions, meta, kv_caches, sample_rows)
+
+    monkeypatch.setattr(lean_decode.LeanLlamaDecode, "__call__", counted)
+    return counts
+
+
+def _assert_same_steps(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Every step's logits bit for bit."""
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one-stream", "batch-3"])
@@ -62,22 +98,12 @@ def test_logits_bitwise_equal_to_modules(prompts: list[list[int]],
     lean, plain = _engine(True), _engine(False)
     assert lean.runner.lean is not None and plain.runner.lean is None
     plain.runner.serial_tokens = 0  # the reference runs every step on all the threads
-    calls = 0
-    forward = lean_decode.LeanLlamaDecode.__call__
-
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        nonlocal calls
-        calls += 1
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(lean_decode.LeanLlamaDecode, "__call__", counted)
+    calls = _count_lean_steps(monkeypatch)
     got, got_tokens = _logits_per_step(lean, prompts, 80)  # past the 64-row rope table
     want, want_tokens = _logits_per_step(plain, prompts, 80)
-    assert calls >= 70, "the decode steps were meant to take the lean path"
+    assert calls[0] >= 70, "the decode steps were meant to take the lean path"
     assert got_tokens == want_tokens
-    assert len(got) == len(want)
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
+    _assert_same_steps(got, want)
     assert lean.runner.serial_tokens >= len(prompts), "the steps were meant to be serial"
     assert torch.get_num_threads() == threads  # a small step's one thread is its own
 
@@ -104,22 +130,27 @@ def test_lora_rows_bitwise_equal_to_modules(tmp_path: Path,
     lean, plain = _engine(True, **lora), _engine(False, **lora)
     assert lean.runner.lean is not None and plain.runner.lean is None
     plain.runner.serial_tokens = 0
-    calls = 0
-    forward = lean_decode.LeanLlamaDecode.__call__
-
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        nonlocal calls
-        calls += 1
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(lean_decode.LeanLlamaDecode, "__call__", counted)
+    calls = _count_lean_steps(monkeypatch)
     names: list[str | None] = ["all", None, "attn"]
     got, got_tokens = _logits_per_step(lean, PROMPTS, 12, names)
     want, want_tokens = _logits_per_step(plain, PROMPTS, 12, names)
-    assert calls >= 10, "the decode steps were meant to take the lean path"
+    assert calls[0] >= 10, "the decode steps were meant to take the lean path"
     _, base_tokens = _logits_per_step(_engine(True), PROMPTS, 12)
     assert got_tokens == want_tokens
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
+    _assert_same_steps(got, want)
     assert got_tokens[1] == base_tokens[1]  # the base row is the base model's
     assert got_tokens[0] != base_tokens[0] and got_tokens[2] != base_tokens[2]
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[1:2], PROMPTS], ids=["one-stream", "batch-3"])
+def test_verification_steps_bitwise_equal_to_modules(prompts: list[list[int]],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    lean, plain = _engine(True, **SPEC), _engine(False, **SPEC)
+    plain.runner.serial_tokens = 0
+    calls = _count_lean_steps(monkeypatch)
+    got, got_tokens = _logits_per_step(lean, prompts, 60)
+    want, want_tokens = _logits_per_step(plain, prompts, 60)
+    assert calls[1] >= 5, "verification steps were meant to take the lean path"
+    assert lean.stats().spec_accepted_tokens > 0
+    assert got_tokens == want_tokens
+    _assert_same_steps(got, want)

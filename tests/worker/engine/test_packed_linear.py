@@ -32,15 +32,29 @@ def test_row_buckets_are_few_and_never_smaller():
     assert len(sizes) <= 64
 
 
-def test_pack_linears_skips_a_tied_lm_head(tmp_path):
+def test_pack_linears_packs_a_small_tied_lm_head_only(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
+
+    from worker.engine import packed_linear
 
     path = build_checkpoint("qwen2", tmp_path)  # tied embeddings
     model = AutoModelForCausalLM.from_pretrained(path)
     linears = sum(type(m) is nn.Linear for m in model.modules())
+    embedding = model.get_input_embeddings().weight
+    monkeypatch.setattr(packed_linear, "_TIED_PACK_BYTES", 0)  # every head "large"
     assert pack_linears(model) == linears - 1
     assert type(model.lm_head) is nn.Linear
-    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert model.lm_head.weight is embedding
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    embedding = model.get_input_embeddings().weight
+    monkeypatch.undo()
+    assert pack_linears(model) == linears
+    assert type(model.lm_head) is PackedLinear  # its few-row path reads the embedding
+    assert model.lm_head.weight.data_ptr() == embedding.data_ptr()
+    x = torch.randn(5, embedding.shape[1])
+    with torch.inference_mode():
+        torch.testing.assert_close(model.lm_head(x), x @ embedding.T, atol=1e-5, rtol=1e-5)
 
 
 def test_engine_tokens_do_not_depend_on_packing(tmp_path):
