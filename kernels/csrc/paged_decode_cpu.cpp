@@ -2,12 +2,11 @@
 //
 // The CPU is bound by moving K/V, so every byte of a sequence's context is read exactly
 // once, straight out of its pages: no gathered copy, no padding to the batch's longest
-// sequence. One work item is a sequence, all heads, walking its pages in order with an
-// online softmax (per page: scores for the page, one rescale of the running sums, then
-// the weighted values); consecutive rows one token apart on the same pages (the query
-// tokens of a speculative verification row, each a decode row here) are one item that
-// reads each page once for all of them. Items run in parallel on the OpenMP runtime torch
-// already loaded, so torch.set_num_threads governs it too.
+// sequence. One work item is (sequence, KV head); it keeps the G = Hq / Hkv query heads
+// of its group in registers/L1 and walks the pages in order with an online softmax
+// (per page: scores for the page, one rescale of the running sums, then the weighted
+// values). Items run in parallel on the OpenMP runtime torch already loaded, so
+// torch.set_num_threads governs it too.
 //
 // Layout (shared with kernels/reference.py and the Triton kernels):
 //   q, out:           [S, Hq, D] float32, contiguous
@@ -51,117 +50,77 @@ inline void prefetch_page(const T* page, int64_t elems) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
-// One page of one query row, all heads: its scores, one rescale of the running sums,
-// the weighted values. st: acc [Hq, D], scores [Hq, BS], run_max [Hq], run_sum [Hq].
-// noinline: every row runs these same instructions whether it is attended alone or in a
-// group (below), so a verification row's result equals the decode it stands for, bit for
-// bit, whatever rows share its call.
+// One sequence, all heads. acc: [Hq, D]; scores: [Hq, BS]; run_max, run_sum: [Hq].
 template <typename T>
-__attribute__((noinline)) void attend_page(const Shape& sh, const float* q, const T* kp,
-                                           const T* vp, int lo, int hi, float* st) {
+void attend_seq(const Shape& sh, const float* q, const T* k_cache, const T* v_cache,
+                const int32_t* table, int seq_len, float* out, std::vector<float>& scratch) {
   const int Hq = sh.num_kv_heads * sh.group, G = sh.group, D = sh.head_dim;
   const int BS = sh.block_size;
   const int64_t row = static_cast<int64_t>(sh.num_kv_heads) * D;  // one token, all heads
-  float* acc = st;
+  const int64_t page_elems = BS * row;
+  scratch.assign(static_cast<size_t>(Hq) * (D + BS + 2), 0.0f);
+  float* acc = scratch.data();
   float* scores = acc + Hq * D;
   float* run_max = scores + Hq * BS;
   float* run_sum = run_max + Hq;
-  for (int j = lo; j < hi; ++j) {  // scores: each key row read once for all heads
-    const T* kj = kp + j * row;
-    for (int h = 0; h < Hq; ++h) {
-      const float* qh = q + h * D;
-      const T* kh = kj + (h / G) * D;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int d = 0; d < D; ++d) dot += qh[d] * to_float(kh[d]);
-      scores[h * BS + j] = dot * sh.scale;
-    }
-  }
-  for (int h = 0; h < Hq; ++h) {  // online softmax: one rescale per page
-    float* sh_ = scores + h * BS;
-    if (sh.soft_cap > 0.0f) {
-      for (int j = lo; j < hi; ++j) sh_[j] = sh.soft_cap * std::tanh(sh_[j] / sh.soft_cap);
-    }
-    float page_max = kNoScore;
-    for (int j = lo; j < hi; ++j) page_max = std::max(page_max, sh_[j]);
-    const float new_max = std::max(run_max[h], page_max);
-    const float correction = std::exp(run_max[h] - new_max);
-    float page_sum = 0.0f;
-#pragma omp simd reduction(+ : page_sum)
-    for (int j = lo; j < hi; ++j) {
-      sh_[j] = std::exp(sh_[j] - new_max);
-      page_sum += sh_[j];
-    }
-    run_sum[h] = run_sum[h] * correction + page_sum;
-    run_max[h] = new_max;
-    float* ah = acc + h * D;
-#pragma omp simd
-    for (int d = 0; d < D; ++d) ah[d] *= correction;
-  }
-  for (int j = lo; j < hi; ++j) {  // weighted values: each value row read once
-    const T* vj = vp + j * row;
-    for (int h = 0; h < Hq; ++h) {
-      const float p = scores[h * BS + j];
-      const T* vh = vj + (h / G) * D;
-      float* ah = acc + h * D;
-#pragma omp simd
-      for (int d = 0; d < D; ++d) ah[d] += p * to_float(vh[d]);
-    }
-  }
-}
-
-// Rows [0, n) of one group: the same pages, consecutive lengths (a verification row's
-// query tokens; a decode is a group of one). Each page is read from memory once for all
-// of them, and each row's pages run through attend_page in order, as they would alone.
-template <typename T>
-void attend_group(const Shape& sh, const float* q, const T* k_cache, const T* v_cache,
-                  const int32_t* table, const int32_t* lens, int n, float* out,
-                  std::vector<float>& scratch) {
-  const int Hq = sh.num_kv_heads * sh.group, D = sh.head_dim, BS = sh.block_size;
-  const int64_t page_elems = BS * static_cast<int64_t>(sh.num_kv_heads) * D;
-  const int64_t per_row = static_cast<int64_t>(Hq) * (D + BS + 2);
-  scratch.assign(static_cast<size_t>(n * per_row), 0.0f);
-  int first_page = lens[0], last_page = 0;
-  for (int r = 0; r < n; ++r) {
-    float* run_max = scratch.data() + r * per_row + Hq * (D + BS);
-    std::fill(run_max, run_max + Hq, kNoScore);
-    const int first = sh.window > 0 ? std::max(0, lens[r] - sh.window) : 0;
-    first_page = std::min(first_page, first / BS);
-    last_page = std::max(last_page, (lens[r] - 1) / BS);
-  }
-  for (int b = first_page; b <= last_page; ++b) {
+  std::fill(run_max, run_max + Hq, kNoScore);
+  const int first = sh.window > 0 ? std::max(0, seq_len - sh.window) : 0;
+  const int last_page = (seq_len - 1) / BS;
+  for (int b = first / BS; b <= last_page; ++b) {
     const T* kp = k_cache + table[b] * page_elems;
     const T* vp = v_cache + table[b] * page_elems;
     if (b < last_page) {
       prefetch_page(k_cache + table[b + 1] * page_elems, page_elems);
       prefetch_page(v_cache + table[b + 1] * page_elems, page_elems);
     }
-    for (int r = 0; r < n; ++r) {
-      const int first = sh.window > 0 ? std::max(0, lens[r] - sh.window) : 0;
-      const int lo = std::max(first - b * BS, 0), hi = std::min(lens[r] - b * BS, BS);
-      if (lo < hi)
-        attend_page(sh, q + r * Hq * D, kp, vp, lo, hi, scratch.data() + r * per_row);
+    const int lo = std::max(first - b * BS, 0), hi = std::min(seq_len - b * BS, BS);
+    for (int j = lo; j < hi; ++j) {  // scores: each key row read once for all heads
+      const T* kj = kp + j * row;
+      for (int h = 0; h < Hq; ++h) {
+        const float* qh = q + h * D;
+        const T* kh = kj + (h / G) * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; ++d) dot += qh[d] * to_float(kh[d]);
+        scores[h * BS + j] = dot * sh.scale;
+      }
+    }
+    for (int h = 0; h < Hq; ++h) {  // online softmax: one rescale per page
+      float* sh_ = scores + h * BS;
+      if (sh.soft_cap > 0.0f) {
+        for (int j = lo; j < hi; ++j) sh_[j] = sh.soft_cap * std::tanh(sh_[j] / sh.soft_cap);
+      }
+      float page_max = kNoScore;
+      for (int j = lo; j < hi; ++j) page_max = std::max(page_max, sh_[j]);
+      const float new_max = std::max(run_max[h], page_max);
+      const float correction = std::exp(run_max[h] - new_max);
+      float page_sum = 0.0f;
+#pragma omp simd reduction(+ : page_sum)
+      for (int j = lo; j < hi; ++j) {
+        sh_[j] = std::exp(sh_[j] - new_max);
+        page_sum += sh_[j];
+      }
+      run_sum[h] = run_sum[h] * correction + page_sum;
+      run_max[h] = new_max;
+      float* ah = acc + h * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) ah[d] *= correction;
+    }
+    for (int j = lo; j < hi; ++j) {  // weighted values: each value row read once
+      const T* vj = vp + j * row;
+      for (int h = 0; h < Hq; ++h) {
+        const float p = scores[h * BS + j];
+        const T* vh = vj + (h / G) * D;
+        float* ah = acc + h * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) ah[d] += p * to_float(vh[d]);
+      }
     }
   }
-  for (int r = 0; r < n; ++r) {
-    const float* acc = scratch.data() + r * per_row;
-    const float* run_sum = acc + Hq * (D + BS) + Hq;
-    float* o = out + r * Hq * D;
-    for (int h = 0; h < Hq; ++h) {
-      const float inv = run_sum[h] > 0.0f ? 1.0f / run_sum[h] : 0.0f;
-      for (int d = 0; d < D; ++d) o[h * D + d] = acc[h * D + d] * inv;
-    }
+  for (int h = 0; h < Hq; ++h) {
+    const float inv = run_sum[h] > 0.0f ? 1.0f / run_sum[h] : 0.0f;
+    for (int d = 0; d < D; ++d) out[h * D + d] = acc[h * D + d] * inv;
   }
-}
-
-// Rows s - 1 and s attend as one group when s is one token further along the same pages.
-inline bool same_group(const Shape& sh, const int32_t* block_tables, const int32_t* seq_lens,
-                       int s) {
-  if (seq_lens[s] != seq_lens[s - 1] + 1) return false;
-  const int32_t* a = block_tables + (s - 1) * sh.table_stride;
-  const int32_t* b = block_tables + s * sh.table_stride;
-  const int pages = (seq_lens[s] - 1) / sh.block_size + 1;
-  return std::equal(a, a + pages, b);
 }
 
 template <typename T>
@@ -169,22 +128,15 @@ void decode(const Shape& sh, int num_seqs, const float* q, const T* k_cache,
             const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
             float* out) {
   const int64_t per_seq = static_cast<int64_t>(sh.num_kv_heads) * sh.group * sh.head_dim;
-  std::vector<int> starts;  // group g is rows [starts[g], starts[g + 1])
-  for (int s = 0; s < num_seqs; ++s)
-    if (s == 0 || !same_group(sh, block_tables, seq_lens, s)) starts.push_back(s);
-  starts.push_back(num_seqs);
-  const int groups = static_cast<int>(starts.size()) - 1;
-  // One group is one work item: no team (waking the other threads, and waiting for
+  // One sequence is one work item: no team (waking the other threads, and waiting for
   // them at the end, cost more than the item itself on a loaded machine).
-#pragma omp parallel if (groups > 1)
+#pragma omp parallel if (num_seqs > 1)
   {
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int g = 0; g < groups; ++g) {
-      const int s = starts[g], n = starts[g + 1] - s, last = starts[g + 1] - 1;
-      attend_group(sh, q + s * per_seq, k_cache, v_cache,
-                   block_tables + last * sh.table_stride, seq_lens + s, n,
-                   out + s * per_seq, scratch);
+    for (int s = 0; s < num_seqs; ++s) {
+      attend_seq(sh, q + s * per_seq, k_cache, v_cache, block_tables + s * sh.table_stride,
+                 seq_lens[s], out + s * per_seq, scratch);
     }
   }
 }

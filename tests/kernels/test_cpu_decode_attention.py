@@ -124,27 +124,3 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     tiny = torch.tensor([1e-39], dtype=torch.float32)
     assert float(tiny * 1.0) > 0.0
     assert 5e-324 * 1.0 > 0.0
-
-
-@pytest.mark.parametrize("options", [{}, {"sliding_window": 7}])
-def test_grouped_rows_equal_each_row_alone(options):
-    """Rows one token apart on the same pages (a verification row's query tokens) are one
-    work item that reads each page once; every row's result is bit for bit what the
-    kernel gives that row alone (so a verified token equals the decode it stands for)."""
-    seq_lens = [40, 3, 29]
-    ctx, _ = _inputs((2, 2, 64, 8, F32, seq_lens))
-    # rows: a decode of seq 0, then seq 2's last 5 tokens as a group, then seq 1
-    seqs, lens = [0, 2, 2, 2, 2, 2, 1], [40, 25, 26, 27, 28, 29, 3]
-    tables = ctx.block_tables[torch.tensor(seqs)]
-    q = torch.randn(len(seqs), 4, 64, generator=torch.Generator().manual_seed(1))
-    lens_t = torch.tensor(lens, dtype=torch.int32)
-    got = cpu_decode_attention.paged_decode_attention(
-        q, ctx.k_cache, ctx.v_cache, tables, lens_t, 0.125, **options)
-    for r in range(len(seqs)):
-        alone = cpu_decode_attention.paged_decode_attention(
-            q[r:r + 1], ctx.k_cache, ctx.v_cache, tables[r:r + 1], lens_t[r:r + 1], 0.125,
-            **options)
-        assert torch.equal(got[r:r + 1], alone), f"row {r}"
-    want = reference.paged_decode_attention(q, ctx.k_cache, ctx.v_cache, tables, lens_t,
-                                            0.125, **options)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
