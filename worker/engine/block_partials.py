@@ -68,17 +68,14 @@ class PartialBlocks:
     _block_of: dict[bytes, int]
     _hash_of: dict[int, bytes]
 
-    def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
-        raise NotImplementedError  # BlockManager's
+    if TYPE_CHECKING:  # the BlockManager's own methods, declared for the type checker only
+        def _hashes(self, request: Request, num_blocks: int) -> list[bytes]: ...
 
-    def _root_of(self, request: Request) -> bytes:
-        raise NotImplementedError  # BlockManager's
+        def _root_of(self, request: Request) -> bytes: ...
 
-    def _take_free_block(self) -> int:
-        raise NotImplementedError  # BlockManager's
+        def _take_free_block(self) -> int: ...
 
-    def free(self, request_id: str) -> None:
-        raise NotImplementedError  # BlockManager's
+        def free(self, request_id: str) -> None: ...
 
     def _parent(self, request: Request, block_index: int) -> bytes:
         if block_index == 0:
