@@ -89,6 +89,8 @@ class Request:
     # multi-LoRA (#30): the adapter the request runs with (a LoraAdapter: its host
     # weights, kept even if the adapter is unloaded before the request ends)
     lora: Any = None
+    # the request's sampler.SamplingRow, made at its first sampling step and kept
+    sampling_row: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
