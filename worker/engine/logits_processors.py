@@ -32,6 +32,7 @@ class SamplingRow(Protocol):
     cache: dict[str, Any]
     bad_words_ids: tuple[tuple[int, ...], ...]
     pending_output: torch.Tensor | None  # [1] on the device: the token of the step in flight
+    penalised: bool | None  # wants_penalties(params), answered once per request
 
 
 def wants_penalties(params: Any) -> bool:
@@ -46,7 +47,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     row cache (a prompt never changes). A row's token of the step still in flight is
     counted on the device from that step's sampled tokens (``SamplingRow.pending_output``),
     so a penalised row needs no read-back before it samples."""
-    targets = [i for i, r in enumerate(rows) if wants_penalties(r.params)]
+    targets = [i for i, r in enumerate(rows) if r.penalised]
     if not targets:
         return logits
     device, vocab = logits.device, logits.shape[1]
