@@ -12,7 +12,7 @@ Exact by construction: every op is the one transformers' Llama runs (the same
 ``F.linear`` or ``PackedLinear`` per projection, the same RMSNorm and rotary formulas in
 the same order, the same kernel), so the logits are bit-for-bit those of the module path
 (``tests/worker/engine/test_lean_decode.py``). The rotary table rows are made by the
-model's own rotary module, one position at a time, as a one-row decode computes them.
+model's own rotary module, as the module path computes them.
 
 Verification steps of speculative decoding take it too: a row whose query is its last
 token and its drafts (a short chunk over a cached prefix, ``attention_torch.short_chunks``)
@@ -25,9 +25,8 @@ Prefill and mixed steps take it too (#32): the layers' ops are the same for a ch
 many tokens, and a step with a chunk that is not kernel rows hands every layer's attention
 to the backend's ``forward``, the call the module path's attention hook makes. A
 conversation's returning turn (a short new message over a context restored from the
-prefix cache) was ~1/3 module-path Python at the default model's size; a prompt's own
-rotary rows still come from the table (the module's, one position at a time: the same
-values as the module computes for the whole chunk, a product per element). The logits
+prefix cache) was ~1/3 module-path Python at the default model's size; a prompt's
+rotary rows come from the table too. The logits
 equal the module path's when both run the step on the same threads (a prefill's matmuls
 are not bit-stable across thread counts on either path).
 
@@ -108,16 +107,20 @@ class LeanLlamaDecode:
                 mlp.up_proj.forward, mlp.down_proj.forward)
 
     def _grow_rope(self, length: int) -> None:
-        """Rotary rows for positions [0, length): each from the model's rotary module on a
-        single position, which is how a one-row decode step gets it."""
+        """Rotary rows for positions [0, length), from the model's rotary module over the new
+        positions in one call: what the module path computes for a chunk of them, and for
+        each row what a one-row decode step gets (each value is one product and its cos or
+        sin, the same for a position alone or among others; the tests hold both paths to
+        it). One call, not one per position: growing to 1024 rows took ~45 ms that way,
+        paid inside some request's step."""
         have = self.cos.shape[0]
         if length <= have:
             return
         new = max(length, 2 * have, 64)
         probe = self.embed[:1][None]  # [1, 1, H]: the module reads only its dtype/device
-        rows = [self.rotary(probe, torch.tensor([[p]])) for p in range(have, new)]
-        self.cos = torch.cat([self.cos] + [c[0] for c, _ in rows])  # [new, D]
-        self.sin = torch.cat([self.sin] + [s[0] for _, s in rows])
+        cos, sin = self.rotary(probe, torch.arange(have, new)[None])  # [1, new - have, D]
+        self.cos = torch.cat([self.cos, cos[0]])  # [new, D]
+        self.sin = torch.cat([self.sin, sin[0]])
 
     def usable(self, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
         """Every slot real and a cache the kernel reads (any mix of rows: decodes and short

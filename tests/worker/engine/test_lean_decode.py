@@ -146,7 +146,8 @@ def test_lora_rows_bitwise_equal_to_modules(tmp_path: Path,
 def test_verification_steps_bitwise_equal_to_modules(prompts: list[list[int]],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     lean, plain = _engine(True, **SPEC), _engine(False, **SPEC)
-    plain.runner.serial_tokens = 0
+    # each step on the same threads: the prompts' prefill steps (step 0) are not bit-stable
+    # across thread counts, on either path
     calls = _count_lean_steps(monkeypatch)
     got, got_tokens = _logits_per_step(lean, prompts, 60)
     want, want_tokens = _logits_per_step(plain, prompts, 60)
