@@ -8,6 +8,14 @@ Workloads (seeded, greedy, every request exactly ``max_tokens``):
   the prefix cache shares it). The prompts fit, the decodes growing into the pool preempt
   running lines again and again; output tokens per second, and the tokens the forwards
   computed beyond each line's prompt and outputs (recomputed after preemption).
+* ``preemption_long`` (#32): the shape where swapping is meant to pay, long contexts of
+  their own (an agent's or a RAG request's context: nothing shared) with long outputs: 16
+  lines (32 full) of 256 tokens each and 256 output tokens, pool a quarter of the demand.
+  A preempted line's blocks are its own, so recompute re-prefills its whole context
+  (prompt and the outputs so far) where the tier copies them back; in the shared-document
+  shape the document stays cached on the device (the other lines hold it) and only a
+  line's own 64 tokens and outputs are recomputed. Both are reported, neither replaces
+  the other.
 * ``multi-turn``: 6 conversations (16 full) of 4 turns, served round by round (every
   conversation's turn 1, then every turn 2, ...), each turn's prompt the conversation so far
   plus a new 48-token message; the conversations' KV is 4x the device pool, so a
@@ -67,9 +75,15 @@ def _params(max_tokens: int) -> Any:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def preemption(path: str, tier: bool, n: int, vocab: int) -> dict[str, Any]:
+# the preemption workloads' shapes: (shared document, each line's own tokens, outputs)
+SHARED_DOC = (256, 64, 96)
+LONG_CONTEXT = (0, 256, 256)
+
+
+def preemption(path: str, tier: bool, n: int, vocab: int,
+               shape: tuple[int, int, int] = SHARED_DOC) -> dict[str, Any]:
     rng = random.Random(3)
-    doc_len, line_len, out_len = 256, 64, 96
+    doc_len, line_len, out_len = shape
     document = [rng.randrange(3, vocab) for _ in range(doc_len)]
     jobs = [document + [rng.randrange(3, vocab) for _ in range(line_len)] for _ in range(n)]
     demand = doc_len // BLOCK + n * -(-(line_len + out_len) // BLOCK)
@@ -195,6 +209,7 @@ def main() -> None:
     n, conv = (16, 6) if args.quick else (32, 16)
     load_before = _load()
     pre = _abba(lambda t: preemption(path, t, n, vocab), args.repeats)
+    long = _abba(lambda t: preemption(path, t, n, vocab, LONG_CONTEXT), args.repeats)
     multi = _abba(lambda t: multi_turn(path, t, conv, 4, vocab), args.repeats)
     rows = {
         "preemption_tok_s": [max(r["tok_s"] for r in pre[t]) for t in (False, True)],
@@ -202,24 +217,28 @@ def main() -> None:
         "multi_turn_ttft_p50_turns_2+_ms": [_best_ttft(multi[t], conv) for t in (False, True)],
         "preemption_tok_per_cpu_s": [max(r["tok_per_cpu_s"] for r in pre[t])
                                      for t in (False, True)],
+        "preemption_long_tok_s": [max(r["tok_s"] for r in long[t]) for t in (False, True)],
+        "preemption_long_tok_per_cpu_s": [max(r["tok_per_cpu_s"] for r in long[t])
+                                          for t in (False, True)],
         "multi_turn_ttft_cpu_p50_ms": [_best_ttft(multi[t], key="ttft_cpu_ms")
                                        for t in (False, True)],
         "multi_turn_ttft_cpu_p50_turns_2+_ms": [_best_ttft(multi[t], conv, "ttft_cpu_ms")
                                                for t in (False, True)],
         "multi_turn_prefill_computed": [multi[t][0]["prefill_computed"] for t in (False, True)],
     }
-    identical = all(r["outputs"] == pre[False][0]["outputs"] for r in pre[True] + pre[False]) \
-        and all(r["outputs"] == multi[False][0]["outputs"] for r in multi[True] + multi[False])
+    identical = all(r["outputs"] == runs[False][0]["outputs"]
+                    for runs in (pre, long, multi) for r in runs[True] + runs[False])
     print(f"{'measurement':32} {'tier off':>12} {'tier on':>12} {'on/off':>8}")
     for name, (off, on) in rows.items():
         print(f"{name:32} {off:12.1f} {on:12.1f} {on / off:8.2f}x")
-    p_off, p_on = pre[False][0], pre[True][0]
     print(f"outputs identical: {identical}; load average {load_before:.2f} -> {_load():.2f}")
-    print(f"preemption: {p_off['preemptions']} / {p_on['preemptions']} preemptions, "
-          f"{p_off['steps']} / {p_on['steps']} steps, tokens computed "
-          f"{p_off['tokens_computed']} / {p_on['tokens_computed']}, of them recomputed "
-          f"{p_off['tokens_recomputed']} / {p_on['tokens_recomputed']}; blocks restored "
-          f"{p_on['restored']}, offloaded {p_on['offloaded']}")
+    for name, runs in (("preemption", pre), ("preemption_long", long)):
+        p_off, p_on = runs[False][0], runs[True][0]
+        print(f"{name}: {p_off['preemptions']} / {p_on['preemptions']} preemptions, "
+              f"{p_off['steps']} / {p_on['steps']} steps, tokens computed "
+              f"{p_off['tokens_computed']} / {p_on['tokens_computed']}, of them recomputed "
+              f"{p_off['tokens_recomputed']} / {p_on['tokens_recomputed']}; blocks restored "
+              f"{p_on['restored']}, offloaded {p_on['offloaded']}")
     print(f"multi-turn: blocks restored {multi[True][0]['restored']}, offloaded "
           f"{multi[True][0]['offloaded']}")
     result = {
@@ -229,6 +248,8 @@ def main() -> None:
         "rows": {k: {"off": off, "on": on, "ratio": on / off} for k, (off, on) in rows.items()},
         "preemption": {str(t): [{k: v for k, v in r.items() if k != "outputs"} for r in rs]
                        for t, rs in pre.items()},
+        "preemption_long": {str(t): [{k: v for k, v in r.items() if k != "outputs"}
+                                     for r in rs] for t, rs in long.items()},
         "multi_turn": {str(t): [{k: v for k, v in r.items() if k not in _LISTS} for r in rs]
                        for t, rs in multi.items()},
     }

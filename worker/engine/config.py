@@ -34,8 +34,8 @@ class ModelConfig:
     # CUDA: pure-decode steps replay CUDA graphs (worker/engine/decode_graphs.py); True
     # runs every step eagerly
     enforce_eager: bool = False
-    # CPU: pure-decode steps of a Llama model take worker/engine/lean_decode.py (the same
-    # ops without the modules' Python); False keeps them on the modules
+    # CPU: the steps of a Llama model take worker/engine/lean_decode.py (the same ops
+    # without the modules' Python); False keeps them on the modules
     lean_decode: bool = True
 
 

@@ -1,4 +1,4 @@
-"""A lean forward for pure-decode steps of a Llama model on the CPU.
+"""A lean forward for the steps of a Llama model on the CPU (decodes, and since #32 prefills).
 
 Why: at one stream the default model's step is ~6 ms, and most of it is not arithmetic
 but transformers' per-module Python (``nn.Module.__call__``, kwarg deprecation and
@@ -12,7 +12,7 @@ Exact by construction: every op is the one transformers' Llama runs (the same
 ``F.linear`` or ``PackedLinear`` per projection, the same RMSNorm and rotary formulas in
 the same order, the same kernel), so the logits are bit-for-bit those of the module path
 (``tests/worker/engine/test_lean_decode.py``). The rotary table rows are made by the
-model's own rotary module, one position at a time, as a one-row decode computes them.
+model's own rotary module, as the module path computes them.
 
 Verification steps of speculative decoding take it too: a row whose query is its last
 token and its drafts (a short chunk over a cached prefix, ``attention_torch.short_chunks``)
@@ -21,8 +21,17 @@ decodes; here the call is built once per step with those rows' tables and length
 step carrying drafts costs what a decode step of as many tokens costs, not the module
 path's ~2x (measured at batch 1: 3 ms for a decode, 9 ms for a 1+2..7-token verification).
 
+Prefill and mixed steps take it too (#32): the layers' ops are the same for a chunk of
+many tokens, and a step with a chunk that is not kernel rows hands every layer's attention
+to the backend's ``forward``, the call the module path's attention hook makes. A
+conversation's returning turn (a short new message over a context restored from the
+prefix cache) was ~1/3 module-path Python at the default model's size; a prompt's
+rotary rows come from the table too. The logits
+equal the module path's when both run the step on the same threads (a prefill's matmuls
+are not bit-stable across thread counts on either path).
+
 Only for what it reproduces: ``LlamaForCausalLM`` with default RoPE, SiLU MLP, no
-sliding window; prefill, mixed steps and prompt logprobs keep the module path. With
+sliding window. With
 multi-LoRA on, the path is built over the ``LoraLinear`` wrappers, so a decode row's
 adapter is applied by the very module call the module path makes.
 """
@@ -98,26 +107,33 @@ class LeanLlamaDecode:
                 mlp.up_proj.forward, mlp.down_proj.forward)
 
     def _grow_rope(self, length: int) -> None:
-        """Rotary rows for positions [0, length): each from the model's rotary module on a
-        single position, which is how a one-row decode step gets it."""
+        """Rotary rows for positions [0, length), from the model's rotary module over the new
+        positions in one call: what the module path computes for a chunk of them, and for
+        each row what a one-row decode step gets (each value is one product and its cos or
+        sin, the same for a position alone or among others; the tests hold both paths to
+        it). One call, not one per position: growing to 1024 rows took ~45 ms that way,
+        paid inside some request's step."""
         have = self.cos.shape[0]
         if length <= have:
             return
         new = max(length, 2 * have, 64)
         probe = self.embed[:1][None]  # [1, 1, H]: the module reads only its dtype/device
-        rows = [self.rotary(probe, torch.tensor([[p]])) for p in range(have, new)]
-        self.cos = torch.cat([self.cos] + [c[0] for c, _ in rows])  # [new, D]
-        self.sin = torch.cat([self.sin] + [s[0] for _, s in rows])
+        cos, sin = self.rotary(probe, torch.arange(have, new)[None])  # [1, new - have, D]
+        self.cos = torch.cat([self.cos, cos[0]])  # [new, D]
+        self.sin = torch.cat([self.sin, sin[0]])
 
     def usable(self, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
-        """Every row a decode or a short chunk over its cached prefix (a verification row),
-        every slot real, and a cache the kernel reads."""
-        rows = len(meta.seq_lens_host)
-        if not rows or not bool((meta.slot_mapping >= 0).all()):
+        """Every slot real and a cache the kernel reads (any mix of rows: decodes and short
+        chunks go to the kernel directly, longer chunks through the backend)."""
+        if not len(meta.seq_lens_host) or not bool((meta.slot_mapping >= 0).all()):
             return False
-        if self.native and kv_caches[0][0].dtype not in cpu_decode_attention.CACHE_DTYPES:
-            return False
-        if meta.num_decodes == rows:
+        return not self.native or kv_caches[0][0].dtype in cpu_decode_attention.CACHE_DTYPES
+
+    @staticmethod
+    def _kernel_rows_only(meta: AttentionMetadata) -> bool:
+        """Whether every row is a decode or a short chunk over its cached prefix (then one
+        kernel call per layer is the whole attention)."""
+        if meta.num_decodes == len(meta.seq_lens_host):
             return True
         tokens, _, _ = short_chunks(meta)
         return meta.num_decodes + len(tokens) == meta.query_start_host[-1]
@@ -143,10 +159,13 @@ class LeanLlamaDecode:
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         slots = meta.slot_mapping.to(torch.long)
-        attend = self._decode_call(meta) if self.native else None
+        attend = self._decode_call(meta) if (
+            self.native and self._kernel_rows_only(meta)) else None
         h = F.embedding(input_ids, self.embed)  # [T, H]
         for i, layer in enumerate(self.layers):
             h = self._layer_forward(h, layer, cos, sin, slots, kv_caches[i], meta, attend)
+        if not sample_rows.numel():  # a chunk that samples nothing: the layers' K/V only
+            return h.new_empty(0, self.embed.shape[0])
         h = _rms_norm(h, *self.norm)
         return self.lm_head(h[sample_rows])  # type: ignore[no-any-return]
 
@@ -170,7 +189,7 @@ class LeanLlamaDecode:
             v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
                 0, slots, v.to(v_cache.dtype))
             out = attend(q, k_cache, v_cache)  # [T, Hq, D]
-        else:  # another backend stores and attends itself
+        else:  # the backend stores and attends itself (prefill chunks)
             out = self.backend.forward(q, k, v, cache, meta, self.scale, None, None)
         h = h + o_proj(out.reshape(t, self.num_heads * self.head_dim))
         x = _rms_norm(h, ln2, eps2)

@@ -227,8 +227,7 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare(sched, blocks, prev)
         if extra_rows:  # prompt logprobs' rows, or the drafts' of a verification step
             sample_rows = torch.cat([sample_rows, to_device(extra_rows, torch.long, self.device)])
-        if (self.lean is not None
-                and sample_rows.numel() and self.lean.usable(meta, self.kv_caches)):
+        if self.lean is not None and self.lean.usable(meta, self.kv_caches):
             return self.lean(input_ids, positions, meta, self.kv_caches, sample_rows)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         if sample_rows.numel() == 0:

@@ -146,11 +146,32 @@ def test_lora_rows_bitwise_equal_to_modules(tmp_path: Path,
 def test_verification_steps_bitwise_equal_to_modules(prompts: list[list[int]],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     lean, plain = _engine(True, **SPEC), _engine(False, **SPEC)
-    plain.runner.serial_tokens = 0
+    # each step on the same threads: the prompts' prefill steps (step 0) are not bit-stable
+    # across thread counts, on either path
     calls = _count_lean_steps(monkeypatch)
     got, got_tokens = _logits_per_step(lean, prompts, 60)
     want, want_tokens = _logits_per_step(plain, prompts, 60)
     assert calls[1] >= 5, "verification steps were meant to take the lean path"
     assert lean.stats().spec_accepted_tokens > 0
+    assert got_tokens == want_tokens
+    _assert_same_steps(got, want)
+
+
+def test_prefill_and_mixed_steps_bitwise_equal_to_modules(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill steps take the lean path too, their chunks attended by the backend as the
+    module path's attention hook has them attended: a fresh prompt, a prompt chunked over
+    its own first chunk (a chunk that samples nothing, then one over a cached prefix), a
+    prefix-cache hit with a long new part, all mixed with the others' decodes."""
+    shared = [7 + i % 50 for i in range(64)]
+    prompts = [list(range(3, 43)), shared + [900 + i for i in range(70)],
+               [11 + (i * 7) % 400 for i in range(150)], shared + [500 + i for i in range(40)]]
+    kw: dict[str, Any] = dict(max_num_batched_tokens=96, long_prefill_token_threshold=96)
+    lean, plain = _engine(True, **kw), _engine(False, **kw)  # each step on the same threads
+    calls = _count_lean_steps(monkeypatch)
+    got, got_tokens = _logits_per_step(lean, prompts, 20)
+    want, want_tokens = _logits_per_step(plain, prompts, 20)
+    assert calls[1] >= 3, "prefill steps were meant to take the lean path"
+    assert lean.stats().prefix_cache_hits > 0
     assert got_tokens == want_tokens
     _assert_same_steps(got, want)
