@@ -21,6 +21,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float to_float(float x) { return x; }
@@ -50,19 +54,163 @@ inline void prefetch_page(const T* page, int64_t elems) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
-// One sequence, all heads. acc: [Hq, D]; scores: [Hq, BS]; run_max, run_sum: [Hq].
+// The generic per-page code (any head dim): scores, then the weighted values.
 template <typename T>
+void page_scores(const Shape& sh, const float* q, const T* kp, int lo, int hi, float* scores) {
+  const int Hq = sh.num_kv_heads * sh.group, G = sh.group, D = sh.head_dim;
+  const int64_t row = static_cast<int64_t>(sh.num_kv_heads) * D;  // one token, all heads
+  for (int j = lo; j < hi; ++j) {  // each key row read once for all heads
+    const T* kj = kp + j * row;
+    for (int h = 0; h < Hq; ++h) {
+      const float* qh = q + h * D;
+      const T* kh = kj + (h / G) * D;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int d = 0; d < D; ++d) dot += qh[d] * to_float(kh[d]);
+      scores[h * sh.block_size + j] = dot * sh.scale;
+    }
+  }
+}
+
+template <typename T>
+void page_values(const Shape& sh, const T* vp, int lo, int hi, const float* scores,
+                 const float* correction, float* acc) {
+  const int Hq = sh.num_kv_heads * sh.group, G = sh.group, D = sh.head_dim;
+  const int64_t row = static_cast<int64_t>(sh.num_kv_heads) * D;
+  for (int h = 0; h < Hq; ++h) {
+    float* ah = acc + h * D;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) ah[d] *= correction[h];
+  }
+  for (int j = lo; j < hi; ++j) {  // each value row read once
+    const T* vj = vp + j * row;
+    for (int h = 0; h < Hq; ++h) {
+      const float p = scores[h * sh.block_size + j];
+      const T* vh = vj + (h / G) * D;
+      float* ah = acc + h * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) ah[d] += p * to_float(vh[d]);
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define FERRY_DECODE_AVX2 1
+// Head dims of NC x 8 floats (32, 64, 128) with the sizes known at compile time. The
+// generic loops spend most of a small head's time outside the arithmetic: a horizontal sum
+// per key and head (32 MACs at head dim 32), loop control around 4-vector bodies, and the
+// head's accumulator loaded and stored for every value row. Here 8 keys' dot products
+// run as 8 independent FMA chains reduced together (one hadd tree for 8 scores), and a
+// head's accumulator stays in registers across the page's value rows.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // bfloat16 -> float32: the high half of each
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// {sum of a[0]'s lanes, ..., sum of a[7]'s lanes}; each lane sums one input only.
+inline __m256 lane_sums(const __m256* a) {
+  const __m256 t01 = _mm256_hadd_ps(a[0], a[1]), t23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t45 = _mm256_hadd_ps(a[4], a[5]), t67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t01, t23), u1 = _mm256_hadd_ps(t45, t67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+template <int NC, typename T>
+void page_scores_vec(const Shape& sh, const float* q, const T* kp, int lo, int hi,
+                     float* scores) {
+  constexpr int D = NC * 8;
+  const int Hq = sh.num_kv_heads * sh.group, G = sh.group;
+  const int64_t row = static_cast<int64_t>(sh.num_kv_heads) * D;
+  const __m256 scale = _mm256_set1_ps(sh.scale);
+  for (int h = 0; h < Hq; ++h) {
+    const float* qh = q + h * D;
+    const T* kh = kp + (h / G) * D;
+    float* out = scores + h * sh.block_size;
+    for (int j0 = lo; j0 < hi; j0 += 8) {
+      // a block past hi repeats key hi - 1 (a key of this page): its lanes are dropped
+      const T* key[8];
+      for (int i = 0; i < 8; ++i) key[i] = kh + std::min(j0 + i, hi - 1) * row;
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      for (int c = 0; c < NC; ++c) {
+        const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, load8(key[i] + 8 * c), acc[i]);
+      }
+      alignas(32) float s[8];
+      _mm256_store_ps(s, _mm256_mul_ps(lane_sums(acc), scale));
+      const int n = std::min(8, hi - j0);
+      for (int i = 0; i < n; ++i) out[j0 + i] = s[i];
+    }
+  }
+}
+
+template <int NC, typename T>
+void page_values_vec(const Shape& sh, const T* vp, int lo, int hi, const float* scores,
+                     const float* correction, float* acc) {
+  constexpr int D = NC * 8, W = 4;  // 4 vectors (32 floats) of a head's sums at a time
+  static_assert(NC % W == 0, "head dim must be a multiple of 32");
+  const int Hq = sh.num_kv_heads * sh.group, G = sh.group;
+  const int64_t row = static_cast<int64_t>(sh.num_kv_heads) * D;
+  for (int h = 0; h < Hq; ++h) {
+    const T* vh = vp + (h / G) * D;
+    const float* p = scores + h * sh.block_size;
+    const __m256 corr = _mm256_set1_ps(correction[h]);
+    for (int c0 = 0; c0 < NC; c0 += W) {
+      float* ah = acc + h * D + 8 * c0;
+      __m256 a[W];
+      for (int c = 0; c < W; ++c) a[c] = _mm256_mul_ps(_mm256_loadu_ps(ah + 8 * c), corr);
+      for (int j = lo; j < hi; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const T* vj = vh + j * row + 8 * c0;
+        for (int c = 0; c < W; ++c) a[c] = _mm256_fmadd_ps(pj, load8(vj + 8 * c), a[c]);
+      }
+      for (int c = 0; c < W; ++c) _mm256_storeu_ps(ah + 8 * c, a[c]);
+    }
+  }
+}
+#endif
+
+// One page's online softmax step for every head: scores become weights, the running max
+// and sum move on, and correction[h] is what the head's sums so far are scaled by.
+inline void page_softmax(const Shape& sh, int Hq, int lo, int hi, float* scores,
+                         float* run_max, float* run_sum, float* correction) {
+  for (int h = 0; h < Hq; ++h) {
+    float* sh_ = scores + h * sh.block_size;
+    if (sh.soft_cap > 0.0f) {
+      for (int j = lo; j < hi; ++j) sh_[j] = sh.soft_cap * std::tanh(sh_[j] / sh.soft_cap);
+    }
+    float page_max = kNoScore;
+    for (int j = lo; j < hi; ++j) page_max = std::max(page_max, sh_[j]);
+    const float new_max = std::max(run_max[h], page_max);
+    correction[h] = std::exp(run_max[h] - new_max);
+    float page_sum = 0.0f;
+#pragma omp simd reduction(+ : page_sum)
+    for (int j = lo; j < hi; ++j) {
+      sh_[j] = std::exp(sh_[j] - new_max);
+      page_sum += sh_[j];
+    }
+    run_sum[h] = run_sum[h] * correction[h] + page_sum;
+    run_max[h] = new_max;
+  }
+}
+
+// One sequence, all heads, page by page (NC: the head dim's vectors of 8 when the
+// vectorised code handles it, 0 for the generic loops). Scratch: acc [Hq, D],
+// scores [Hq, BS], run_max, run_sum, correction [Hq].
+template <int NC, typename T>
 void attend_seq(const Shape& sh, const float* q, const T* k_cache, const T* v_cache,
                 const int32_t* table, int seq_len, float* out, std::vector<float>& scratch) {
-  const int Hq = sh.num_kv_heads * sh.group, G = sh.group, D = sh.head_dim;
+  const int Hq = sh.num_kv_heads * sh.group, D = sh.head_dim;
   const int BS = sh.block_size;
-  const int64_t row = static_cast<int64_t>(sh.num_kv_heads) * D;  // one token, all heads
-  const int64_t page_elems = BS * row;
-  scratch.assign(static_cast<size_t>(Hq) * (D + BS + 2), 0.0f);
+  const int64_t page_elems = BS * static_cast<int64_t>(sh.num_kv_heads) * D;
+  scratch.assign(static_cast<size_t>(Hq) * (D + BS + 3), 0.0f);
   float* acc = scratch.data();
   float* scores = acc + Hq * D;
   float* run_max = scores + Hq * BS;
   float* run_sum = run_max + Hq;
+  float* correction = run_sum + Hq;
   std::fill(run_max, run_max + Hq, kNoScore);
   const int first = sh.window > 0 ? std::max(0, seq_len - sh.window) : 0;
   const int last_page = (seq_len - 1) / BS;
@@ -74,48 +222,17 @@ void attend_seq(const Shape& sh, const float* q, const T* k_cache, const T* v_ca
       prefetch_page(v_cache + table[b + 1] * page_elems, page_elems);
     }
     const int lo = std::max(first - b * BS, 0), hi = std::min(seq_len - b * BS, BS);
-    for (int j = lo; j < hi; ++j) {  // scores: each key row read once for all heads
-      const T* kj = kp + j * row;
-      for (int h = 0; h < Hq; ++h) {
-        const float* qh = q + h * D;
-        const T* kh = kj + (h / G) * D;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < D; ++d) dot += qh[d] * to_float(kh[d]);
-        scores[h * BS + j] = dot * sh.scale;
-      }
+#ifdef FERRY_DECODE_AVX2
+    if constexpr (NC > 0) {
+      page_scores_vec<NC>(sh, q, kp, lo, hi, scores);
+      page_softmax(sh, Hq, lo, hi, scores, run_max, run_sum, correction);
+      page_values_vec<NC>(sh, vp, lo, hi, scores, correction, acc);
+      continue;
     }
-    for (int h = 0; h < Hq; ++h) {  // online softmax: one rescale per page
-      float* sh_ = scores + h * BS;
-      if (sh.soft_cap > 0.0f) {
-        for (int j = lo; j < hi; ++j) sh_[j] = sh.soft_cap * std::tanh(sh_[j] / sh.soft_cap);
-      }
-      float page_max = kNoScore;
-      for (int j = lo; j < hi; ++j) page_max = std::max(page_max, sh_[j]);
-      const float new_max = std::max(run_max[h], page_max);
-      const float correction = std::exp(run_max[h] - new_max);
-      float page_sum = 0.0f;
-#pragma omp simd reduction(+ : page_sum)
-      for (int j = lo; j < hi; ++j) {
-        sh_[j] = std::exp(sh_[j] - new_max);
-        page_sum += sh_[j];
-      }
-      run_sum[h] = run_sum[h] * correction + page_sum;
-      run_max[h] = new_max;
-      float* ah = acc + h * D;
-#pragma omp simd
-      for (int d = 0; d < D; ++d) ah[d] *= correction;
-    }
-    for (int j = lo; j < hi; ++j) {  // weighted values: each value row read once
-      const T* vj = vp + j * row;
-      for (int h = 0; h < Hq; ++h) {
-        const float p = scores[h * BS + j];
-        const T* vh = vj + (h / G) * D;
-        float* ah = acc + h * D;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) ah[d] += p * to_float(vh[d]);
-      }
-    }
+#endif
+    page_scores(sh, q, kp, lo, hi, scores);
+    page_softmax(sh, Hq, lo, hi, scores, run_max, run_sum, correction);
+    page_values(sh, vp, lo, hi, scores, correction, acc);
   }
   for (int h = 0; h < Hq; ++h) {
     const float inv = run_sum[h] > 0.0f ? 1.0f / run_sum[h] : 0.0f;
@@ -123,10 +240,10 @@ void attend_seq(const Shape& sh, const float* q, const T* k_cache, const T* v_ca
   }
 }
 
-template <typename T>
-void decode(const Shape& sh, int num_seqs, const float* q, const T* k_cache,
-            const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
-            float* out) {
+template <int NC, typename T>
+void decode_rows(const Shape& sh, int num_seqs, const float* q, const T* k_cache,
+                 const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
+                 float* out) {
   const int64_t per_seq = static_cast<int64_t>(sh.num_kv_heads) * sh.group * sh.head_dim;
   // One sequence is one work item: no team (waking the other threads, and waiting for
   // them at the end, cost more than the item itself on a loaded machine).
@@ -135,10 +252,30 @@ void decode(const Shape& sh, int num_seqs, const float* q, const T* k_cache,
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int s = 0; s < num_seqs; ++s) {
-      attend_seq(sh, q + s * per_seq, k_cache, v_cache, block_tables + s * sh.table_stride,
-                 seq_lens[s], out + s * per_seq, scratch);
+      attend_seq<NC>(sh, q + s * per_seq, k_cache, v_cache,
+                     block_tables + s * sh.table_stride, seq_lens[s], out + s * per_seq,
+                     scratch);
     }
   }
+}
+
+template <typename T>
+void decode(const Shape& sh, int num_seqs, const float* q, const T* k_cache,
+            const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
+            float* out) {
+#ifdef FERRY_DECODE_AVX2
+  switch (sh.head_dim) {
+    case 32:
+      return decode_rows<4>(sh, num_seqs, q, k_cache, v_cache, block_tables, seq_lens, out);
+    case 64:
+      return decode_rows<8>(sh, num_seqs, q, k_cache, v_cache, block_tables, seq_lens, out);
+    case 128:
+      return decode_rows<16>(sh, num_seqs, q, k_cache, v_cache, block_tables, seq_lens, out);
+    default:
+      break;
+  }
+#endif
+  decode_rows<0>(sh, num_seqs, q, k_cache, v_cache, block_tables, seq_lens, out);
 }
 
 // Every sequence's length must fit its table row and every page it reads must exist:

@@ -19,6 +19,12 @@ CASES = [
     (4, 2, 64, 16, BF16, [300, 2, 129]),
     (2, 4, 128, 1, F32, [9, 3]),
     (1, 2, 256, 16, F32, [50, 3]),
+    # head dims the vectorised code takes (32, 64, 128): partial 8-key blocks, one-token
+    # pages, bf16 pages
+    (8, 1, 32, 16, F32, [200, 7, 33, 1]),
+    (4, 2, 32, 8, BF16, [45, 9, 3]),
+    (2, 1, 128, 16, F32, [37, 130]),
+    (2, 2, 32, 1, F32, [11, 4]),
 ]
 
 
@@ -53,6 +59,23 @@ def test_window_and_soft_cap(options):
     ctx, q = _inputs((2, 4, 64, 16, F32, [5, 64, 150]))
     got, want = _both(ctx, q * 3, **options)  # sharper scores so the cap matters
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [32, 80])
+def test_a_row_is_the_same_alone_or_in_any_batch(head_dim):
+    """A row's result depends on its own query, table and length only, bit for bit: a
+    verification row's query token attends exactly as the decode it stands for."""
+    ctx, _ = _inputs((4, 1, head_dim, 16, F32, [40, 3, 29]))
+    seqs, lens = [0, 2, 2, 2, 1, 0], [40, 27, 28, 29, 3, 17]
+    tables = ctx.block_tables[torch.tensor(seqs)]
+    q = torch.randn(len(seqs), 4, head_dim, generator=torch.Generator().manual_seed(1))
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    got = cpu_decode_attention.paged_decode_attention(q, ctx.k_cache, ctx.v_cache, tables,
+                                                      lens_t, 0.125)
+    for r in range(len(seqs)):
+        alone = cpu_decode_attention.paged_decode_attention(
+            q[r:r + 1], ctx.k_cache, ctx.v_cache, tables[r:r + 1], lens_t[r:r + 1], 0.125)
+        assert torch.equal(got[r:r + 1], alone), f"row {r}"
 
 
 def test_low_precision_queries_and_out():

@@ -57,10 +57,14 @@ class TorchAttentionBackend:
 # last token and its drafts, a short resumed chunk) runs as decode rows, one per token...
 SHORT_QUERY = 65  # 1 + the most draft tokens (num_speculative_tokens <= 64)
 # ... while its query tokens times its context stay under this. A kernel row reads the whole
-# context for one token; beyond it, ``prefix_attention``'s two matmuls over the chunk cost
-# less than its fixed gather (measured on the default model, one thread: 64 tokens over a
-# 256-token context 2.6 ms as rows, 1.2 ms as matmuls; 8 over 256 0.40 against 0.44 ms).
-KERNEL_ROWS_MAX = 4096
+# context for one token, so past some size the chunk's own matmuls (``prefix_attention``)
+# attend faster; but a step whose every row is a decode or such a chunk also takes the lean
+# decode path (``lean_decode.py``), several ms a step less than the modules' path, and one
+# longer chunk (a 33-token verification over 125+ tokens) sends the whole step back.
+# Measured with the vectorised kernel (default model, one thread, one layer): 33 tokens
+# over 192 0.46 ms as rows, 0.50 as matmuls; over 256 0.77 vs 0.72; 65 over 256 1.34 vs
+# 1.07; 33 over 400 1.16 vs 1.03: at most ~1.6 ms a step more for rows over 6 layers.
+KERNEL_ROWS_MAX = 16384
 # prefix_attention's fp32 scores ([Hq, Lq, L]) up to this many values; beyond, SDPA.
 MATMUL_SCORES_MAX = 1 << 22
 

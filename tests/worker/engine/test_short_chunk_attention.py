@@ -17,16 +17,17 @@ from worker.engine.attention_torch import (
 )
 
 BLOCK, HQ, HKV, D = 4, 4, 2, 16
+PAGES = 80  # blocks a sequence owns: contexts up to 320 tokens
 
 
 def _meta(ctx: list[int], q_lens: list[int], num_decodes: int) -> AttentionMetadata:
-    """Sequence i owns blocks [24i, 24i + 24); its new tokens are its last q_lens[i]."""
+    """Sequence i owns blocks [PAGES i, PAGES (i + 1)); its new tokens are its last q_lens[i]."""
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
-    tables = torch.tensor([[24 * i + b for b in range(24)] for i in range(len(ctx))],
+    tables = torch.tensor([[PAGES * i + b for b in range(PAGES)] for i in range(len(ctx))],
                           dtype=torch.int32)
-    slots = [24 * i * BLOCK + p for i, (c, n) in enumerate(zip(ctx, q_lens, strict=True))
+    slots = [PAGES * i * BLOCK + p for i, (c, n) in enumerate(zip(ctx, q_lens, strict=True))
              for p in range(c - n, c)]
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts,
@@ -42,7 +43,7 @@ def _backends_agree(meta: AttentionMetadata, tokens: int, window: int | None, se
     """The CPU backend's output equals the torch backend's on random q/k/v and cache."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(tokens, h, D, generator=g) for h in (HQ, HKV, HKV))
-    cache = [torch.randn(128, BLOCK, HKV, D, generator=g) for _ in range(2)]
+    cache = [torch.randn(5 * PAGES, BLOCK, HKV, D, generator=g) for _ in range(2)]
     want = TorchAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,
                                            window, None)
     got = CpuAttentionBackend().forward(q, k, v, [c.clone() for c in cache], meta, 0.25,
@@ -75,8 +76,8 @@ def test_prefix_attention_matches_sdpa(q_len: int, ctx: int, heads: tuple[int, i
 def test_long_chunks_leave_the_kernel_rows() -> None:
     """A chunk whose tokens times its context pass KERNEL_ROWS_MAX runs as matmuls (one
     row per token would read the whole context for each), and both backends agree."""
-    ctx, q_lens = [9, 90, 80], [1, 60, 40]  # decode, 5400 > max, 3200 <= max
-    assert 60 * 90 > KERNEL_ROWS_MAX >= 40 * 80
+    ctx, q_lens = [9, 300, 200], [1, 60, 40]  # decode, 18000 > max, 8000 <= max
+    assert 60 * 300 > KERNEL_ROWS_MAX >= 40 * 200
     meta = _meta(ctx, q_lens, num_decodes=1)
     tokens, seqs, _ = short_chunks(meta)
     assert seqs == [2] * 40 and tokens == list(range(61, 101))
