@@ -101,3 +101,42 @@ def test_same_batches_as_per_position(checkpoint: str,
     assert got == _steps(old, jobs) + _steps(old, retries)
     assert new.stats() == old.stats() and new.tokens_generated == old.tokens_generated
     assert new.stats().spec_accepted_tokens > 0
+
+
+def _recorded(llm: Any, prompts: list[str], params: list[SamplingParams]) -> list[Any]:
+    """``llm.generate``'s outputs and every step's batch (rows, ends) on the way."""
+    engine, batches = llm.engine, []
+    step = engine.step
+
+    def record() -> StepBatch:
+        batch = step()
+        if batch.streams or batch.ends:  # not the steps waiting for a grammar (timing)
+                batches.append((batch.streams, batch.token_ids,
+                            [(e.stream, e.finish_reason, e.error, e.row) for e in batch.ends]))
+        return batch
+
+    engine.step = record
+    outs = llm.generate(prompts, params)
+    return [[(o.token_ids, o.finish_reason) for o in outs], batches]
+
+
+def test_grammar_rows_same_as_per_position(monkeypatch: pytest.MonkeyPatch) -> None:
+    """JSON-schema rows (test_spec_grammar.py's), whose grammar ends inside accepted runs:
+    the same batches, outputs and counters as the per-position loop."""
+    from tests.worker.engine.test_spec_grammar import REPEATED, _params
+    from worker import LLM
+
+    opts: dict[str, Any] = dict(device="cpu", kv_cache_blocks=256, max_num_seqs=8,
+                                speculative="suffix", num_speculative_tokens=8,
+                                min_match_tokens=1)
+    params = _params()
+    got, new = [], LLM(**opts)
+    for _ in range(2):  # the second pass drafts from the store too
+        got += _recorded(new, [REPEATED] * len(params), params)
+    monkeypatch.setattr(hooks, "resolve_rest", _per_position)
+    want, old = [], LLM(**opts)
+    for _ in range(2):
+        want += _recorded(old, [REPEATED] * len(params), params)
+    assert got == want
+    assert new.engine.stats() == old.engine.stats()
+    assert new.engine.stats().spec_accepted_tokens > 0
