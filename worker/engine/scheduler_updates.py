@@ -71,6 +71,16 @@ class StepUpdates:
         for request in output.sampling:
             request.append_placeholder()
 
+    def extend_known(self, request: Request, tokens: list[int]) -> None:
+        """``tokens`` computed and known at once, after the request's last token (a verified
+        speculative run, #29): the counters and the row that ``advance`` + ``resolve`` of
+        one single-token step per token would leave, with no stop check (the caller's)."""
+        assert request.num_pending == 0, f"{request.request_id}: a token is pending"
+        request.num_computed_tokens += len(tokens)
+        request.output_token_ids += tokens
+        request.all_token_ids += tokens
+        self._sync(request)
+
     def resolve(
         self, output: SchedulerOutput, sampled: Sequence[int | None]
     ) -> list[tuple[Request, int]]:

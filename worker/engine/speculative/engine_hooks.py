@@ -8,10 +8,12 @@ index n + j (``SamplingRow.output_index``: greedy is argmax, a seeded row draws 
 it would draw without speculation). Drafts are accepted while ``draft_j == sampled_j``,
 then the first sampled token that differs (or the bonus token after all k) is appended:
 1..k+1 tokens per row per step, each one the token the row would have produced without
-speculation. The accepted tokens go through the scheduler's own decode path one at a time
-(``advance`` + the engine's ``_update``), so counters, stop checks (EOS, stop ids,
-``max_tokens``, the context) and the prefix cache see exactly the steps a plain decode
-would have made; a token after a stop is never produced. Drafts never enter a request's
+speculation. Each row's first token goes through the scheduler's own decode path with the
+rest of the batch (``advance`` + the engine's ``_update``); the accepted tokens after it
+in one pass per row (``resolve.py``: the same stop checks, EOS, stop ids, ``min_tokens``,
+``max_tokens``, the context, cutting the run at its first finishing token), so counters,
+outputs and the prefix cache see exactly the steps a plain decode would have made; a token
+after a stop is never produced. Drafts never enter a request's
 token list, so no block hash (and no registered block) ever covers a draft.
 
 A row with a grammar drafts too: its draft is cut at the first token the grammar rejects,
@@ -40,6 +42,7 @@ from worker.engine.schedule_output import ScheduledRequest, SchedulerOutput
 from worker.engine.speculative.backoff import AcceptanceModel
 from worker.engine.speculative.config import SpeculativeConfig
 from worker.engine.speculative.draft_store import DraftStore
+from worker.engine.speculative.resolve import resolve_rest
 from worker.engine.speculative.suffix_proposer import SuffixProposer
 from worker.engine.step_batch import StepBatch
 
@@ -189,7 +192,7 @@ class SpecDecoding:
         plain.num_batched_tokens = sum(s.num_new_tokens for s in plain.scheduled)
         engine.scheduler.advance(plain)
         engine._update(outputs, plain, first, result.logprobs[:n])
-        self._resolve_rest(sampling, accepted, outputs)
+        resolve_rest(engine, sampling, accepted, outputs)  # the tokens after each first
 
     def _draft_rows(self, sched: SchedulerOutput, rows: list[SamplingRow]
                     ) -> tuple[list[int], list[SamplingRow]]:
@@ -234,19 +237,3 @@ class SpecDecoding:
             self.acceptance.record(request.request_id, source, length, k, a)
             out.append(sampled[:a + 1])
         return out
-
-    def _resolve_rest(self, sampling: list[Request], accepted: list[list[int]],
-                      outputs: StepBatch) -> None:
-        """The accepted tokens after the first, one decode at a time per row (a row that
-        stopped meanwhile takes no more)."""
-        engine = self.engine
-        position = 1
-        while True:
-            todo = [(r, seq[position]) for r, seq in zip(sampling, accepted, strict=True)
-                    if len(seq) > position and not r.is_finished]
-            if not todo:
-                return
-            step = SchedulerOutput([ScheduledRequest(r, 1, True) for r, _ in todo], len(todo))
-            engine.scheduler.advance(step)
-            engine._update(outputs, step, [t for _, t in todo], [None] * len(todo))
-            position += 1
