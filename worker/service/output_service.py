@@ -67,7 +67,10 @@ class ServiceOutputs:
         token_text = functools.lru_cache(maxsize=1 << 16)(
             lambda token: str(tokenizer.decode([token])))
         self.gaps = GapBins()
-        self.ev = JobEvents(token_text, self._on_end, lambda request_id: [], self.gaps)
+        # a failed candidate's siblings end here as the engine's abort ends them in-process
+        # (the engine process aborts them right after the batch; their ends then find
+        # nothing open here), so the terminal event lists them the same way
+        self.ev = JobEvents(token_text, self._on_end, self.texts.abort, self.gaps)
         self.outbox = Outbox(settings, _HeldProxy(send), _MailboxProxy(send))  # type: ignore[arg-type]
         self.outbox.start()
 
