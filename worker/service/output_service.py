@@ -8,9 +8,11 @@ every step's ``StepBatch``, and how a request it stopped ended (``END``, ``DROP`
 engine ends the request a step late, its extra token never published), ``JobEvents``
 (the code the in-process path runs) builds the events, and an ``Outbox`` of its own
 writes them with the same fenced-push script, so leases, fencing and the replay log are
-exactly today's. What the outbox learns goes back: ``DISCARD`` (an entry no longer held),
-``LOST`` (the fence refused: stop the request), ``FINISHED`` (stats, fair ledger), and
-``GAPS`` (inter-token latencies, binned per pass).
+exactly today's (on a Redis Cluster it pushes per master: ``cluster_push.py``, parking a
+failing-over master's events, as in-process). What the outbox learns goes back:
+``DISCARD`` (an entry no longer held), ``LOST`` (the fence refused: stop the request),
+``FINISHED`` (stats, fair ledger), ``GAPS`` (inter-token latencies, binned per pass) and
+``STATS`` (the outbox's depth, for the heartbeat).
 """
 
 from __future__ import annotations
@@ -30,22 +32,22 @@ from worker.service.job_events import JobEvents
 from worker.service.jobs import Command, Outgoing
 from worker.service.metrics import GapBins
 from worker.service.outbox import Outbox
+from worker.service.redis_io import LazyClusterClient
 from worker.service.stats import finished_fields
 
 Send = Callable[[list[Any]], None]
+_DEPTH_EVERY_S = 0.2
 
 
 class _HeldProxy:
     """The outbox's ``HeldEntries``: the engine process holds them; tell it."""
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, holds: Callable[[str], bool]) -> None:
         self._send = send
+        self.holds_request = holds  # a cluster pusher forgets what it sent for the others
 
     def discard(self, entry: tuple[str, str]) -> None:
         self._send([m.DISCARD, list(entry)])
-
-    def holds_request(self, request_id: str) -> bool:
-        return True  # only a cluster pusher asks (the output process is not used there)
 
 
 class _MailboxProxy:
@@ -71,8 +73,13 @@ class ServiceOutputs:
         # (the engine process aborts them right after the batch; their ends then find
         # nothing open here), so the terminal event lists them the same way
         self.ev = JobEvents(token_text, self._on_end, self.texts.abort, self.gaps)
-        self.outbox = Outbox(settings, _HeldProxy(send), _MailboxProxy(send))  # type: ignore[arg-type]
+        # requests whose events may still come: the ones this process has not ended
+        held = _HeldProxy(send, lambda request_id: request_id in self.ev.jobs)
+        self.outbox = Outbox(settings, held, _MailboxProxy(send))  # type: ignore[arg-type]
+        if isinstance(self.outbox.redis, LazyClusterClient):
+            self.outbox.redis.warm()  # knows every node while the URL's answers
         self.outbox.start()
+        self._depth_sent = (0, 0.0)  # the outbox depth last reported, and when
 
     def _on_stop(self, stream: int, stop_str: str) -> EngineEnd | None:
         self.stops.append([m.STOP, stream, stop_str])
@@ -115,6 +122,15 @@ class ServiceOutputs:
         gaps = self.gaps.take()
         if gaps is not None:
             self._send([m.GAPS, *gaps])
+        self._report_depth()
+
+    def _report_depth(self) -> None:
+        """The outbox's depth for the engine process's heartbeat, when it changed (at most
+        every ``_DEPTH_EVERY_S``: the heartbeat is written once a second)."""
+        depth, now = self.outbox.depth, time.monotonic()
+        if depth != self._depth_sent[0] and now - self._depth_sent[1] >= _DEPTH_EVERY_S:
+            self._depth_sent = (depth, now)
+            self._send([m.STATS, {"outbox_depth": depth}, None])
 
     def close(self, timeout_s: float) -> None:
         """Write what is pending (up to ``timeout_s``), then stop the outbox."""

@@ -99,7 +99,8 @@ class WorkerService:
             slots_held=self.slots.held, max_num_seqs=self.slots.total,
             entries_held=len(self.held), queue_depth=self.control.queue_depth,
             queue_lag=self.control.queue_lag, reclaimed=self.intake.reclaimed,
-            dead_lettered=self.dead.count, outbox_depth=self.outbox.depth,
+            dead_lettered=self.dead.count,
+            outbox_depth=self.outbox.depth + self.table.outbox_depth,
             draining=self.draining, metrics_port=self.metrics_port,
         )) | ({"lora_adapters": self.lora.names} if self.lora.manager is not None else {}) \
             | ({"spec_fleet_published": self.drafts.published,
@@ -264,9 +265,6 @@ def _job_table(service: WorkerService, engine: Engine, settings: WorkerSettings)
     args = (engine, service.outbox, service.slots, service.held, service.book,
             service.metrics, settings.worker_id, service.token_text, service.log)
     if not settings.output_process:
-        return JobTable(*args)
-    if settings.redis_cluster:
-        service.log.warning("output_process_ignored", reason="not with redis_cluster yet")
         return JobTable(*args)
     from worker.engine.rust_decode import decode_spec
     from worker.service.remote_table import RemoteJobTable

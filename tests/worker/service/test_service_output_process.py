@@ -74,12 +74,14 @@ def _view(events: list[TokenEvent]) -> list[Any]:
 
 
 def _serve(checkpoint: str, url: str, wid: str, log_dir: Path, env: dict[str, str],
-           requests: list[GenerateRequest], module: str = "ferry.cli") -> list[list[Any]]:
-    with WorkerProcess(checkpoint, url, wid, log_dir, env=env, module=module) as w:
+           requests: list[GenerateRequest], module: str = "ferry.cli",
+           cluster: bool = False) -> list[list[Any]]:
+    with WorkerProcess(checkpoint, url, wid, log_dir, env=env, module=module,
+                       cluster=cluster) as w:
         w.wait_live()
         on = env["FERRY_OUTPUT_PROCESS"] == "1"
         assert (_output_pid(w, 5.0) > 0) if on else "output_process" not in w.log_tail(400)
-        results = stream_all(url, requests)
+        results = stream_all(url, requests, cluster=cluster)
     return [_view(results[r.request_id]) for r in requests]
 
 
