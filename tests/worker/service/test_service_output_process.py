@@ -1,5 +1,6 @@
-"""``FERRY_OUTPUT_PROCESS=1``: a worker whose text, events and Redis writes are made by its
-output process streams exactly what the in-process path streams, and a kill -9 of that
+"""``FERRY_OUTPUT_PROCESS`` (on by default): a worker whose text, events and Redis writes
+are made by its output process streams exactly what the in-process path
+(``FERRY_OUTPUT_PROCESS=0``) streams, and a kill -9 of that
 process ends the worker (exit 71) while a restarted worker resumes its requests from the
 replay log with the same final text."""
 
@@ -79,7 +80,7 @@ def _serve(checkpoint: str, url: str, wid: str, log_dir: Path, env: dict[str, st
     with WorkerProcess(checkpoint, url, wid, log_dir, env=env, module=module,
                        cluster=cluster) as w:
         w.wait_live()
-        on = env["FERRY_OUTPUT_PROCESS"] == "1"
+        on = env.get("FERRY_OUTPUT_PROCESS", "1") == "1"  # on by default
         assert (_output_pid(w, 5.0) > 0) if on else "output_process" not in w.log_tail(400)
         results = stream_all(url, requests, cluster=cluster)
     return [_view(results[r.request_id]) for r in requests]
@@ -91,7 +92,7 @@ def test_output_process_streams_what_the_in_process_path_streams(
     url = redis_server.url
     inproc = _serve(checkpoint, url, "in-proc", log_dir, {"FERRY_OUTPUT_PROCESS": "0"},
                     _requests(stops))
-    outproc = _serve(checkpoint, url, "out-proc", log_dir, OUT, _requests(stops))
+    outproc = _serve(checkpoint, url, "out-proc", log_dir, {}, _requests(stops))  # default
     stopped = 0
     for i, (a, b) in enumerate(zip(inproc, outproc, strict=True)):
         assert a == b, i
