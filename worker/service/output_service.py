@@ -141,6 +141,7 @@ def serve(options: dict[str, Any], tokenizer: Any, inbox: Any, send: Send) -> in
     """The service mode's loop: every message in order, the stop strings after each pass;
     at ``QUIT`` (a clean shutdown) the outbox drains; when the engine process is gone
     (end of file) only briefly, since its entries are handed on by the lease anyway."""
+    _log_like_the_worker(options)
     outputs = ServiceOutputs(options, tokenizer, send)
     while True:
         for message in inbox.take(0.5):
@@ -150,6 +151,18 @@ def serve(options: dict[str, Any], tokenizer: Any, inbox: Any, send: Send) -> in
                 return 0
             outputs.handle(message)
         outputs.flush_stops()
+
+
+def _log_like_the_worker(options: dict[str, Any]) -> None:
+    """The worker's log format (JSON in containers or with ``FERRY_LOG_JSON``) and level,
+    each line naming the worker, so its outbox's warnings read like the engine process's."""
+    import structlog
+
+    from observability.logging import configure_logging
+
+    configure_logging(level=options.get("log_level", "info"))
+    settings = pickle.loads(options["settings"])  # noqa: S301 - our own engine process
+    structlog.contextvars.bind_contextvars(worker_id=settings.worker_id, process="output")
 
 
 def locked(send: Send) -> Send:

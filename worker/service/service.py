@@ -11,6 +11,7 @@ batch takes new requests at every iteration. See ``docs/service.md``.
 from __future__ import annotations
 
 import functools
+import logging
 import pickle
 import queue
 import threading
@@ -269,8 +270,9 @@ def _job_table(service: WorkerService, engine: Engine, settings: WorkerSettings)
     from worker.engine.rust_decode import decode_spec
     from worker.service.remote_table import RemoteJobTable
 
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     link = OutputLink.start({
-        "service": True, "settings": pickle.dumps(settings),
+        "service": True, "settings": pickle.dumps(settings), "log_level": level,
         "tokenizer": engine.config.model.model, "decode_spec": decode_spec(engine.tokenizer),
     })
     service.log.info("output_process_started", pid=link.proc.pid)
