@@ -59,17 +59,26 @@ def _stop_strings(reference: Any) -> dict[str, str]:
     return out
 
 
+class _Close(float):
+    """A logprob equal to another within 1e-4: a step's float sums vary in the last bits
+    with what else is in the batch (rounding both to 4 places flips at a boundary)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, float) and abs(self - other) <= 1e-4
+
+    __hash__ = float.__hash__
+
+
 def _view(events: list[TokenEvent]) -> list[Any]:
-    """What a client sees, less the request id, times and the worker; logprobs to 4
-    places (a step's float sums vary in the last bits with what else is in the batch)."""
+    """What a client sees, less the request id, times and the worker; logprobs ``_Close``."""
     seen = []
     for e in events:
         d = e.model_dump(exclude={"request_id", "timings", "worker_id", "version"})
         for lps in [d["logprobs"], *(c["logprobs"] for c in d["choices"] or [])]:
             for lp in lps or []:
-                lp["logprob"] = round(lp["logprob"], 4)
+                lp["logprob"] = _Close(lp["logprob"])
                 for top in lp["top"]:
-                    top["logprob"] = round(top["logprob"], 4)
+                    top["logprob"] = _Close(top["logprob"])
         seen.append(d)
     return seen
 
