@@ -40,13 +40,31 @@ _DEPTH_EVERY_S = 0.2
 
 
 class _HeldProxy:
-    """The outbox's ``HeldEntries``: the engine process holds them; tell it."""
+    """The outbox's ``HeldEntries``: the engine process holds them; tell it.
 
-    def __init__(self, send: Send, holds: Callable[[str], bool]) -> None:
+    Whether a request is still held (a cluster pusher forgets what it sent for the others)
+    is answered here as the engine process's leases would answer it: from admission until
+    the outbox settles its terminal event. Ending a request here (its terminal event built)
+    is not enough: a failover can park that event, and the pusher must still have the
+    events it sent to refill a replay log the failover cut short."""
+
+    def __init__(self, send: Send, open_jobs: Any) -> None:
         self._send = send
-        self.holds_request = holds  # a cluster pusher forgets what it sent for the others
+        self._open = open_jobs  # request id -> job: not ended in this process
+        self._ending: dict[tuple[str, str], str] = {}  # entry -> request id, final unsettled
+        self._ending_ids: set[str] = set()
+
+    def ending(self, entry: tuple[str, str], request_id: str) -> None:
+        self._ending[(entry[0], entry[1])] = request_id
+        self._ending_ids.add(request_id)
+
+    def holds_request(self, request_id: str) -> bool:
+        return request_id in self._open or request_id in self._ending_ids
 
     def discard(self, entry: tuple[str, str]) -> None:
+        request_id = self._ending.pop((entry[0], entry[1]), None)
+        if request_id is not None:
+            self._ending_ids.discard(request_id)
         self._send([m.DISCARD, list(entry)])
 
 
@@ -73,9 +91,8 @@ class ServiceOutputs:
         # (the engine process aborts them right after the batch; their ends then find
         # nothing open here), so the terminal event lists them the same way
         self.ev = JobEvents(token_text, self._on_end, self.texts.abort, self.gaps)
-        # requests whose events may still come: the ones this process has not ended
-        held = _HeldProxy(send, lambda request_id: request_id in self.ev.jobs)
-        self.outbox = Outbox(settings, held, _MailboxProxy(send))  # type: ignore[arg-type]
+        self.held = _HeldProxy(send, self.ev.jobs)
+        self.outbox = Outbox(settings, self.held, _MailboxProxy(send))  # type: ignore[arg-type]
         if isinstance(self.outbox.redis, LazyClusterClient):
             self.outbox.redis.warm()  # knows every node while the URL's answers
         self.outbox.start()
@@ -86,6 +103,8 @@ class ServiceOutputs:
         return None  # the engine hears of it with the next message: this stream ends here
 
     def _on_end(self, job: ActiveJob, item: Outgoing | None) -> None:
+        if item is not None and item.final:  # held until the outbox settles it (_HeldProxy)
+            self.held.ending(job.entry, job.request_id)
         fields = finished_fields(job, item) if item is not None else None
         if fields is not None:
             self._send([m.FINISHED, fields])
