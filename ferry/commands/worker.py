@@ -82,7 +82,7 @@ SpecFleetEntries = Annotated[int, _opt("FERRY_SPEC_FLEET_ENTRIES", "Outputs the 
 WaitTimeoutMs = Annotated[int, _opt("FERRY_REDIS_WAIT_TIMEOUT_MS", "Cluster: WAIT timeout.")]
 OutputProc = Annotated[bool, _opt(
     "FERRY_OUTPUT_PROCESS", "Detokenize, build events and write them to Redis in a second "
-    "process (off the engine's GIL); ignored with --redis-cluster.",
+    "process, off the engine's GIL (default); --no-output-process: in the engine's own.",
     "--output-process/--no-output-process")]
 
 
@@ -108,7 +108,7 @@ def worker(
     redis_cluster: RedisCluster = False, stream_shards: StreamShards = 3,
     redis_wait_replicas: WaitReplicas = 1, redis_wait_timeout_ms: WaitTimeoutMs = 2000,
     lora: Lora = None, speculative: Speculative = None, spec_fleet: SpecFleet = True,
-    spec_fleet_entries: SpecFleetEntries = 4096, output_process: OutputProc = False,
+    spec_fleet_entries: SpecFleetEntries = 4096, output_process: OutputProc = True,
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
     from protocol.cluster import Replication

@@ -131,8 +131,10 @@ def worker_mode(path: str, url: str, worker_id: str, trace: str) -> int:
         out.write("".join(f"{o.request_id} {o.seq} {o.emitted_at:.6f} {sent_at:.6f}\n"
                           for o in batch))
 
+    # the trace sees what this process's outbox sends: the events made in-process (an
+    # output process's own outbox is out of the observer's reach)
     settings = WorkerSettings(redis_url=url, prefix=os.environ["FERRY_PREFIX"],
-                              worker_id=worker_id)
+                              worker_id=worker_id, output_process=False)
     try:
         config = engine_config(path)
         return run_worker(config, settings, torch_threads=1,

@@ -95,6 +95,15 @@ class StreamTexts:
         """Final outputs of ends that came outside a step (an abort)."""
         return [self._final(end, [], "") for end in ends if end.stream in self.streams]
 
+    def abort(self, request_id: str) -> list[StepOutput]:
+        """The final outputs of a request's streams still open here, ended as the engine's
+        ``abort`` ends them: the output process's view of an abort the engine makes after
+        this batch (its own ends then find these streams closed and are dropped)."""
+        mine = [s for s in self.streams.values() if s.open.request_id == request_id]
+        return self.ends([EngineEnd(s.open.stream, "abort", None, None,
+                                    s.open.num_prompt_tokens, s.num_output_tokens)
+                          for s in mine])
+
     def _final(
         self, end: EngineEnd, tokens: list[int], text: str, lp: Any = None
     ) -> StepOutput:

@@ -1,11 +1,12 @@
 """The event half of the job table: the engine's text outputs become each request's events.
 
 Kept apart from ``job_table.py`` (admission, cancels, deadlines, slots: the engine's side)
-and torch-free, so that the same code builds the events in the engine loop (in-process,
-the default) and in the worker's output process (``FERRY_OUTPUT_PROCESS``:
-``output_service.py``). ``on_end`` is where each side learns a request's terminal event
-was built (in-process: free its slot, record its outcome; the output process: tell the
-engine process); ``abort`` stops a request's other candidates when one fails.
+and torch-free, so that the same code builds the events in the worker's output process
+(``FERRY_OUTPUT_PROCESS``, the default: ``output_service.py``) and in the engine loop
+(``FERRY_OUTPUT_PROCESS=0``, in-process). ``on_end`` is where each side learns a
+request's terminal event was built (in-process: free its slot, record its outcome; the
+output process: tell the engine process); ``abort`` stops a request's other candidates
+when one fails.
 """
 
 from __future__ import annotations

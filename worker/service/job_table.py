@@ -91,6 +91,12 @@ class JobTable:
     def poll(self) -> None:
         """Between steps: what an output process sent back (in-process: nothing)."""
 
+    @property
+    def outbox_depth(self) -> int:
+        """Events an output process's outbox holds (in-process: none; the service's own
+        outbox is counted apart)."""
+        return 0
+
     def close(self, timeout_s: float) -> None:
         """Shutdown, after ``abort_all``: an output process writes what it has."""
 

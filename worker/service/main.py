@@ -68,7 +68,8 @@ def run_worker(
     log_level: str = "info", observer: Observer | None = None,
 ) -> int:
     """Load the model, serve until signalled, drain; returns the exit code. ``observer``
-    sees every batch of events once sent (benchmarks use it to time them)."""
+    sees every batch of events the engine process sends (benchmarks use it to time them;
+    with ``output_process`` those are only the refusals: the output process sends the rest)."""
     from observability.logging import configure_logging
 
     configure_logging(level=log_level)

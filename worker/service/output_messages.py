@@ -10,7 +10,8 @@ also engine -> output: ``JOB`` (an admitted request's ``ActiveJob``, pickled), `
 dropped without events: lease lost, shutdown); output -> engine: ``DISCARD`` (an entry
 whose terminal event is written or whose lease is lost: no longer held), ``LOST`` (the
 fence refused an event: stop the request), ``FINISHED`` (a terminal event's outcome,
-for the stats and the fair ledger), ``GAPS`` (inter-token latencies binned per pass).
+for the stats and the fair ledger), ``GAPS`` (inter-token latencies binned per pass),
+``STATS`` (its outbox's depth, for the heartbeat).
 Torch-free: the output process imports this and the engine's ``step_batch`` only.
 """
 

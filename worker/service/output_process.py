@@ -111,21 +111,30 @@ def coalesce(outputs: list[StepOutput]) -> list[StepOutput]:
     """One output per (request, candidate) of a pass, in first-seen order: a pass that
     took several steps' batches (it fell behind) publishes each stream's tokens as one
     event, so Redis takes a command per stream rather than per stream per step. The
-    merged output has every token, text and logprob in order and the last one's end."""
-    merged: dict[tuple[str, int], StepOutput] = {}
+    merged output has every token, text and logprob in order and the last one's end.
+    Each stream's outputs are joined once (not merged pairwise, a copy per step)."""
+    runs: dict[tuple[str, int], list[StepOutput]] = {}
     for out in outputs:
         key = (out.request_id, out.index)
-        first = merged.get(key)
-        if first is None:
-            merged[key] = out
-            continue
-        merged[key] = dataclasses.replace(
-            out, new_token_ids=first.new_token_ids + out.new_token_ids,
-            text=first.text + out.text,
-            logprobs=None if first.logprobs is None and out.logprobs is None
-            else (first.logprobs or []) + (out.logprobs or []),
-            prompt_logprobs=first.prompt_logprobs or out.prompt_logprobs)
-    return list(merged.values()) if len(merged) < len(outputs) else outputs
+        run = runs.get(key)
+        if run is None:
+            runs[key] = [out]
+        else:
+            run.append(out)
+    if len(runs) == len(outputs):
+        return outputs
+    return [run[0] if len(run) == 1 else _merged(run) for run in runs.values()]
+
+
+def _merged(run: list[StepOutput]) -> StepOutput:
+    last = run[-1]
+    lps = [out.logprobs for out in run]
+    return dataclasses.replace(
+        last, new_token_ids=[t for out in run for t in out.new_token_ids],
+        text="".join([out.text for out in run]),
+        logprobs=None if all(lp is None for lp in lps) else [x for lp in lps if lp for x in lp],
+        prompt_logprobs=next((out.prompt_logprobs for out in run if out.prompt_logprobs),
+                             last.prompt_logprobs))
 
 
 def token_event_bytes(request_id: str, seq: int, token_ids: list[int], text: str,

@@ -86,9 +86,9 @@ class WorkerSettings:
     # this many entries; off: each worker drafts from its own outputs only.
     spec_fleet: bool = True
     spec_fleet_entries: int = 4096
-    # #28: text, events and their fenced writes in a second process (output_service.py);
-    # ignored on a Redis Cluster (its pusher parks events per master: in-process only)
-    output_process: bool = False
+    # #28: text, events and their fenced writes in a second process (output_service.py),
+    # off the engine loop's GIL; False: the engine loop makes them (one process)
+    output_process: bool = True
 
     def __post_init__(self) -> None:
         if not re.match(ID_PATTERN, self.worker_id):

@@ -49,6 +49,11 @@ class RemoteJobTable(JobTable):
             if end is not None:  # the output process ended it already: only ours to count
                 self._track([], [end])
 
+    @property
+    def outbox_depth(self) -> int:
+        """The output process's outbox depth, as it last reported it (``STATS``)."""
+        return int(self.link.stats.get("outbox_depth", 0))
+
     def _on_message(self, message: list[Any]) -> None:
         kind = message[0]
         if kind == m.DISCARD:

@@ -11,6 +11,7 @@ batch takes new requests at every iteration. See ``docs/service.md``.
 from __future__ import annotations
 
 import functools
+import logging
 import pickle
 import queue
 import threading
@@ -99,7 +100,8 @@ class WorkerService:
             slots_held=self.slots.held, max_num_seqs=self.slots.total,
             entries_held=len(self.held), queue_depth=self.control.queue_depth,
             queue_lag=self.control.queue_lag, reclaimed=self.intake.reclaimed,
-            dead_lettered=self.dead.count, outbox_depth=self.outbox.depth,
+            dead_lettered=self.dead.count,
+            outbox_depth=self.outbox.depth + self.table.outbox_depth,
             draining=self.draining, metrics_port=self.metrics_port,
         )) | ({"lora_adapters": self.lora.names} if self.lora.manager is not None else {}) \
             | ({"spec_fleet_published": self.drafts.published,
@@ -265,14 +267,12 @@ def _job_table(service: WorkerService, engine: Engine, settings: WorkerSettings)
             service.metrics, settings.worker_id, service.token_text, service.log)
     if not settings.output_process:
         return JobTable(*args)
-    if settings.redis_cluster:
-        service.log.warning("output_process_ignored", reason="not with redis_cluster yet")
-        return JobTable(*args)
     from worker.engine.rust_decode import decode_spec
     from worker.service.remote_table import RemoteJobTable
 
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     link = OutputLink.start({
-        "service": True, "settings": pickle.dumps(settings),
+        "service": True, "settings": pickle.dumps(settings), "log_level": level,
         "tokenizer": engine.config.model.model, "decode_spec": decode_spec(engine.tokenizer),
     })
     service.log.info("output_process_started", pid=link.proc.pid)

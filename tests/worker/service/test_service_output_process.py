@@ -1,5 +1,6 @@
-"""``FERRY_OUTPUT_PROCESS=1``: a worker whose text, events and Redis writes are made by its
-output process streams exactly what the in-process path streams, and a kill -9 of that
+"""``FERRY_OUTPUT_PROCESS`` (on by default): a worker whose text, events and Redis writes
+are made by its output process streams exactly what the in-process path
+(``FERRY_OUTPUT_PROCESS=0``) streams, and a kill -9 of that
 process ends the worker (exit 71) while a restarted worker resumes its requests from the
 replay log with the same final text."""
 
@@ -58,27 +59,39 @@ def _stop_strings(reference: Any) -> dict[str, str]:
     return out
 
 
+class _Close(float):
+    """A logprob equal to another within 1e-4: a step's float sums vary in the last bits
+    with what else is in the batch (rounding both to 4 places flips at a boundary)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, float) and abs(self - other) <= 1e-4
+
+    __hash__ = float.__hash__
+
+
 def _view(events: list[TokenEvent]) -> list[Any]:
-    """What a client sees, less the request id, times and the worker; logprobs to 4
-    places (a step's float sums vary in the last bits with what else is in the batch)."""
+    """What a client sees, less the request id, times and the worker; logprobs ``_Close``."""
     seen = []
     for e in events:
         d = e.model_dump(exclude={"request_id", "timings", "worker_id", "version"})
-        for lp in d["logprobs"] or []:
-            lp["logprob"] = round(lp["logprob"], 4)
-            for top in lp["top"]:
-                top["logprob"] = round(top["logprob"], 4)
+        for lps in [d["logprobs"], *(c["logprobs"] for c in d["choices"] or [])]:
+            for lp in lps or []:
+                lp["logprob"] = _Close(lp["logprob"])
+                for top in lp["top"]:
+                    top["logprob"] = _Close(top["logprob"])
         seen.append(d)
     return seen
 
 
 def _serve(checkpoint: str, url: str, wid: str, log_dir: Path, env: dict[str, str],
-           requests: list[GenerateRequest]) -> list[list[Any]]:
-    with WorkerProcess(checkpoint, url, wid, log_dir, env=env) as w:
+           requests: list[GenerateRequest], module: str = "ferry.cli",
+           cluster: bool = False) -> list[list[Any]]:
+    with WorkerProcess(checkpoint, url, wid, log_dir, env=env, module=module,
+                       cluster=cluster) as w:
         w.wait_live()
-        on = env["FERRY_OUTPUT_PROCESS"] == "1"
+        on = env.get("FERRY_OUTPUT_PROCESS", "1") == "1"  # on by default
         assert (_output_pid(w, 5.0) > 0) if on else "output_process" not in w.log_tail(400)
-        results = stream_all(url, requests)
+        results = stream_all(url, requests, cluster=cluster)
     return [_view(results[r.request_id]) for r in requests]
 
 
@@ -88,12 +101,39 @@ def test_output_process_streams_what_the_in_process_path_streams(
     url = redis_server.url
     inproc = _serve(checkpoint, url, "in-proc", log_dir, {"FERRY_OUTPUT_PROCESS": "0"},
                     _requests(stops))
-    outproc = _serve(checkpoint, url, "out-proc", log_dir, OUT, _requests(stops))
+    outproc = _serve(checkpoint, url, "out-proc", log_dir, {}, _requests(stops))  # default
     stopped = 0
     for i, (a, b) in enumerate(zip(inproc, outproc, strict=True)):
         assert a == b, i
         stopped += a[-1]["finish_reason"] == "stop"
     assert stopped >= len(PROMPTS)  # the stop strings did end requests early
+
+
+def _failing(run: str, n: int, stream: bool) -> list[GenerateRequest]:
+    """Requests whose candidate 1 fails after a few tokens (``failing_choice_worker``)."""
+    return [GenerateRequest(
+        request_id=f"failchoice-{run}-{n}-{i}", prompt=prompt, stream=stream,
+        params=SamplingParams(max_tokens=24, temperature=1.0, seed=40 + i, n=n, logprobs=1,
+                              ignore_eos=True)) for i, prompt in enumerate(PROMPTS[:2])]
+
+
+def test_a_failed_candidate_ends_its_request_as_in_process(
+        redis_server: Any, checkpoint: str, log_dir: Path) -> None:
+    """Candidate 1 fails: the request fails, its siblings are aborted and listed so in the
+    terminal event, with the same events on both paths (streamed and not, n = 2 and 3)."""
+    def requests(run: str) -> list[GenerateRequest]:
+        return _failing(run, 2, True) + _failing(run, 3, False)
+
+    url, module = redis_server.url, "tests.worker.service.failing_choice_worker"
+    inproc = _serve(checkpoint, url, "fail-in", log_dir, {"FERRY_OUTPUT_PROCESS": "0"},
+                    requests("in"), module)
+    outproc = _serve(checkpoint, url, "fail-out", log_dir, OUT, requests("out"), module)
+    for i, (a, b) in enumerate(zip(inproc, outproc, strict=True)):
+        assert a == b, i
+        final = a[-1]
+        assert final["finish_reason"] == "error", final
+        reasons = [c["finish_reason"] for c in final["choices"]]
+        assert reasons[1] == "error" and "abort" in reasons, reasons
 
 
 def _output_pid(worker: WorkerProcess, timeout: float = 30.0) -> int:
