@@ -11,28 +11,13 @@ from typing import Any
 import pytest
 
 import worker.engine.speculative.engine_hooks as hooks
+from ops.bench.spec_resolve import per_position
 from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from tests.worker.engine.test_spec_decode import _engine, _prompts
 from worker.engine.request import Request
-from worker.engine.schedule_output import ScheduledRequest, SchedulerOutput
 from worker.engine.speculative.resolve import run_length
 from worker.engine.step_batch import StepBatch
-
-
-def _per_position(engine: Any, sampling: list[Request], accepted: list[list[int]],
-                  outputs: StepBatch) -> None:
-    """The loop of old: one single-token step per position over the rows still going."""
-    position = 1
-    while True:
-        todo = [(r, seq[position]) for r, seq in zip(sampling, accepted, strict=True)
-                if len(seq) > position and not r.is_finished]
-        if not todo:
-            return
-        step = SchedulerOutput([ScheduledRequest(r, 1, True) for r, _ in todo], len(todo))
-        engine.scheduler.advance(step)
-        engine._update(outputs, step, [t for _, t in todo], [None] * len(todo))
-        position += 1
 
 
 def _request(rng: random.Random) -> Request:
@@ -86,7 +71,7 @@ def _steps(engine: Any, jobs: list[tuple[str, list[int], SamplingParams]]) -> li
     return steps
 
 
-def test_same_batches_as_per_position(checkpoint: str,
+def test_same_batches_asper_position(checkpoint: str,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = _prompts(300, 12, seed=11)
     params = [SamplingParams(temperature=0, max_tokens=4 + 5 * (i % 6), ignore_eos=True,
@@ -96,7 +81,7 @@ def test_same_batches_as_per_position(checkpoint: str,
     retries = [(f"b{i}", p, params[i]) for i, p in enumerate(prompts)]
     new = _engine(checkpoint, True)
     got = _steps(new, jobs) + _steps(new, retries)
-    monkeypatch.setattr(hooks, "resolve_rest", _per_position)
+    monkeypatch.setattr(hooks, "resolve_rest", per_position)
     old = _engine(checkpoint, True)
     assert got == _steps(old, jobs) + _steps(old, retries)
     assert new.stats() == old.stats() and new.tokens_generated == old.tokens_generated
@@ -120,7 +105,7 @@ def _recorded(llm: Any, prompts: list[str], params: list[SamplingParams]) -> lis
     return [[(o.token_ids, o.finish_reason) for o in outs], batches]
 
 
-def test_grammar_rows_same_as_per_position(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grammar_rows_same_asper_position(monkeypatch: pytest.MonkeyPatch) -> None:
     """JSON-schema rows (test_spec_grammar.py's), whose grammar ends inside accepted runs:
     the same batches, outputs and counters as the per-position loop."""
     from tests.worker.engine.test_spec_grammar import REPEATED, _params
@@ -133,7 +118,7 @@ def test_grammar_rows_same_as_per_position(monkeypatch: pytest.MonkeyPatch) -> N
     got, new = [], LLM(**opts)
     for _ in range(2):  # the second pass drafts from the store too
         got += _recorded(new, [REPEATED] * len(params), params)
-    monkeypatch.setattr(hooks, "resolve_rest", _per_position)
+    monkeypatch.setattr(hooks, "resolve_rest", per_position)
     want, old = [], LLM(**opts)
     for _ in range(2):
         want += _recorded(old, [REPEATED] * len(params), params)
