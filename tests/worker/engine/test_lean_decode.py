@@ -145,16 +145,24 @@ def test_lora_rows_bitwise_equal_to_modules(tmp_path: Path,
 @pytest.mark.parametrize("prompts", [PROMPTS[1:2], PROMPTS], ids=["one-stream", "batch-3"])
 def test_verification_steps_bitwise_equal_to_modules(prompts: list[list[int]],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    lean, plain = _engine(True, **SPEC), _engine(False, **SPEC)
     # each step on the same threads: the prompts' prefill steps (step 0) are not bit-stable
     # across thread counts, on either path
-    calls = _count_lean_steps(monkeypatch)
-    got, got_tokens = _logits_per_step(lean, prompts, 60)
-    want, want_tokens = _logits_per_step(plain, prompts, 60)
-    assert calls[1] >= 5, "verification steps were meant to take the lean path"
+    lean, lean_steps = _lean_equals_modules(prompts, 60, SPEC, monkeypatch)
+    assert lean_steps >= 5, "verification steps were meant to take the lean path"
     assert lean.stats().spec_accepted_tokens > 0
+
+
+def _lean_equals_modules(prompts: list[list[int]], steps: int, kw: dict[str, Any],
+                         monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
+    """Run ``prompts`` on a lean and a module-path engine; assert the same tokens and the
+    same logits step for step. The lean engine and how many steps took the lean path."""
+    lean, plain = _engine(True, **kw), _engine(False, **kw)
+    calls = _count_lean_steps(monkeypatch)
+    got, got_tokens = _logits_per_step(lean, prompts, steps)
+    want, want_tokens = _logits_per_step(plain, prompts, steps)
     assert got_tokens == want_tokens
     _assert_same_steps(got, want)
+    return lean, calls[1]
 
 
 def test_prefill_and_mixed_steps_bitwise_equal_to_modules(
@@ -167,11 +175,6 @@ def test_prefill_and_mixed_steps_bitwise_equal_to_modules(
     prompts = [list(range(3, 43)), shared + [900 + i for i in range(70)],
                [11 + (i * 7) % 400 for i in range(150)], shared + [500 + i for i in range(40)]]
     kw: dict[str, Any] = dict(max_num_batched_tokens=96, long_prefill_token_threshold=96)
-    lean, plain = _engine(True, **kw), _engine(False, **kw)  # each step on the same threads
-    calls = _count_lean_steps(monkeypatch)
-    got, got_tokens = _logits_per_step(lean, prompts, 20)
-    want, want_tokens = _logits_per_step(plain, prompts, 20)
-    assert calls[1] >= 3, "prefill steps were meant to take the lean path"
+    lean, lean_steps = _lean_equals_modules(prompts, 20, kw, monkeypatch)
+    assert lean_steps >= 3, "prefill steps were meant to take the lean path"
     assert lean.stats().prefix_cache_hits > 0
-    assert got_tokens == want_tokens
-    _assert_same_steps(got, want)
