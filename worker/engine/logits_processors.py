@@ -24,7 +24,7 @@ ALLOWED_MASK = "allowed_mask"  # SamplingRow.cache key: [V] bool, its allowed_to
 
 
 class SamplingRow(Protocol):
-    """What these transforms read of a row (``sampler.SamplingRow`` is one)."""
+    """What these transforms read of a row (``sampling_row.SamplingRow`` is one)."""
 
     params: SamplingParams
     prompt_token_ids: list[int]

@@ -77,7 +77,7 @@ class Request:
     grammar: Any = None
     # Tokens at the end of the lists sampled by steps not read back yet (PLACEHOLDER).
     num_pending: int = 0
-    # What the sampler keeps for this request across steps (sampler.SamplingRow.cache):
+    # What the sampler keeps for this request across steps (sampling_row.SamplingRow.cache):
     # device tensors built once, e.g. its prompt's token mask for the repetition penalty.
     sampler_cache: dict[str, Any] = field(default_factory=dict)
     # params.prompt_logprobs: one entry per prompt token scored so far
@@ -89,7 +89,7 @@ class Request:
     # multi-LoRA (#30): the adapter the request runs with (a LoraAdapter: its host
     # weights, kept even if the adapter is unloaded before the request ends)
     lora: Any = None
-    # the request's sampler.SamplingRow, made at its first sampling step and kept
+    # the request's sampling_row.SamplingRow, made at its first sampling step and kept
     sampling_row: Any = None
 
     def __post_init__(self) -> None:

@@ -24,110 +24,27 @@ read them there) with their copy to the host, and the logprobs', under way.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kernels.sampling_noise import key_at, keys_at, mix64, random_key
+from kernels.sampling_noise import key_at, keys_at, random_key
 from kernels.sampling_reference import SamplingTensors
 from kernels.sampling_reference import sample as sample_reference
-from protocol.sampling import SamplingParams
 from worker.engine.logits_processors import (
     apply_allowed_token_ids,
     apply_bad_words,
     apply_logit_bias,
     apply_penalties,
     apply_token_bitmask,
-    wants_penalties,
 )
+from worker.engine.sampling_row import SamplingRow
 from worker.engine.transfer import ReadBack, host_to_device, to_device
 
-if TYPE_CHECKING:
-    from worker.engine.request import Request
+__all__ = ["PendingSample", "Sampler", "SamplerOutput", "SamplingRow", "sampling_tensors"]
 
-_NO_TOP_K = 1 << 24  # top-k off: at least any vocabulary (exact in float32)
-_SEED_MIX = "seed_mix"  # SamplingRow.cache: mix64 of the request's seed (its keys' base)
-_PARAMS = "sampling_params"  # SamplingRow.cache: the row of ``SamplingTensors.host``
 Logprobs = tuple[float, list[tuple[int, float]]]  # (sampled token's, [(token, logprob)] top-n)
-
-
-@dataclass
-class SamplingRow:
-    """What the sampler needs to know about one row of the logits."""
-
-    params: SamplingParams
-    output_index: int  # index of the token being sampled within the request's output
-    prompt_token_ids: list[int]
-    output_token_ids: Sequence[int]  # known output tokens; only penalties read them
-    # Per request, kept across its steps: device tensors built once (the prompt's mask)
-    cache: dict[str, Any] = field(default_factory=dict)
-    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # banned token sequences
-    # [1] int64 on the device: the output token of the step still in flight (a
-    # placeholder on the host), which penalties count there without a host sync.
-    pending_output: torch.Tensor | None = None
-    # from the params (``Request`` answers them once): any penalty; greedy with no bias
-    penalised: bool | None = None
-    plain_greedy: bool | None = None
-    # answered once from the params (plain attributes: a pydantic property read costs
-    # ~0.3 us, and a step asks each of 256 rows several questions)
-    greedy: bool = field(init=False)
-    masked: bool = field(init=False)  # allowed_token_ids or bad words
-    wants_logprobs: bool = field(init=False)
-    seed_mix: int | None = field(init=False)  # mix64(seed) of a seeded sampled row
-    params_row: tuple[float, float, float, float] = field(init=False)  # SamplingTensors.host
-    params_bytes: bytes = field(init=False)  # params_row as 4 float32s
-    has_bias: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        params = self.params
-        if self.penalised is None:
-            self.penalised = wants_penalties(params)
-        if self.plain_greedy is None:
-            self.plain_greedy = params.greedy and not params.logit_bias
-        self.greedy = params.greedy
-        self.masked = params.allowed_token_ids is not None or bool(self.bad_words_ids)
-        self.wants_logprobs = params.logprobs is not None
-        self.seed_mix = None if self.greedy or params.seed is None else _seed_mix(self)
-        self.params_row = self.cache.get(_PARAMS) or _params_row(self)
-        self.params_bytes = np.array(self.params_row, dtype=np.float32).tobytes()
-        self.has_bias = bool(params.logit_bias)
-
-    @classmethod
-    def of(cls, request: Request,
-           in_flight: tuple[torch.Tensor, dict[str, int]] | None = None) -> SamplingRow:
-        """The row of a request about to sample: its output index counts the tokens of
-        steps still in flight; its output tokens are copied only for penalties and
-        multi-token bad words. ``in_flight``: the sampled tokens of the step in flight
-        (on the device) and each request's row in them (``inflight.py``).
-
-        One row object per request, made at its first step and brought up to date at each
-        later one (building 256 rows a step cost ~0.3 ms): a step's rows are read while it
-        is launched and, for their params alone, when its logprobs are unpacked."""
-        row: SamplingRow | None = request.sampling_row
-        if row is None:
-            row = request.sampling_row = cls(
-                request.params, 0, request.prompt_token_ids, (), request.sampler_cache,
-                request.bad_words_ids, None, request.penalised, request.plain_greedy)
-        row.output_index = len(request.output_token_ids)
-        if row.penalised or request.bans_follow_output:
-            row.output_token_ids = request.known_output_ids
-            row.pending_output = None
-            if row.penalised and request.num_pending:
-                i = -1 if in_flight is None else in_flight[1].get(request.request_id, -1)
-                if i < 0 or request.num_pending > 1:
-                    raise RuntimeError(f"{request.request_id}: a pending token with no "
-                                       "step in flight to read it from")
-                row.pending_output = in_flight[0][i:i + 1]  # type: ignore[index]  # a view
-        return row
-
-    def refresh(self, request: Request) -> None:
-        """The step before was read back since the row was made: its token is known."""
-        if self.penalised or request.bans_follow_output:
-            self.output_token_ids = request.known_output_ids
-            self.pending_output = None
 
 
 @dataclass
@@ -233,15 +150,6 @@ class Sampler:
         return key_at(row.seed_mix, row.output_index)
 
 
-def _seed_mix(row: SamplingRow) -> int:
-    """``mix64`` of the row's seed, kept in its request's cache."""
-    seed_mix = row.cache.get(_SEED_MIX)
-    if seed_mix is None:
-        assert row.params.seed is not None
-        seed_mix = row.cache[_SEED_MIX] = mix64(row.params.seed)
-    return seed_mix  # type: ignore[no-any-return]
-
-
 def sampling_tensors(rows: list[SamplingRow], keys: list[int] | np.ndarray,
                      device: torch.device) -> SamplingTensors:
     """The rows' parameters as the sampling pass reads them: two copies up, three more
@@ -266,15 +174,6 @@ def sampling_tensors(rows: list[SamplingRow], keys: list[int] | np.ndarray,
     return SamplingTensors(params, keys_up, host, to_device(offsets, torch.int32, device),
                            to_device(entries, torch.int32, device),
                            to_device(values, torch.float32, device))
-
-
-def _params_row(row: SamplingRow) -> tuple[float, float, float, float]:
-    """A row's (temperature, top-p, min-p, top-k) as the sampling pass reads them, kept in
-    its request's cache (the params never change)."""
-    p = row.params
-    row.cache[_PARAMS] = value = (0.0 if p.greedy else p.temperature, p.top_p, p.min_p,
-                                  float(p.top_k if p.top_k > 0 else _NO_TOP_K))
-    return value
 
 
 def _greedy_pass(logits: torch.Tensor) -> torch.Tensor:
