@@ -2,10 +2,10 @@
 //
 // The CPU is bound by moving K/V, so every byte of a sequence's context is read exactly
 // once, straight out of its pages: no gathered copy, no padding to the batch's longest
-// sequence. One work item is (sequence, KV head); it keeps the G = Hq / Hkv query heads
-// of its group in registers/L1 and walks the pages in order with an online softmax
-// (per page: scores for the page, one rescale of the running sums, then the weighted
-// values). Items run in parallel on the OpenMP runtime torch already loaded, so
+// sequence. One work item is a sequence, all heads (each key and value row read once for
+// every query head that uses it), walking its pages in order with an online softmax (per
+// page: scores for the page, one rescale of the running sums, then the weighted values).
+// Items run in parallel on the OpenMP runtime torch already loaded, so
 // torch.set_num_threads governs it too.
 //
 // Layout (shared with kernels/reference.py and the Triton kernels):

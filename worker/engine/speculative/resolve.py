@@ -85,7 +85,7 @@ def resolve_rest(engine: Any, sampling: list[Request], accepted: list[list[int]]
     stream_of = engine.streams.by_request
     engine.tokens_generated += sum(len(run[1]) for run in runs)
     if len(runs) == 1:  # one row (batch 1): its tokens as whole lists
-        request, tokens, reason, error = runs[0]
+        request, tokens = runs[0][0], runs[0][1]
         outputs.streams += [stream_of[request.request_id]] * len(tokens)
         outputs.token_ids += tokens
         if outputs.logprobs is not None:
