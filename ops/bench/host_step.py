@@ -170,6 +170,7 @@ def sampling_bytes(workload: str, rows: int) -> int:
 
 
 WINDOW_DECODE = False  # --window-decode: the output process's A/B baseline
+DECODE_STREAM = False  # --decode-stream: DecodeStream, not the byte table (A/B)
 
 
 def start_output(engine: Any, redis_url: str) -> Any:
@@ -178,7 +179,7 @@ def start_output(engine: Any, redis_url: str) -> Any:
 
     return OutputLink.start({"tokenizer": engine.config.model.model, "redis_url": redis_url,
                              "collect": True, "decode_spec": decode_spec(engine.tokenizer),
-                             "window_decode": WINDOW_DECODE})
+                             "window_decode": WINDOW_DECODE, "decode_stream": DECODE_STREAM})
 
 
 def wait_caught_up(link: Any, batches: int) -> dict[str, Any]:
@@ -227,9 +228,12 @@ def main() -> None:
     parser.add_argument("--window-decode", action="store_true",
                         help="the output process decodes with two window decodes a token, "
                         "not DecodeStream (the A/B baseline)")
+    parser.add_argument("--decode-stream", action="store_true",
+                        help="the output process decodes with DecodeStream, not the "
+                        "byte-level table (ByteDetokenizer's A/B baseline)")
     args = parser.parse_args()
-    global WINDOW_DECODE
-    WINDOW_DECODE = args.window_decode
+    global WINDOW_DECODE, DECODE_STREAM
+    WINDOW_DECODE, DECODE_STREAM = args.window_decode, args.decode_stream
     import torch
 
     # the stub's ops stand for launches; two threads spin on a shared machine

@@ -228,6 +228,8 @@ def _load_tokenizer(options: dict[str, Any]) -> Any:
 
         decoder = RustDecoder(options["decode_spec"])
         decoder.streams = decoder.streams and not options.get("window_decode")  # bench A/B
+        if options.get("decode_stream"):  # bench A/B: DecodeStream, not the byte table
+            decoder.byte_pieces = None
         return decoder
     from transformers import AutoTokenizer
 
