@@ -4,23 +4,24 @@ For a tokenizer whose decoder is ``ByteLevel`` (GPT-2, Llama 3, Qwen, the defaul
 model), ``tokenizers``' ``decode(ids)`` is a pure function of the token bytes: each token
 maps to bytes on its own (its characters through GPT-2's byte table, or its UTF-8 when a
 character is not in it; a special token dropped with ``skip_special_tokens``), and the
-joined bytes become text with ``String::from_utf8_lossy``. ``DecodeStream`` re-decodes its
-whole buffer every token, which for bytes that never make a whole character (the stub
-model's, or a model that babbles) costs more with each token.
+joined bytes become text with ``String::from_utf8_lossy``. ``DecodeStream`` and the window
+decodes (``detokenizer.py``) decode a buffer that grows with every token until a chunk is
+emitted; for bytes that never make a whole character (the stub model's, or a model that
+babbles) each token costs more than the last.
 
-What ``DecodeStream`` emits there, token by token, is a function of the bytes since its
-last emission alone (call them N): it emits ``lossy(N)`` once N is non-empty and
-``lossy(N)`` does not end in U+FFFD, then starts over. (Its buffer is the last chunk P
-plus N; an emission leaves ``lossy(P)`` ending in a whole character, where UTF-8 decoding
-is back at its start state, so ``lossy(P + N) == lossy(P) + lossy(N)``: the growth is
-``lossy(N)``, never an ``InvalidPrefix``.) Whether ``lossy(N)`` ends in U+FFFD is read off
-its last four bytes, since decoding restarts at every byte that is not a continuation
-byte (0x80-0xBF): a token costs a table look-up and a few byte tests, and N is decoded
-once, when it is emitted. Python's ``decode("utf-8", "replace")`` and Rust's
-``from_utf8_lossy`` both replace each maximal ill-formed subpart with one U+FFFD (the
-Unicode recommendation); ``byte_pieces`` checks the table against the tokenizer's own
-decode before anything uses it, and the tests compare with ``DecodeStream`` and the window
-decodes over random byte soup.
+Both emit, token by token, what the window rule gives: with W the last chunk's bytes and
+N those since, ``after = lossy(W + N)``, ``before = lossy(W)``; emit ``after[len(before):]``
+when it is longer and does not end in U+FFFD. UTF-8 decoding restarts at every byte that
+is not a continuation byte (0x80-0xBF), whatever came before it (Python's ``decode("utf-8",
+"replace")`` and Rust's ``from_utf8_lossy`` both replace each maximal ill-formed subpart
+with one U+FFFD, the Unicode recommendation). So with T the bytes of W from its last such
+byte (at most four; none when W ends on a whole character, as every emitted chunk does),
+``after = lossy(W - T) + lossy(T + N)``: the delta is ``lossy(T + N)[len(lossy(T)):]``,
+whether it ends in U+FFFD is read off the last four bytes, and T + N is decoded only when
+it ends on a whole character: a token costs a table look-up and a few byte tests, and N is
+decoded about once. ``byte_pieces`` checks the table against the tokenizer's own decode
+before anything uses it; the tests compare the deltas with ``DecodeStream``'s and the
+window decodes' over random byte soup, real text, stop strings and resumed requests.
 """
 
 from __future__ import annotations
@@ -98,27 +99,30 @@ def ends_in_replacement(buf: bytes | bytearray) -> bool:
     return True  # four continuation bytes at the end: the last belongs to no character
 
 
-def emits(buf: bytes | bytearray) -> bool:
-    """``DecodeStream``'s emission rule for the bytes since its last emission."""
-    return bool(buf) and not ends_in_replacement(buf)
+def _tail_from_restart(window: bytes) -> bytes:
+    """T: the window's bytes from the last byte where decoding restarts (in its last four),
+    when they end inside a character; empty when the window ends on a whole one."""
+    n = len(window)
+    for k in range(n - 1, max(n - 5, -1), -1):
+        if not 0x80 <= window[k] <= 0xBF:
+            tail = window[k:]
+            return tail if tail.decode("utf-8", "replace")[-1] == "\ufffd" else b""
+    return b""  # the last byte belongs to no character: decoding is back at its start
 
 
 class ByteDetokenizer(IncrementalDetokenizer):
-    """``StreamingDetokenizer``'s text and deltas, with ``DecodeStream`` replaced by the
-    bytes since the last emission (``_pending``) and the tokenizer's ``byte_pieces``.
-
-    It follows ``StreamingDetokenizer``'s states exactly: the bytes while a
-    ``DecodeStream`` would run (from the start, or primed with a prompt tail that decodes
-    to whole text), the two window decodes otherwise (a prompt tail ending inside a
-    character) until they emit a chunk that would prime a ``DecodeStream`` again. Without
-    stop strings ``text`` stays what the windows left (nothing reads it then: every delta
-    is sent at once), so a token costs no copy of the text so far."""
+    """``IncrementalDetokenizer``'s (and so ``StreamingDetokenizer``'s) text and deltas from
+    the tokenizer's ``byte_pieces``: the window's undecided tail T (``_tail``, whose text
+    is ``_tail_len`` characters long) and the bytes since the last chunk N (``_pending``).
+    Without stop strings ``text`` is not kept (nothing reads it then: every delta is sent
+    at once, so ``flush`` has nothing left), so a token costs no copy of the text so far."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], **kw: Any) -> None:
         self._table: list[bytes] = tokenizer.byte_pieces[kw.get("skip_special_tokens", True)]
         self._pending = bytearray()
         tail = list(prompt_token_ids[-_WINDOW:])
-        self._bytes = not tail or emits(self._join(tail))  # DecodeStream primes with it
+        self._tail = _tail_from_restart(self._join(tail))
+        self._tail_len = len(self._tail.decode("utf-8", "replace"))
         super().__init__(tokenizer, tail, **kw)
 
     def _join(self, ids: list[int]) -> bytes:
@@ -126,26 +130,28 @@ class ByteDetokenizer(IncrementalDetokenizer):
         return b"".join([table[i] if 0 <= i < size else b"" for i in ids])
 
     def _next_bytes(self, token_id: int) -> str:
-        pending = self._pending
+        pending, tail = self._pending, self._tail
         pending += self._table[token_id] if 0 <= token_id < len(self._table) else b""
-        if not pending or (pending[-1] >= 0x80 and ends_in_replacement(pending)):
+        if not pending:
+            return ""  # no bytes yet (a skipped special token): the same text as before
+        if pending[-1] >= 0x80 and ends_in_replacement(
+                tail + pending if tail and len(pending) < 4 else pending):
             return ""
-        text = pending.decode("utf-8", "replace")
-        pending.clear()
-        return text
+        text = (tail + pending if tail else pending).decode("utf-8", "replace")
+        skip = self._tail_len
+        if len(text) <= skip:
+            return ""
+        pending.clear()  # the chunk ends on a whole character: no tail to carry
+        self._tail, self._tail_len = b"", 0
+        return text[skip:] if skip else text
 
     def _decode_next(self, token_id: int) -> str:
-        if not self._bytes:
-            new_text = super()._decode_next(token_id)
-            if new_text:  # a chunk: DecodeStream would be primed with it (``_resume``)
-                self._bytes = emits(self._join(self._ids[self._prefix_offset:]))
-            return new_text
         new_text = self._next_bytes(token_id)
         self.text += new_text
         return new_text
 
     def step(self, token_id: int) -> DetokenizerResult:
-        if self._stop or not self._bytes:
+        if self._stop:
             return super().step(token_id)
         new_text = self._next_bytes(token_id)
         return DetokenizerResult(new_text, False) if new_text else _NOTHING

@@ -113,18 +113,17 @@ def test_real_text_round_trips(hf, rust):
             assert "".join(p[0] for p in got[:-1]) + got[-1] == text
 
 
-def test_prompt_ending_mid_character_decodes_the_window_way_first(hf, rust):
-    """A prompt tail with no whole text to end on (DecodeStream would not prime): the
-    windows run until they emit a chunk a DecodeStream would prime with, then the bytes."""
+def test_prompt_ending_mid_character(hf, rust):
+    """A prompt tail ending inside a character: its bytes (T) stay undecided, so output
+    bytes that complete that character are the prompt's, not the output's."""
     full = byte_tokens(hf, "héllo wörld 😀 ok")
     for cut in range(len(full)):
         assert_same(hf, rust, full[cut:], full[:cut])
         assert_same(hf, rust, full[cut:], full[:cut], stop=["ö"])
     d = ByteDetokenizer(rust, full[:2])  # 'h' + the first byte of 'é'
-    assert not d._bytes
-    d.step(full[2])
-    assert not d._bytes
-    assert d.step(full[3]).text_delta == "l" and d._bytes
+    assert d._tail == "é".encode()[:1]
+    assert d.step(full[2]).text_delta == ""  # completes 'é': not longer than the prompt's
+    assert d.step(full[3]).text_delta == "l" and d._tail == b""
 
 
 def test_make_detokenizer_picks_the_table_only_for_byte_level(hf, rust):
