@@ -27,11 +27,11 @@ window decodes' over random byte soup, real text, stop strings and resumed reque
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, NamedTuple
 
 from worker.engine.detokenizer import _WINDOW, DetokenizerResult, IncrementalDetokenizer
 
-_NOTHING = DetokenizerResult("", False)  # never mutated by its readers
+_NOTHING = DetokenizerResult("", False)  # frozen: one for every token that emits nothing
 
 
 def gpt2_byte_chars() -> dict[str, int]:
@@ -47,8 +47,18 @@ def gpt2_byte_chars() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
-def byte_pieces(rust: Any, data: dict[str, Any]) -> dict[bool, list[bytes]] | None:
-    """Each id's bytes, per ``skip_special_tokens``, for a ``ByteLevel``-decoded tokenizer
+class ByteTable(NamedTuple):
+    """One ``skip_special_tokens`` setting's table: each id's bytes, and its text where those
+    bytes are whole characters on their own (None: not, or empty), so a token that starts
+    a chunk and ends it costs a look-up (``results``: its ``DetokenizerResult``, shared)."""
+
+    pieces: list[bytes]
+    whole: list[str | None]
+    results: dict[int, DetokenizerResult]
+
+
+def byte_pieces(rust: Any, data: dict[str, Any]) -> dict[bool, ByteTable] | None:
+    """The ``ByteTable`` per ``skip_special_tokens`` of a ``ByteLevel``-decoded tokenizer
     (``rust``: a ``tokenizers.Tokenizer``; ``data``: its JSON); None when the decoder is
     anything else or the table disagrees with ``rust.decode`` (then ``DecodeStream``)."""
     decoder = data.get("decoder")
@@ -58,7 +68,7 @@ def byte_pieces(rust: Any, data: dict[str, Any]) -> dict[bool, list[bytes]] | No
     special = {t["content"] for t in data.get("added_tokens") or [] if t.get("special")}
     size = max([rust.get_vocab_size(with_added_tokens=True)]
                + [t["id"] + 1 for t in data.get("added_tokens") or []])
-    tables: dict[bool, list[bytes]] = {}
+    tables: dict[bool, ByteTable] = {}
     for skip in (False, True):
         table = []
         for i in range(size):
@@ -71,8 +81,16 @@ def byte_pieces(rust: Any, data: dict[str, Any]) -> dict[bool, list[bytes]] | No
                 table.append(token.encode("utf-8"))
         if not _agrees(rust, table, skip):
             return None
-        tables[skip] = table
+        tables[skip] = ByteTable(table, [_whole(piece) for piece in table], {})
     return tables
+
+
+def _whole(piece: bytes) -> str | None:
+    try:
+        text = piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if text and text[-1] != "\ufffd" else None
 
 
 def _agrees(rust: Any, table: list[bytes], skip: bool) -> bool:
@@ -118,7 +136,8 @@ class ByteDetokenizer(IncrementalDetokenizer):
     at once, so ``flush`` has nothing left), so a token costs no copy of the text so far."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], **kw: Any) -> None:
-        self._table: list[bytes] = tokenizer.byte_pieces[kw.get("skip_special_tokens", True)]
+        table: ByteTable = tokenizer.byte_pieces[kw.get("skip_special_tokens", True)]
+        self._table, self._whole, self._results = table
         self._pending = bytearray()
         tail = list(prompt_token_ids[-_WINDOW:])
         self._tail = _tail_from_restart(self._join(tail))
@@ -127,11 +146,13 @@ class ByteDetokenizer(IncrementalDetokenizer):
 
     def _join(self, ids: list[int]) -> bytes:
         table, size = self._table, len(self._table)
-        return b"".join([table[i] if 0 <= i < size else b"" for i in ids])
+        return b"".join([table[i] if i < size else b"" for i in ids])
 
     def _next_bytes(self, token_id: int) -> str:
+        """The delta of one more token (ids are the engine's: never negative; one past
+        the vocabulary decodes to nothing, as ``tokenizers`` drops it)."""
         pending, tail = self._pending, self._tail
-        pending += self._table[token_id] if 0 <= token_id < len(self._table) else b""
+        pending += self._table[token_id] if token_id < len(self._table) else b""
         if not pending:
             return ""  # no bytes yet (a skipped special token): the same text as before
         if pending[-1] >= 0x80 and ends_in_replacement(
@@ -153,5 +174,13 @@ class ByteDetokenizer(IncrementalDetokenizer):
     def step(self, token_id: int) -> DetokenizerResult:
         if self._stop:
             return super().step(token_id)
+        if not self._pending and not self._tail:  # at a chunk's start: a whole token?
+            result = self._results.get(token_id)
+            if result is not None:
+                return result
+            text = self._whole[token_id] if token_id < len(self._whole) else None
+            if text is not None:
+                result = self._results[token_id] = DetokenizerResult(text, False)
+                return result
         new_text = self._next_bytes(token_id)
         return DetokenizerResult(new_text, False) if new_text else _NOTHING

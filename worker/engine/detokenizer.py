@@ -17,8 +17,8 @@ _WINDOW = 6  # tokens of left context when decoding a new token
 PROMPT_CONTEXT = _WINDOW  # prompt tokens a detokenizer needs (the output side gets these)
 
 
-@dataclass
-class DetokenizerResult:
+@dataclass(frozen=True, slots=True)
+class DetokenizerResult:  # frozen: a detokenizer may hand out the same one again
     text_delta: str
     stopped: bool  # a stop string matched: the request must finish now
     stop_str: str | None = None  # which one (vLLM's stop_reason)

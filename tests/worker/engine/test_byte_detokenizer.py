@@ -58,7 +58,7 @@ def assert_same(hf, rust, ids, prompt=(), **kw):
 
 def _single_byte_ids(rust):
     """byte -> the id of the token that is exactly that byte."""
-    return {p[0]: i for i, p in enumerate(rust.byte_pieces[False]) if len(p) == 1}
+    return {p[0]: i for i, p in enumerate(rust.byte_pieces[False].pieces) if len(p) == 1}
 
 
 def test_python_lossy_utf8_is_rusts(rust):
