@@ -51,22 +51,27 @@ class Publisher:
         self.seq: dict[str, int] = {}
         self.published_tokens = 0
         self._push = LuaScript(PUSH_EVENTS)
+        self._names: dict[str, tuple[str, str]] = {}  # open request: (list, channel)
 
     def publish(self, outputs: list[StepOutput]) -> None:
         if not outputs:
             return
         lists, data, channels = [], [], []
+        seqs, names = self.seq, self._names
         for out in outputs:
             rid = out.request_id
-            seq = self.seq.get(rid, 0)
-            self.seq[rid] = seq + 1
+            seq = seqs.get(rid, 0)
+            seqs[rid] = seq + 1
+            name = names.get(rid)
+            if name is None:
+                name = names[rid] = (self.keys.events(rid), self.keys.tokens(rid))
             if out.finished:
-                del self.seq[rid]
+                del seqs[rid], names[rid]
                 data.append(final_event_bytes(out, seq))
             else:
                 data.append(token_event_bytes(rid, seq, out.new_token_ids, out.text, out.index))
-            lists.append(self.keys.events(rid))
-            channels.append(self.keys.tokens(rid))
+            lists.append(name[0])
+            channels.append(name[1])
         if self.redis is not None:
             for lo in range(0, len(lists), MAX_EVENTS):
                 hi = lo + MAX_EVENTS
@@ -88,6 +93,7 @@ def final_event_bytes(out: StepOutput, seq: int) -> bytes:
 
 
 _VERSION: list[int] = []  # protocol.models.PROTOCOL_VERSION, imported once
+_PACK = msgpack.Packer(use_bin_type=True).pack  # one packer (the pass loop's), not one an event
 
 
 def token_event_bytes(request_id: str, seq: int, token_ids: list[int], text: str,
@@ -98,9 +104,8 @@ def token_event_bytes(request_id: str, seq: int, token_ids: list[int], text: str
         from protocol.models import PROTOCOL_VERSION
 
         _VERSION.append(PROTOCOL_VERSION)
-    packed: bytes = msgpack.packb(
-        {"version": _VERSION[0], "request_id": request_id, "seq": seq,
-         "token_ids": token_ids, "text": text, "index": index}, use_bin_type=True)
+    packed: bytes = _PACK({"version": _VERSION[0], "request_id": request_id, "seq": seq,
+                           "token_ids": token_ids, "text": text, "index": index})
     return packed
 
 
