@@ -19,7 +19,9 @@ traffic of the sampling ops at 256 x 128k, ``sampling_traffic.py``). Each step's
 to a real output process (``worker/service/output_process.py``) publishing to a real
 redis-server the bench starts: ``output_ms_per_step`` (its busy time per batch: text,
 events, Redis), ``published_tok_s`` (tokens that reached Redis per second of the measured
-run), ``output_capacity_tok_s`` (tokens per second of its busy time) and
+run), ``output_capacity_tok_s`` (tokens per second of its busy time: wall, so on a shared
+machine it also counts the time other processes and Redis hold the cores),
+``output_cpu_tok_s`` (tokens per second of its pass loop's own CPU time) and
 ``texts_identical`` (every stream's text from the output process equals the in-process
 path's, ``TextOutputs``' ``StreamTexts`` over the same batches). ``--no-output`` skips
 it. Results go to ``ops/bench/results/host_step.json``.
@@ -208,10 +210,12 @@ def output_fields(link: Any, feeder: Feeder, before: dict[str, Any], run_start: 
             local[f"{o.request_id}/{o.index}"] = local.get(f"{o.request_id}/{o.index}", "") + o.text
     published = after["published"] - before["published"]
     busy = after["busy_s"] - before["busy_s"]
+    busy_cpu = after.get("busy_cpu_s", 0.0) - before.get("busy_cpu_s", 0.0)
     return {
         "output_ms_per_step": round(busy / steps * 1e3, 3),
         "published_tok_s": round(published / wall),
         "output_capacity_tok_s": round(published / busy) if busy else None,
+        "output_cpu_tok_s": round(published / busy_cpu) if busy_cpu else None,
         "output_batches_per_pass": round(steps / max(1, after["passes"] - before["passes"]), 2),
         "texts_identical": link.texts == local, "output_torch_loaded": after["torch_loaded"],
     }

@@ -67,8 +67,10 @@ class OutputProcess:
         self._wfd = wfd
         self._reader = m.FrameReader(rfd)
         self._stops: list[list[Any]] = []
-        self.texts: dict[str, str] = {}  # with ``collect``: every stream's text (tests, bench)
-        self.stats = {"tokens": 0, "published": 0, "passes": 0, "batches": 0, "busy_s": 0.0}
+        # with ``collect``: every stream's text pieces (tests, bench), joined at the end
+        self.texts: dict[str, list[str]] = {}
+        self.stats = {"tokens": 0, "published": 0, "passes": 0, "batches": 0, "busy_s": 0.0,
+                      "busy_cpu_s": 0.0}
 
     def _send(self, message: list[Any]) -> None:
         m.write_all(self._wfd, m.frame(message))
@@ -100,7 +102,7 @@ class OutputProcess:
         last_stats = time.monotonic()
         while True:
             messages = inbox.take(_STATS_EVERY_S)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             outputs: list[StepOutput] = []
             done = False
             for message in messages:
@@ -118,10 +120,11 @@ class OutputProcess:
             if collect:
                 for out in outputs:
                     key = f"{out.request_id}/{out.index}"
-                    self.texts[key] = self.texts.get(key, "") + out.text
+                    self.texts.setdefault(key, []).append(out.text)
             if messages:
                 self.stats["passes"] += 1
                 self.stats["busy_s"] += time.perf_counter() - start
+                self.stats["busy_cpu_s"] += time.thread_time() - start_cpu
             self.stats["tokens"] = texts.tokens_seen
             self.stats["dropped"] = texts.rows_dropped
             self.stats["torch_loaded"] = "torch" in sys.modules
@@ -129,7 +132,9 @@ class OutputProcess:
             now = time.monotonic()
             if done or now - last_stats >= _STATS_EVERY_S:
                 last_stats = now
-                self._send([m.STATS, dict(self.stats), self.texts if done and collect else None])
+                joined = {k: "".join(v) for k, v in self.texts.items()} if done and collect \
+                    else None
+                self._send([m.STATS, dict(self.stats), joined])
             if done:
                 return 0
 
