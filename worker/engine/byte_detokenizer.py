@@ -68,18 +68,20 @@ def byte_pieces(rust: Any, data: dict[str, Any]) -> dict[bool, ByteTable] | None
     special = {t["content"] for t in data.get("added_tokens") or [] if t.get("special")}
     size = max([rust.get_vocab_size(with_added_tokens=True)]
                + [t["id"] + 1 for t in data.get("added_tokens") or []])
+    tokens: list[str | None] = [None] * size
+    for token, i in rust.get_vocab(with_added_tokens=False).items():
+        tokens[i] = token
+    for added in data.get("added_tokens") or []:  # decode looks these up first
+        tokens[added["id"]] = added["content"]
+    full = [b"" if token is None else bytes(chars[c] for c in token)
+            if all(c in chars for c in token) else token.encode("utf-8") for token in tokens]
+    # skipping changes only the special tokens' text: every id alone once, those twice
+    alone = {False: list(range(size)), True: [i for i, t in enumerate(tokens) if t in special]}
     tables: dict[bool, ByteTable] = {}
     for skip in (False, True):
-        table = []
-        for i in range(size):
-            token = rust.id_to_token(i)
-            if token is None or (skip and token in special):
-                table.append(b"")
-            elif all(c in chars for c in token):
-                table.append(bytes(chars[c] for c in token))
-            else:
-                table.append(token.encode("utf-8"))
-        if not _agrees(rust, table, skip):
+        table = [b"" if skip and token in special else piece
+                 for token, piece in zip(tokens, full, strict=True)]
+        if not _agrees(rust, table, skip, alone[skip]):
             return None
         tables[skip] = ByteTable(table, [_whole(piece) for piece in table], {})
     return tables
@@ -93,10 +95,10 @@ def _whole(piece: bytes) -> str | None:
     return text if text and text[-1] != "\ufffd" else None
 
 
-def _agrees(rust: Any, table: list[bytes], skip: bool) -> bool:
-    """``lossy(join(table[ids]))`` equals ``rust.decode(ids)``: every id alone, and seeded
-    random sequences (half of them bytes of multi-byte characters, split)."""
-    singles = [[i] for i in range(len(table))]
+def _agrees(rust: Any, table: list[bytes], skip: bool, alone: list[int]) -> bool:
+    """``lossy(join(table[ids]))`` equals ``rust.decode(ids)``: each id of ``alone`` by
+    itself, and seeded random sequences (half of them bytes of multi-byte characters)."""
+    singles = [[i] for i in alone]
     rng = random.Random(0)
     raw = [i for i, piece in enumerate(table) if len(piece) == 1 and piece[0] >= 0x80]
     seqs = [[rng.choice(raw) if raw and rng.random() < 0.5 else rng.randrange(len(table))
