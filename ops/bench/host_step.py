@@ -19,7 +19,9 @@ traffic of the sampling ops at 256 x 128k, ``sampling_traffic.py``). Each step's
 to a real output process (``worker/service/output_process.py``) publishing to a real
 redis-server the bench starts: ``output_ms_per_step`` (its busy time per batch: text,
 events, Redis), ``published_tok_s`` (tokens that reached Redis per second of the measured
-run), ``output_capacity_tok_s`` (tokens per second of its busy time) and
+run), ``output_capacity_tok_s`` (tokens per second of its busy time: wall, so on a shared
+machine it also counts the time other processes and Redis hold the cores),
+``output_cpu_tok_s`` (tokens per second of its pass loop's own CPU time) and
 ``texts_identical`` (every stream's text from the output process equals the in-process
 path's, ``TextOutputs``' ``StreamTexts`` over the same batches). ``--no-output`` skips
 it. Results go to ``ops/bench/results/host_step.json``.
@@ -170,6 +172,7 @@ def sampling_bytes(workload: str, rows: int) -> int:
 
 
 WINDOW_DECODE = False  # --window-decode: the output process's A/B baseline
+DECODE_STREAM = False  # --decode-stream: DecodeStream, not the byte table (A/B)
 
 
 def start_output(engine: Any, redis_url: str) -> Any:
@@ -178,7 +181,7 @@ def start_output(engine: Any, redis_url: str) -> Any:
 
     return OutputLink.start({"tokenizer": engine.config.model.model, "redis_url": redis_url,
                              "collect": True, "decode_spec": decode_spec(engine.tokenizer),
-                             "window_decode": WINDOW_DECODE})
+                             "window_decode": WINDOW_DECODE, "decode_stream": DECODE_STREAM})
 
 
 def wait_caught_up(link: Any, batches: int) -> dict[str, Any]:
@@ -207,10 +210,12 @@ def output_fields(link: Any, feeder: Feeder, before: dict[str, Any], run_start: 
             local[f"{o.request_id}/{o.index}"] = local.get(f"{o.request_id}/{o.index}", "") + o.text
     published = after["published"] - before["published"]
     busy = after["busy_s"] - before["busy_s"]
+    busy_cpu = after.get("busy_cpu_s", 0.0) - before.get("busy_cpu_s", 0.0)
     return {
         "output_ms_per_step": round(busy / steps * 1e3, 3),
         "published_tok_s": round(published / wall),
         "output_capacity_tok_s": round(published / busy) if busy else None,
+        "output_cpu_tok_s": round(published / busy_cpu) if busy_cpu else None,
         "output_batches_per_pass": round(steps / max(1, after["passes"] - before["passes"]), 2),
         "texts_identical": link.texts == local, "output_torch_loaded": after["torch_loaded"],
     }
@@ -227,9 +232,12 @@ def main() -> None:
     parser.add_argument("--window-decode", action="store_true",
                         help="the output process decodes with two window decodes a token, "
                         "not DecodeStream (the A/B baseline)")
+    parser.add_argument("--decode-stream", action="store_true",
+                        help="the output process decodes with DecodeStream, not the "
+                        "byte-level table (ByteDetokenizer's A/B baseline)")
     args = parser.parse_args()
-    global WINDOW_DECODE
-    WINDOW_DECODE = args.window_decode
+    global WINDOW_DECODE, DECODE_STREAM
+    WINDOW_DECODE, DECODE_STREAM = args.window_decode, args.decode_stream
     import torch
 
     # the stub's ops stand for launches; two threads spin on a shared machine

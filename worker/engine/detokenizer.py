@@ -17,8 +17,8 @@ _WINDOW = 6  # tokens of left context when decoding a new token
 PROMPT_CONTEXT = _WINDOW  # prompt tokens a detokenizer needs (the output side gets these)
 
 
-@dataclass
-class DetokenizerResult:
+@dataclass(frozen=True, slots=True)
+class DetokenizerResult:  # frozen: a detokenizer may hand out the same one again
     text_delta: str
     stopped: bool  # a stop string matched: the request must finish now
     stop_str: str | None = None  # which one (vLLM's stop_reason)
@@ -173,11 +173,14 @@ def make_detokenizer(
     prior_output_ids: list[int] | None = None,
 ) -> IncrementalDetokenizer:
     """The detokenizer of one stream (the output side's single way to build one): the
-    ``DecodeStream`` one where the tokenizer offers it (same text, one decode a token)."""
+    byte-table one where the tokenizer has a table (``ByteDetokenizer``), else the
+    ``DecodeStream`` one where it offers that (same text, one decode a token)."""
+    from worker.engine.byte_detokenizer import ByteDetokenizer
     from worker.engine.rust_decode import RustDecoder
 
-    streams = isinstance(tokenizer, RustDecoder) and tokenizer.streams
-    cls = StreamingDetokenizer if streams else IncrementalDetokenizer
+    cls: type[IncrementalDetokenizer] = IncrementalDetokenizer
+    if isinstance(tokenizer, RustDecoder) and tokenizer.streams:
+        cls = ByteDetokenizer if tokenizer.byte_pieces is not None else StreamingDetokenizer
     return cls(
         tokenizer, prompt_token_ids, stop=stop,
         include_stop_str_in_output=include_stop_str_in_output,

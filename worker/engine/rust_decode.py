@@ -39,12 +39,17 @@ class RustDecoder:
     def __init__(self, spec: dict[str, Any]) -> None:
         from tokenizers import Tokenizer
 
+        from worker.engine.byte_detokenizer import byte_pieces
+
         self.rust = Tokenizer.from_str(spec["json"])
         self._clean_up = bool(spec["clean_up"])
+        data = json.loads(spec["json"])
         # ``DecodeStream`` (one Rust decode a token, not two): never with transformers'
         # clean-up (it rewrites text across chunks), only with a prefix-safe decoder.
-        self.streams = not self._clean_up and _stream_safe(
-            json.loads(spec["json"]).get("decoder"))
+        self.streams = not self._clean_up and _stream_safe(data.get("decoder"))
+        # Better still, a ByteLevel decoder's text is the token bytes' (``ByteDetokenizer``:
+        # no decode of a growing buffer); None: not ByteLevel, or the table disagreed.
+        self.byte_pieces = byte_pieces(self.rust, data) if self.streams else None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self.rust.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -62,31 +62,34 @@ class StreamTexts:
         self.open(batch.opened)
         at_row = {end.row: end for end in batch.ends if end.row >= 0}
         outputs: list[StepOutput] = []
-        lps = batch.logprobs
+        append, streams, lps = outputs.append, self.streams, batch.logprobs
+        prompt_lps = batch.prompt_logprobs or None  # most batches have none: no look-up
+        seen = 0
         for row, (stream, token) in enumerate(zip(batch.streams, batch.token_ids, strict=True)):
-            s = self.streams.get(stream)
+            s = streams.get(stream)
             if s is None:
                 self.rows_dropped += 1
                 continue
-            self.tokens_seen += 1
+            seen += 1
             s.num_output_tokens += 1
             lp = lps[row] if lps is not None else None
             result = s.detok.step(token)
-            end = at_row.get(row)
+            end = at_row.get(row) if at_row else None
             if end is None and result.stopped:
                 end = self._on_stop(stream, result.stop_str)
                 if end is None:  # the engine hears of it later; this stream is done here
                     end = _stop_end(s, result.stop_str)
             if end is not None:
-                outputs.append(self._final(end, [token], result.text_delta, lp))
+                append(self._final(end, [token], result.text_delta, lp))
                 continue
-            outputs.append(StepOutput(
-                s.open.request_id, [token], result.text_delta,
-                num_prompt_tokens=s.open.num_prompt_tokens,
-                num_output_tokens=s.num_output_tokens,
-                logprobs=[lp] if lp is not None else None, index=s.open.index,
-                prompt_logprobs=batch.prompt_logprobs.get(stream),
+            o = s.open
+            append(StepOutput(
+                o.request_id, [token], result.text_delta,
+                num_prompt_tokens=o.num_prompt_tokens, num_output_tokens=s.num_output_tokens,
+                logprobs=[lp] if lp is not None else None, index=o.index,
+                prompt_logprobs=prompt_lps.get(stream) if prompt_lps else None,
             ))
+        self.tokens_seen += seen
         outputs += [self._final(end, [], "") for end in batch.ends
                     if end.row < 0 and end.stream in self.streams]
         return outputs

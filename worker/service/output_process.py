@@ -17,7 +17,6 @@ engine loop makes them in-process.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import os
 import signal
 import sys
@@ -25,12 +24,13 @@ import threading
 import time
 from typing import Any
 
-import msgpack
-
 from worker.engine.outputs import StepOutput
 from worker.engine.step_batch import EngineEnd
 from worker.engine.text_output import StreamTexts
 from worker.service import output_messages as m
+from worker.service.output_publish import Publisher, coalesce, token_event_bytes
+
+__all__ = ["OutputProcess", "coalesce", "token_event_bytes"]
 
 _STATS_EVERY_S = 0.5
 
@@ -62,99 +62,15 @@ class _Inbox:
         return items
 
 
-class _Publisher:
-    """Per-request event numbering and the Redis writes of one pass."""
-
-    def __init__(self, redis_url: str | None, prefix: str, ttl_s: int) -> None:
-        from protocol.keys import Keys
-
-        self.redis = None
-        if redis_url:
-            import redis
-
-            self.redis = redis.Redis.from_url(redis_url)
-        self.keys = Keys(prefix)
-        self.ttl_s = ttl_s
-        self.seq: dict[str, int] = {}
-        self.published_tokens = 0
-
-    def publish(self, outputs: list[StepOutput]) -> None:
-        from protocol.codec import encode_event
-        from protocol.models import TokenEvent
-
-        if not outputs:
-            return
-        pipe = self.redis.pipeline(transaction=False) if self.redis is not None else None
-        for out in outputs:
-            seq = self.seq.get(out.request_id, 0)
-            self.seq[out.request_id] = seq + 1
-            if out.finished:
-                del self.seq[out.request_id]
-                data = encode_event(TokenEvent(
-                    request_id=out.request_id, seq=seq, token_ids=out.new_token_ids,
-                    text=out.text, finish_reason=out.finish_reason,  # type: ignore[arg-type]
-                    index=out.index, error=out.error, stop_reason=out.stop_reason,
-                ))
-            else:
-                data = token_event_bytes(out.request_id, seq, out.new_token_ids, out.text,
-                                         out.index)
-            if pipe is not None:
-                pipe.rpush(self.keys.events(out.request_id), data)
-                pipe.expire(self.keys.events(out.request_id), self.ttl_s)
-                pipe.publish(self.keys.tokens(out.request_id), data)
-        if pipe is not None:
-            pipe.execute()
-        self.published_tokens += sum(len(out.new_token_ids) for out in outputs)
-
-
-def coalesce(outputs: list[StepOutput]) -> list[StepOutput]:
-    """One output per (request, candidate) of a pass, in first-seen order: a pass that
-    took several steps' batches (it fell behind) publishes each stream's tokens as one
-    event, so Redis takes a command per stream rather than per stream per step. The
-    merged output has every token, text and logprob in order and the last one's end.
-    Each stream's outputs are joined once (not merged pairwise, a copy per step)."""
-    runs: dict[tuple[str, int], list[StepOutput]] = {}
-    for out in outputs:
-        key = (out.request_id, out.index)
-        run = runs.get(key)
-        if run is None:
-            runs[key] = [out]
-        else:
-            run.append(out)
-    if len(runs) == len(outputs):
-        return outputs
-    return [run[0] if len(run) == 1 else _merged(run) for run in runs.values()]
-
-
-def _merged(run: list[StepOutput]) -> StepOutput:
-    last = run[-1]
-    lps = [out.logprobs for out in run]
-    return dataclasses.replace(
-        last, new_token_ids=[t for out in run for t in out.new_token_ids],
-        text="".join([out.text for out in run]),
-        logprobs=None if all(lp is None for lp in lps) else [x for lp in lps if lp for x in lp],
-        prompt_logprobs=next((out.prompt_logprobs for out in run if out.prompt_logprobs),
-                             last.prompt_logprobs))
-
-
-def token_event_bytes(request_id: str, seq: int, token_ids: list[int], text: str,
-                      index: int) -> bytes:
-    """A non-final ``TokenEvent``'s msgpack, the bytes ``encode_event`` gives, without
-    building and validating a pydantic model per token (the output process's hot path)."""
-    from protocol.models import PROTOCOL_VERSION
-
-    return msgpack.packb({"version": PROTOCOL_VERSION, "request_id": request_id, "seq": seq,
-                          "token_ids": token_ids, "text": text, "index": index},
-                         use_bin_type=True)  # type: ignore[no-any-return]
-
-
 class OutputProcess:
     def __init__(self, rfd: int, wfd: int) -> None:
         self._wfd = wfd
         self._reader = m.FrameReader(rfd)
         self._stops: list[list[Any]] = []
-        self.texts: dict[str, str] = {}  # with ``collect``: every stream's text (tests, bench)
-        self.stats = {"tokens": 0, "published": 0, "passes": 0, "batches": 0, "busy_s": 0.0}
+        # with ``collect``: every stream's text pieces (tests, bench), joined at the end
+        self.texts: dict[str, list[str]] = {}
+        self.stats = {"tokens": 0, "published": 0, "passes": 0, "batches": 0, "busy_s": 0.0,
+                      "busy_cpu_s": 0.0}
 
     def _send(self, message: list[Any]) -> None:
         m.write_all(self._wfd, m.frame(message))
@@ -178,7 +94,7 @@ class OutputProcess:
             send([m.READY, os.getpid()])
             return serve(options, tokenizer, _Inbox(self._reader), send)
         texts = StreamTexts(tokenizer, self._on_stop)
-        publisher = _Publisher(options.get("redis_url"), options.get("prefix", "ferry"),
+        publisher = Publisher(options.get("redis_url"), options.get("prefix", "ferry"),
                                int(options.get("ttl_s", 3600)))
         collect = bool(options.get("collect"))
         self._send([m.READY, os.getpid()])
@@ -186,7 +102,7 @@ class OutputProcess:
         last_stats = time.monotonic()
         while True:
             messages = inbox.take(_STATS_EVERY_S)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             outputs: list[StepOutput] = []
             done = False
             for message in messages:
@@ -204,10 +120,11 @@ class OutputProcess:
             if collect:
                 for out in outputs:
                     key = f"{out.request_id}/{out.index}"
-                    self.texts[key] = self.texts.get(key, "") + out.text
+                    self.texts.setdefault(key, []).append(out.text)
             if messages:
                 self.stats["passes"] += 1
                 self.stats["busy_s"] += time.perf_counter() - start
+                self.stats["busy_cpu_s"] += time.thread_time() - start_cpu
             self.stats["tokens"] = texts.tokens_seen
             self.stats["dropped"] = texts.rows_dropped
             self.stats["torch_loaded"] = "torch" in sys.modules
@@ -215,7 +132,9 @@ class OutputProcess:
             now = time.monotonic()
             if done or now - last_stats >= _STATS_EVERY_S:
                 last_stats = now
-                self._send([m.STATS, dict(self.stats), self.texts if done and collect else None])
+                joined = {k: "".join(v) for k, v in self.texts.items()} if done and collect \
+                    else None
+                self._send([m.STATS, dict(self.stats), joined])
             if done:
                 return 0
 
@@ -228,6 +147,8 @@ def _load_tokenizer(options: dict[str, Any]) -> Any:
 
         decoder = RustDecoder(options["decode_spec"])
         decoder.streams = decoder.streams and not options.get("window_decode")  # bench A/B
+        if options.get("decode_stream"):  # bench A/B: DecodeStream, not the byte table
+            decoder.byte_pieces = None
         return decoder
     from transformers import AutoTokenizer
 

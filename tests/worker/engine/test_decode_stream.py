@@ -8,7 +8,7 @@ import pytest
 
 from tests.checkpoints import build_tokenizer
 from tests.worker.engine.test_detokenizer import byte_tokens, stream
-from worker.engine.detokenizer import StreamingDetokenizer, make_detokenizer
+from worker.engine.detokenizer import StreamingDetokenizer
 from worker.engine.rust_decode import RustDecoder, decode_spec
 
 
@@ -88,12 +88,12 @@ def test_split_characters_and_a_prompt_ending_mid_character(tok):
     full = byte_tokens(tok, "héllo wörld 😀 ok")
     for cut in range(len(full)):
         assert stream(rust, full[cut:], full[:cut]) == stream(tok, full[cut:], full[:cut])
-    d = make_detokenizer(rust, full[:2])  # 'h' + the first byte of 'é'
-    assert isinstance(d, StreamingDetokenizer) and d._stream is None
+    d = StreamingDetokenizer(rust, full[:2])  # 'h' + the first byte of 'é'
+    assert d._stream is None
     d.step(full[2])  # completes 'é': nothing past the tail's text yet, still the windows
     assert d._stream is None
     assert d.step(full[3]).text_delta == "l" and d._stream is not None  # back at a chunk
-    d = make_detokenizer(rust, full[:3])
+    d = StreamingDetokenizer(rust, full[:3])
     assert d._stream is not None
 
 

@@ -159,3 +159,44 @@ def test_coalesce_merges_a_passes_outputs_per_stream_in_order() -> None:
     assert (merged[1].new_token_ids, merged[1].text, merged[1].logprobs) == ([7, 8], "qr", None)
     single = [StepOutput("c", [5], "t")]
     assert coalesce(single) is single  # nothing to merge: the same list
+
+
+def test_publisher_writes_each_event_to_its_list_ttl_and_channel_in_order(
+        redis_server: Any, redis_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One script call per pass (split at ``MAX_EVENTS``) makes the writes a pipeline of
+    RPUSH, EXPIRE, PUBLISH per event made: the replay lists, their TTL, the channel order."""
+    import time
+
+    from worker.engine.outputs import StepOutput
+    from worker.service import output_publish
+
+    monkeypatch.setattr(output_publish, "MAX_EVENTS", 3)
+    keys = Keys("ferry")
+    sub = redis_client.pubsub()
+    sub.subscribe(keys.tokens("p1"), keys.tokens("p2"))
+    while sub.get_message(timeout=1.0) is not None:
+        pass  # the two subscribe confirmations
+    publisher = output_publish.Publisher(redis_server.url, "ferry", 120)
+    passes = [[StepOutput("p1", [1], "a"), StepOutput("p2", [2], "b")],
+              [StepOutput("p1", [3, 4], "cd"), StepOutput("p2", [5], "é"),
+               StepOutput("p1", [6], "", finished=True, finish_reason="length"),
+               StepOutput("p2", [7], "f"), StepOutput("p2", [], "", finished=True,
+                                                      finish_reason="stop", stop_reason="x")]]
+    for outputs in passes:
+        publisher.publish(outputs)
+    assert publisher.published_tokens == 7 and publisher.seq == {}
+    heard = []
+    deadline = time.monotonic() + 5
+    while len(heard) < 7 and time.monotonic() < deadline:
+        message = sub.get_message(timeout=0.5)
+        if message is not None and message["type"] == "message":
+            heard.append(decode_event(message["data"]))
+    sub.close()
+    assert [(e.request_id, e.seq, e.token_ids, e.text) for e in heard] == [
+        ("p1", 0, [1], "a"), ("p2", 0, [2], "b"), ("p1", 1, [3, 4], "cd"), ("p2", 1, [5], "é"),
+        ("p1", 2, [6], ""), ("p2", 2, [7], "f"), ("p2", 3, [], "")]
+    for rid in ("p1", "p2"):
+        replay = [decode_event(x) for x in redis_client.lrange(keys.events(rid), 0, -1)]
+        assert replay == [e for e in heard if e.request_id == rid]
+        assert 0 < redis_client.ttl(keys.events(rid)) <= 120
+    assert heard[-1].finish_reason == "stop" and heard[-1].stop_reason == "x"
