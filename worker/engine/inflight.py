@@ -32,8 +32,17 @@ class InflightStep:
 
     sched: SchedulerOutput
     sample: PendingSample
-    row_of: dict[str, int]  # request id -> its row in ``sample.tokens``
+    # request id -> its row in ``sample.tokens``: made when first asked (``row_of``), as
+    # most steps never ask (a dict of 256 ids cost ~0.05 ms a step)
+    given_row_of: dict[str, int] | None = None
     prompt: PendingPrompt | None = None  # its prompt logprobs, on their way back
+
+    @property
+    def row_of(self) -> dict[str, int]:
+        """Request id -> its row in ``sample.tokens`` (the step's sampling rows, in order)."""
+        if self.given_row_of is None:
+            self.given_row_of = {r.request_id: i for i, r in enumerate(self.sched.sampling)}
+        return self.given_row_of
 
 
 def needs_known_tokens(sched: SchedulerOutput) -> bool:

@@ -148,10 +148,12 @@ class StepUpdates:
                 stops[i] = FinishReason.STOP if stopped[j] else FinishReason.LENGTH
                 if stopped[j]:
                     requests[i].note_stop_token(token_list[i])
-        for i in sorted(stops):
+        ended = sorted(stops)
+        for i in ended:
             self.finish(requests[i], stops[i])
         index = got.nonzero()[0]
         if len(index) == len(requests):
-            return Resolved(index, requests, token_list)
+            return Resolved(index, requests, token_list, ended)
         return Resolved(index, [requests[i] for i in index.tolist()],
-                        [token_list[i] for i in index.tolist()])
+                        [token_list[i] for i in index.tolist()],
+                        np.searchsorted(index, ended).tolist())

@@ -1,3 +1,6 @@
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 import torch
 
@@ -114,7 +117,9 @@ def test_sampling_rows_copy_outputs_only_for_penalties():
     penalised = Request("b", [1, 2], SamplingParams(repetition_penalty=1.2),
                         output_token_ids=[5, 6])
     penalised.append_placeholder()
-    in_flight = (torch.tensor([9, 7]), {"a": 0, "b": 1})  # the step in flight's tokens
+    # the step in flight: its tokens and each request's row in them (an InflightStep's)
+    in_flight: Any = SimpleNamespace(sample=SimpleNamespace(tokens=torch.tensor([9, 7])),
+                                     row_of={"a": 0, "b": 1})
     assert SamplingRow.of(free, in_flight).output_token_ids == ()
     assert SamplingRow.of(free, in_flight).pending_output is None
     row = SamplingRow.of(penalised, in_flight)
