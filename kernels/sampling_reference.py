@@ -16,6 +16,7 @@ same thresholds without sorting (see ``kernels/sampling.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ class SamplingTensors:
 
     params: torch.Tensor  # [R, 4] float32
     keys: torch.Tensor  # [R] int64, the noise keys (any value in greedy rows)
-    host: tuple[tuple[float, float, float, float], ...]  # params, on the host
+    host: Sequence[Sequence[float]]  # params, on the host: [R] rows of 4
     bias_offsets: torch.Tensor | None = None  # [R + 1] int32
     bias_entries: torch.Tensor | None = None  # [2, N] int32: rows, tokens
     bias_values: torch.Tensor | None = None  # [N] float32
@@ -60,7 +61,7 @@ def biased(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return logits.index_put((rows, tokens), t.bias_values, accumulate=True)
 
 
-def kept(scaled: torch.Tensor, host: list[tuple[float, float, float, float]]) -> torch.Tensor:
+def kept(scaled: torch.Tensor, host: Sequence[Sequence[float]]) -> torch.Tensor:
     """scaled [S, V] -> the same with -inf where min-p, top-k and top-p drop (in that
     order); ``host``: the S rows' (temperature, top-p, min-p, top-k).
 

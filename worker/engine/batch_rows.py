@@ -44,8 +44,6 @@ class BatchRows:
         self.stop = np.full((rows, 1), _NO_TOKEN, dtype=np.int64)
         # sampling reads earlier tokens' values on the host (grammar, multi-token bad word)
         self.needs_known = np.zeros(rows, dtype=bool)
-        # its tokens go into the step's batch one at a time (a grammar, prompt logprobs)
-        self.one_by_one = np.zeros(rows, dtype=bool)
         self.item = np.empty(rows, dtype=object)  # the row's decode ScheduledRequest
         self.sampler = SamplerColumns(rows)  # the sampler's per-request constants
 
@@ -69,7 +67,6 @@ class BatchRows:
         self.stop[row] = _NO_TOKEN
         self.stop[row, :len(stops)] = stops
         self.needs_known[row] = request.grammar is not None or request.bans_follow_output
-        self.one_by_one[row] = one_by_one(request)
         self.item[row] = decode_item
         self.sampler.admit(row, request)
         self.sync(row, request)
@@ -128,7 +125,7 @@ class BatchRows:
 
     def _grow(self, rows: int) -> None:
         size = max(rows, 2 * self.rows)
-        for name in (*_INT_FIELDS, "needs_known", "one_by_one"):
+        for name in (*_INT_FIELDS, "needs_known"):
             old = getattr(self, name)
             new = np.zeros(size, dtype=old.dtype)
             new[:len(old)] = old
@@ -152,10 +149,3 @@ class BatchRows:
             assert self.item[row].request is request, f"{request.request_id}: decode item"
             assert self.sampler.flags[row] == flags_of(request), \
                 f"{request.request_id}: sampler flags"
-            assert self.one_by_one[row] == one_by_one(request), f"{request.request_id}: one by one"
-
-
-def one_by_one(request: Request) -> bool:
-    """Whether the request's tokens go into a step's batch one at a time
-    (``Engine._update_row``: its grammar advances, its prompt logprobs go out)."""
-    return request.grammar is not None or request.prompt_logprobs is not None

@@ -97,6 +97,21 @@ class SamplingRow:
                 row.pending_output = in_flight.sample.tokens[i:i + 1]  # a view
         return row
 
+    @classmethod
+    def rows_of(cls, requests: list[Request],
+                in_flight: InflightStep | None = None) -> list[SamplingRow]:
+        """``of`` for each request, in order: a row made before that reads no outputs
+        (most of a batch) only moves its output index, inlined here (no call per row)."""
+        rows = []
+        for request in requests:
+            row = request.sampling_row
+            if row is None or row.penalised or request.bans_follow_output:
+                row = cls.of(request, in_flight)
+            else:
+                row.output_index = len(request.output_token_ids)
+            rows.append(row)
+        return rows
+
     def refresh(self, request: Request) -> None:
         """The step before was read back since the row was made: its token is known."""
         if self.penalised or request.bans_follow_output:

@@ -32,6 +32,9 @@ NOT_PLAIN_GREEDY = 8  # not plain_greedy (sampled, or a logit bias)
 SAMPLED = 16  # not greedy: the row draws with a noise key
 SEEDED = 32  # seed_mix is not None
 BIAS = 64  # has_bias
+# not the sampler's: its tokens go into a step's batch one at a time (a grammar, prompt
+# logprobs: ``Engine._update``)
+ONE_BY_ONE = 128
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,9 +45,10 @@ class SamplingTable:
     seed_mix: np.ndarray  # [B] uint64: SamplingRow.seed_mix (0 where None)
     output_index: np.ndarray  # [B] int64: SamplingRow.output_index
     flags: np.ndarray  # [B] uint8: the bits above
+    union: int  # the bits any row has
 
     def any(self, flag: int) -> bool:
-        return bool((self.flags & flag).any())
+        return bool(self.union & flag)
 
     def rows_with(self, flag: int) -> list[int]:
         return (self.flags & flag).nonzero()[0].tolist()  # type: ignore[no-any-return]
@@ -76,7 +80,8 @@ def flags_of(request: Request) -> int:
     return (PENALISED * bool(request.penalised) | MASKED * masked
             | LOGPROBS * (p.logprobs is not None)
             | NOT_PLAIN_GREEDY * (not request.plain_greedy) | SAMPLED * (not p.greedy)
-            | SEEDED * (not p.greedy and p.seed is not None) | BIAS * bool(p.logit_bias))
+            | SEEDED * (not p.greedy and p.seed is not None) | BIAS * bool(p.logit_bias)
+            | ONE_BY_ONE * (request.grammar is not None or request.prompt_logprobs is not None))
 
 
 class SamplerColumns:
@@ -105,5 +110,7 @@ class SamplerColumns:
     def take(self, rows: np.ndarray, tokens: np.ndarray) -> SamplingTable:
         """The table of ``rows`` (in order), whose requests hold ``tokens`` tokens each
         (``BatchRows.tokens``: their output index is what follows the prompt)."""
+        flags = self.flags[rows]
         return SamplingTable(self.params[rows], self.seed_mix[rows],
-                             tokens - self.prompt_len[rows], self.flags[rows])
+                             tokens - self.prompt_len[rows], flags,
+                             int(np.bitwise_or.reduce(flags)) if len(flags) else 0)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from worker.engine.batch_rows import BatchRows, one_by_one
+from worker.engine.batch_rows import BatchRows
 from worker.engine.host_tables import HostTables
 from worker.engine.request import Request
 from worker.engine.sampling_table import SamplingTable
@@ -77,15 +77,6 @@ class SchedulerOutput:
         if self.batch is None or self.rows is None or self.sample is None:
             return any(s.sample and _needs_known(s.request) for s in self.scheduled)
         return bool(self.batch.needs_known[self.rows[self.sample]].any())
-
-    def any_one_by_one(self) -> bool:
-        """Whether a sampling row's request has its tokens go in one at a time (a grammar,
-        prompt logprobs: ``batch_rows.one_by_one``), from the rows' flags while they are
-        its own."""
-        if self.batch is None or self.rows is None or self.sample is None \
-                or not self.intact():
-            return any(one_by_one(r) for r in self.sampling)
-        return bool(self.batch.one_by_one[self.rows[self.sample]].any())
 
     def sampling_table(self) -> SamplingTable | None:
         """The sampling rows' sampler constants, read from the rows' arrays at launch

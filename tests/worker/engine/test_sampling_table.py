@@ -86,6 +86,7 @@ def _same_answers(table: SamplingTable, rows: Any) -> None:
     assert table.seed_mix.tolist() == [r.seed_mix or 0 for r in rows]
     assert table.output_index.tolist() == [r.output_index for r in rows]
     assert table.params.tobytes() == b"".join(r.params_bytes for r in rows)
+    assert table.union == int(np.bitwise_or.reduce(table.flags))
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -103,7 +104,8 @@ def test_table_keys_equal_the_rows_keys_with_unseeded_rows_between() -> None:
     mixes = np.array([5, 0, 0, 9, 0], dtype=np.uint64)
     flags = np.array([SAMPLED | SEEDED, 0, SAMPLED, SAMPLED | SEEDED, SAMPLED], np.uint8)
     table = SamplingTable(np.zeros((5, 4), np.float32), mixes,
-                          np.array([3, 0, 1, 4, 2], np.int64), flags)
+                          np.array([3, 0, 1, 4, 2], np.int64), flags,
+                          int(np.bitwise_or.reduce(flags)))
     rows = [_Row(int(m) if f & SEEDED else None, int(o), not f & SAMPLED)
             for m, o, f in zip(mixes, table.output_index, flags, strict=True)]
     a, b = Sampler(seed=4), Sampler(seed=4)
