@@ -190,15 +190,15 @@ def sampling_tensors(rows: list[SamplingRow], keys: list[int] | np.ndarray,
     when a row has a logit bias. Greedy rows (temperature 0 or top-k 1) get temperature 0;
     top-k off is any value >= the vocabulary (2**24 here). ``table``: the same parameters
     as arrays (``sampling_table.py``)."""
-    host: Sequence[Sequence[float]]
+    host: Sequence[Sequence[float]] | np.ndarray
     if table is None:  # [B, 4] float32 from each row's bytes (~10x faster than np.array)
         host = tuple(map(_PARAMS_ROW, rows))
         flat = np.frombuffer(b"".join([r.params_bytes for r in rows]), dtype=np.float32)
         host_params = flat.reshape(-1, 4).copy()
-    else:  # a fresh array (gathered for this step); the host copy as float32 values, which
-        # the pass's decisions (> 0, < 1, top-k) read as it reads the rows' own values
-        host_params = table.params
-        host = host_params.tolist()
+    else:  # a fresh array (gathered for this step), the host copy too: the torch pass
+        # decides (> 0, < 1, top-k) from its float32 values as from the rows' own; the
+        # fused kernel reads none of it
+        host = host_params = table.params
     params = host_to_device(torch.from_numpy(host_params), device)
     keys_up = host_to_device(torch.from_numpy(np.asarray(keys, dtype=np.int64)), device)
     if not (any(r.has_bias for r in rows) if table is None else table.any(BIAS)):
