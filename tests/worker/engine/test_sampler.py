@@ -222,6 +222,38 @@ def test_penalties_equal_the_row_by_row_reference():
     assert torch.equal(again, got)
 
 
+def _every_term(logits, rows):
+    """The batched formula with every penalty applied, as 1 or 0 where a row has none
+    (what apply_penalties computed before it skipped the terms no row asks for)."""
+    picked = [r for r in rows if r.penalised]
+    index = torch.tensor([i for i, r in enumerate(rows) if r.penalised])
+    vocab = logits.shape[1]
+    counts = torch.zeros(len(picked), vocab)
+    prompts = torch.zeros(len(picked), vocab, dtype=torch.bool)
+    for j, r in enumerate(picked):
+        for t in r.output_token_ids:
+            counts[j, t] += 1
+        prompts[j, list(r.prompt_token_ids)] = True
+    rep = torch.tensor([r.params.repetition_penalty for r in picked]).unsqueeze(1)
+    freq = torch.tensor([r.params.frequency_penalty for r in picked]).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in picked]).unsqueeze(1)
+    sub = logits.index_select(0, index)
+    sub = torch.where((counts > 0) | prompts, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+    return logits.index_copy(0, index, sub)
+
+
+@pytest.mark.parametrize("kind", [{"frequency_penalty": 0.5}, {"presence_penalty": -0.4},
+                                  {"repetition_penalty": 1.2}])
+def test_penalties_no_row_asks_for_are_skipped_bit_for_bit(kind):
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, VOCAB, generator=gen) * 3
+    logits[1, 5] = float("-inf")
+    rows = [row(out=[3, 3, 5, 8], prompt=[5, 6], **kind), row(temperature=0),
+            row(out=[5, 1, 1], prompt=[9], **kind), row(out=[2] * 7, **kind)]
+    assert torch.equal(apply_penalties(logits, rows), _every_term(logits, rows))
+
+
 def test_logprobs_of_the_batch_equal_row_by_row():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(5, VOCAB, generator=gen)
