@@ -17,6 +17,8 @@ from worker.engine.host_tables import HostTables
 from worker.engine.request import Request
 from worker.engine.sampling_table import SamplingTable
 
+_TABLE_MIN_ROWS = 8  # fewer sampling rows: the sampler asks the row objects
+
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
@@ -80,9 +82,10 @@ class SchedulerOutput:
 
     def sampling_table(self) -> SamplingTable | None:
         """The sampling rows' sampler constants, read from the rows' arrays at launch
-        (before ``advance``); None without arrays or once a row changed hands."""
+        (before ``advance``); None without arrays, once a row changed hands, or for a few
+        rows (a handful of attribute reads cost less than the gathers)."""
         if self.batch is None or self.rows is None or self.sample is None \
-                or not self.intact():
+                or len(self.sampling) < _TABLE_MIN_ROWS or not self.intact():
             return None
         return self.batch.sampling_table(
             self.rows if len(self.sampling) == len(self.rows) else self.rows[self.sample])

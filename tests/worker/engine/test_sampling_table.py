@@ -14,6 +14,7 @@ import pytest
 from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from worker import Engine, EngineConfig
+from worker.engine import schedule_output
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_table import (
     BIAS,
@@ -61,7 +62,7 @@ def _run(path: str, overlap: bool, check: bool) -> list[tuple[int, list[int]]]:
             tables.append(table)
         return launch(logits, rows, mask, table)
 
-    engine.sampler.launch = compared  # type: ignore[method-assign]
+    engine.sampler.launch = compared  # type: ignore[method-assign,assignment]
     for i in range(24):
         engine.add_request(f"r{i}", [3 + (i * 7 + j) % 50 for j in range(5 + i % 4)],
                            _params(i))
@@ -92,10 +93,31 @@ def _same_answers(table: SamplingTable, rows: Any) -> None:
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_table_answers_as_the_rows_and_draws_the_same_tokens(
         checkpoint: str, overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(schedule_output, "_TABLE_MIN_ROWS", 1)  # a batch of a few rows too
     with_table = _run(checkpoint, overlap, check=True)
     monkeypatch.setattr(SchedulerOutput, "sampling_table", lambda self: None)
     assert _run(checkpoint, overlap, check=False) == with_table
     assert len(with_table) == 24
+
+
+def test_a_full_batch_is_sampled_from_the_table(checkpoint: str) -> None:
+    """At the default threshold a batch of 8 or more sampling rows takes the table."""
+    engine = Engine(EngineConfig.create(checkpoint, num_blocks=120, block_size=8,
+                                        max_num_seqs=10, device="cpu"))
+    seen: list[SamplingTable | None] = []
+    launch = engine.sampler.launch
+
+    def noted(logits: Any, rows: Any, mask: Any = None,
+              table: SamplingTable | None = None) -> Any:
+        seen.append(table)
+        return launch(logits, rows, mask, table)
+
+    engine.sampler.launch = noted  # type: ignore[method-assign,assignment]
+    for i in range(10):
+        engine.add_request(f"r{i}", [3 + i, 4, 5], _params(i))
+    for _ in range(3):
+        engine.step()
+    assert seen and all(t is not None and len(t.flags) == 10 for t in seen)
 
 
 def test_table_keys_equal_the_rows_keys_with_unseeded_rows_between() -> None:
