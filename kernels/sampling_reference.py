@@ -16,9 +16,11 @@ same thresholds without sorting (see ``kernels/sampling.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kernels.sampling_noise import exponential
@@ -36,7 +38,8 @@ class SamplingTensors:
 
     params: torch.Tensor  # [R, 4] float32
     keys: torch.Tensor  # [R] int64, the noise keys (any value in greedy rows)
-    host: tuple[tuple[float, float, float, float], ...]  # params, on the host
+    # params, on the host: [R] rows of 4 (a float32 array, or the rows' own values)
+    host: Sequence[Sequence[float]] | np.ndarray
     bias_offsets: torch.Tensor | None = None  # [R + 1] int32
     bias_entries: torch.Tensor | None = None  # [2, N] int32: rows, tokens
     bias_values: torch.Tensor | None = None  # [N] float32
@@ -60,7 +63,7 @@ def biased(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return logits.index_put((rows, tokens), t.bias_values, accumulate=True)
 
 
-def kept(scaled: torch.Tensor, host: list[tuple[float, float, float, float]]) -> torch.Tensor:
+def kept(scaled: torch.Tensor, host: Sequence[Sequence[float]]) -> torch.Tensor:
     """scaled [S, V] -> the same with -inf where min-p, top-k and top-p drop (in that
     order); ``host``: the S rows' (temperature, top-p, min-p, top-k).
 
@@ -100,13 +103,14 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     A row whose logits are all -inf gets token 0, as the argmax of the old path did."""
     x = biased(logits, t)  # [R, V]
     tokens = x.argmax(dim=-1)  # greedy rows' answer
-    sampled = [i for i, row in enumerate(t.host) if row[0] > 0]
+    host = t.host.tolist() if isinstance(t.host, np.ndarray) else t.host
+    sampled = [i for i, row in enumerate(host) if row[0] > 0]
     if not sampled:
         return tokens
     index = to_device(sampled, torch.long, x.device)
     rows = x if len(sampled) == x.shape[0] else x.index_select(0, index)
     temperature = t.params.index_select(0, index)[:, :1]  # [S, 1]
-    scaled = kept(rows / temperature, [t.host[i] for i in sampled])  # [S, V]
+    scaled = kept(rows / temperature, [host[i] for i in sampled])  # [S, V]
     probs = torch.softmax(scaled, dim=-1)
     drawn = (probs / exponential(t.keys.index_select(0, index), x.shape[1])).argmax(dim=-1)
     return tokens.index_copy(0, index, drawn)

@@ -24,6 +24,7 @@ import numpy as np
 
 from worker.engine.host_tables import HostTables
 from worker.engine.request import PLACEHOLDER, Request
+from worker.engine.sampling_table import SamplerColumns, SamplingTable, flags_of
 
 _NO_TOKEN = -2  # pads a row's stop ids: never a sampled token, nor the placeholder
 _INT_FIELDS = ("computed", "tokens", "known", "last", "min_known", "max_known")
@@ -44,6 +45,7 @@ class BatchRows:
         # sampling reads earlier tokens' values on the host (grammar, multi-token bad word)
         self.needs_known = np.zeros(rows, dtype=bool)
         self.item = np.empty(rows, dtype=object)  # the row's decode ScheduledRequest
+        self.sampler = SamplerColumns(rows)  # the sampler's per-request constants
 
     @property
     def rows(self) -> int:
@@ -66,6 +68,7 @@ class BatchRows:
         self.stop[row, :len(stops)] = stops
         self.needs_known[row] = request.grammar is not None or request.bans_follow_output
         self.item[row] = decode_item
+        self.sampler.admit(row, request)
         self.sync(row, request)
 
     def sync(self, row: int, request: Request) -> None:
@@ -95,6 +98,10 @@ class BatchRows:
             return decode, grow, np.zeros_like(decode)
         # for a decode, the blocks it fills never exceed its table (with the fresh one)
         return decode, grow, decode & (known // block_size > host.registered[rows])
+
+    def sampling_table(self, rows: np.ndarray) -> SamplingTable:
+        """The sampler's constants of ``rows`` (rows about to sample, before ``advance``)."""
+        return self.sampler.take(rows, self.tokens[rows])
 
     def advance(self, rows: np.ndarray, num_new: np.ndarray, sampled: np.ndarray) -> None:
         """``rows`` computed ``num_new`` tokens; ``sampled`` rows got a placeholder."""
@@ -128,6 +135,7 @@ class BatchRows:
         item = np.empty(size, dtype=object)
         item[:len(self.item)] = self.item
         self.stop, self.item = stop, item
+        self.sampler.grow(size)
 
     def check(self, running: list[Request], host: HostTables) -> None:
         """Raise AssertionError unless every running request's row equals its fields."""
@@ -139,3 +147,5 @@ class BatchRows:
                     request.num_known_tokens, request.all_token_ids[-1])
             assert got == want, f"{request.request_id}: row {got} != request {want}"
             assert self.item[row].request is request, f"{request.request_id}: decode item"
+            assert self.sampler.flags[row] == flags_of(request), \
+                f"{request.request_id}: sampler flags"

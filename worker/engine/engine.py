@@ -202,8 +202,8 @@ class Engine(RequestEnds):
         back, into ``outputs``, only once its own forward is launched."""
         sampling = sched.sampling
         prev = self._inflight
-        in_flight = (prev.sample.tokens, prev.row_of) if prev is not None else None
-        rows = [SamplingRow.of(r, in_flight) for r in sampling]
+        rows = SamplingRow.rows_of(sampling, prev)
+        table = sched.sampling_table()  # their constants as arrays (before ``advance``)
         known = prev is not None and sched.needs_known_tokens()
         mask = None if known else self.structured.start_bitmask(sampling)  # overlaps forward
         extra = self.scoring.plan(sched)  # prompt logprobs: None unless a request asks
@@ -221,11 +221,10 @@ class Engine(RequestEnds):
             mask = self.structured.start_bitmask(sampling)  # [structured output]
         assert mask is not None
         with self.timer.phase("sample"):
-            sample = self.sampler.launch(logits, rows, mask.get())
-        if not known:  # after sampling: rows may hold their requests' token lists
-            self.scheduler.advance(sched)
-        return InflightStep(sched, sample, {r.request_id: i for i, r in enumerate(sampling)},
-                            prompt)
+            sample = self.sampler.launch(logits, rows, mask.get(), table)
+        if not known and self.overlap:  # after sampling: rows may hold the token lists
+            self.scheduler.advance(sched)  # (no overlap: with its tokens, advance_resolve)
+        return InflightStep(sched, sample, None, prompt, known or self.overlap, table)
 
     def _read_back(self, batch: StepBatch) -> StepBatch:
         """Wait for the launched step's tokens, then the finish checks; rows into ``batch``."""
@@ -239,7 +238,7 @@ class Engine(RequestEnds):
             except Exception as exc:  # an asynchronous device error surfaces here
                 raise_if_device_fault(exc)
                 return batch.extend_ends(self._fail_batch(step.sched, exc))
-            self._update(batch, step.sched, result.token_ids, result.logprobs)
+            self._update(batch, step.sched, result.token_ids, result.logprobs, step)
             return batch
 
     def _grammar_failures(self) -> list[EngineEnd]:
@@ -250,27 +249,28 @@ class Engine(RequestEnds):
             ends.append(self._final(request, error_kind="invalid_request"))
         return ends
 
-    def _update(
-        self, batch: StepBatch, sched: SchedulerOutput, tokens: list[int], logprobs: list[Any]
-    ) -> None:
-        """The step's tokens into its requests (finish checks over arrays) and ``batch``.
+    def _update(self, batch: StepBatch, sched: SchedulerOutput, tokens: list[int],
+                logprobs: list[Any], step: InflightStep | None = None) -> None:
+        """The step's tokens into its requests (finish checks over arrays) and ``batch``;
+        ``step``: the launched step (it may advance with them, and knows its rows' flags).
 
         Rows with no logprobs, grammar or prompt logprobs (most of a large batch) go in
         as whole lists; the others one at a time, in row order either way."""
-        got = self.scheduler.resolve_sampled(sched, tokens)
+        got = self.scheduler.resolve_sampled(sched, tokens) if step is None or step.advanced \
+            else self.scheduler.advance_resolve(sched, tokens)
         requests = got.requests
         self.tokens_generated += len(requests)
-        if not any(logprobs) and not any(
-                r.grammar is not None or r.prompt_logprobs is not None for r in requests):
+        one_by_one = step.one_by_one() if step is not None else any(
+            r.grammar is not None or r.prompt_logprobs is not None for r in requests)
+        if not one_by_one and not any(logprobs):
             stream_of = self.streams.by_request
             first = len(batch.streams)
             batch.streams += [stream_of[r.request_id] for r in requests]
             batch.token_ids += got.tokens
             if batch.logprobs is not None:
                 batch.logprobs += [None] * len(requests)
-            for i, request in enumerate(requests):
-                if request.is_finished:
-                    batch.ends.append(self._final(request, first + i))
+            for i in got.ended:  # in row order
+                batch.ends.append(self._final(requests[i], first + i))
             return
         for i, request, token in zip(got.index.tolist(), requests, got.tokens, strict=True):
             self._update_row(batch, request, token, logprobs[i])

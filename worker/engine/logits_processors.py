@@ -59,20 +59,27 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         padded[j, :len(history)] = history
     ids = host_to_device(torch.from_numpy(padded), device)
     counts = torch.zeros(len(picked), vocab + 1, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    counts.scatter_add_(1, ids, torch.ones(1, device=device).expand(ids.shape))
     _count_pending(counts, picked, vocab)
     counts = counts[:, :vocab]  # [P, V]
-    rep = to_device([r.params.repetition_penalty for r in picked], torch.float32, device)
-    freq = to_device([r.params.frequency_penalty for r in picked], torch.float32, device)
-    pres = to_device([r.params.presence_penalty for r in picked], torch.float32, device)
+    present = counts > 0  # [P, V]
     index = to_device(targets, torch.long, device)
     sub = logits.index_select(0, index)  # [P, V]
-    prompts = [_token_mask(r, PROMPT_MASK, r.prompt_token_ids, vocab, device) for r in picked]
-    seen = (counts > 0) | torch.stack(prompts)
-    rep = rep.unsqueeze(1)
-    penalised = torch.where(sub > 0, sub / rep, sub * rep)
-    sub = torch.where(seen, penalised, sub)
-    sub = sub - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).to(sub.dtype)
+    # A penalty no row asks for is skipped, not applied as 1 or 0: x / 1, x * 1 and
+    # x - 0 * c are x exactly, so the logits are the same bits with fewer ops.
+    reps = [r.params.repetition_penalty for r in picked]
+    if any(value != 1.0 for value in reps):
+        rep = to_device(reps, torch.float32, device).unsqueeze(1)
+        prompts = [_token_mask(r, PROMPT_MASK, r.prompt_token_ids, vocab, device)
+                   for r in picked]
+        sub = torch.where(present | torch.stack(prompts),
+                          torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freqs = [r.params.frequency_penalty for r in picked]
+    pres = [r.params.presence_penalty for r in picked]
+    if any(freqs):
+        sub = sub - to_device(freqs, torch.float32, device).unsqueeze(1) * counts
+    if any(pres):
+        sub = sub - to_device(pres, torch.float32, device).unsqueeze(1) * present.to(sub.dtype)
     return logits.index_copy(0, index, sub)
 
 

@@ -218,3 +218,13 @@ def resolve_placeholders(requests: list[Request], tokens: list[int]) -> None:
         r.output_token_ids[-pending] = token
         r.all_token_ids[-pending] = token
         r.num_pending = pending - 1
+
+
+def append_decodes(requests: list[Request], tokens: list[int]) -> None:
+    """``advance_decodes`` then ``resolve_placeholders`` for a step read back at once (no
+    overlap): each request computed one token and its sampled one goes straight in, with
+    no placeholder between (one pass over the batch, not two)."""
+    for r, token in zip(requests, tokens, strict=True):
+        r.num_computed_tokens += 1
+        r.output_token_ids.append(token)
+        r.all_token_ids.append(token)

@@ -24,7 +24,9 @@ read them there) with their copy to the host, and the logprobs', under way.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -40,6 +42,17 @@ from worker.engine.logits_processors import (
     apply_token_bitmask,
 )
 from worker.engine.sampling_row import SamplingRow
+from worker.engine.sampling_table import (
+    BIAS,
+    LOGPROBS,
+    MASKED,
+    NOT_PLAIN_GREEDY,
+    PENALISED,
+    SAMPLED,
+    SEEDED,
+    RowFacts,
+    SamplingTable,
+)
 from worker.engine.transfer import ReadBack, host_to_device, to_device
 
 __all__ = ["PendingSample", "Sampler", "SamplerOutput", "SamplingRow", "sampling_tensors"]
@@ -89,28 +102,33 @@ class Sampler:
     def launch(
         self, logits: torch.Tensor, rows: list[SamplingRow],
         grammar_mask: tuple[list[int], torch.Tensor] | None = None,
+        table: SamplingTable | None = None,
     ) -> PendingSample:
         """logits: [num_rows, vocab] (any float dtype, any device).
 
         ``grammar_mask``: (constrained row indices, their int32 bitmask), see
         ``apply_token_bitmask``; reported logprobs are the model's, before the masks
-        (the grammar's, ``allowed_token_ids``, ``bad_words``).
+        (the grammar's, ``allowed_token_ids``, ``bad_words``). ``table``: the rows'
+        constants as arrays (``sampling_table.py``), read in place of the row objects'
+        attributes when given (the same values, so the same tokens).
         """
-        if any(r.penalised for r in rows):
+        facts = RowFacts(rows) if table is None else table
+        if facts.any(PENALISED):
             logits = apply_penalties(logits.float(), rows)
-        asked = [i for i, r in enumerate(rows) if r.wants_logprobs]
+        asked = facts.rows_with(LOGPROBS)
         model_logprobs = None
         if asked:  # the model's logprobs: after penalties and bias, before the masks
             biased = apply_logit_bias(_rows_of(logits, asked).float(), [rows[i] for i in asked])
             model_logprobs = torch.log_softmax(biased, dim=-1)
-        if any(r.masked for r in rows):
+        if facts.any(MASKED):
             logits = apply_bad_words(apply_allowed_token_ids(logits, rows), rows)
         if grammar_mask is not None:  # [structured output]
             logits = apply_token_bitmask(logits, *grammar_mask)
-        if all(r.plain_greedy for r in rows):
+        if not facts.any(NOT_PLAIN_GREEDY):
             tokens = _greedy_pass(logits)  # [B]: nothing else to do, no parameters to send
         else:
-            tensors = sampling_tensors(rows, self.keys(rows), logits.device)
+            tensors = sampling_tensors(rows, self.keys(rows), logits.device) if table is None \
+                else sampling_tensors(rows, self.table_keys(table), logits.device, table)
             # [B] int64; bias, filters, race inside
             tokens = _sample_pass(logits, tensors, self.fused)
         packed = None
@@ -140,6 +158,21 @@ class Sampler:
             keys[seeded] = keys_at(mixes, indices)
         return keys
 
+    def table_keys(self, table: SamplingTable) -> np.ndarray:
+        """``keys`` from the rows' columns: the same keys, the host generator drawn for the
+        same rows in the same order."""
+        seeded = table.flags & SEEDED
+        if seeded.all():
+            return keys_at(table.seed_mix, table.output_index)
+        keys = np.zeros(len(seeded), dtype=np.int64)
+        for i in table.rows_with(SAMPLED):
+            if not seeded[i]:
+                keys[i] = random_key(self._rng)
+        where = seeded.nonzero()[0]
+        if len(where):
+            keys[where] = keys_at(table.seed_mix[where], table.output_index[where])
+        return keys
+
     def _key(self, row: SamplingRow) -> int:
         """The row's noise key: from its seed and output index, else fresh (sampled rows
         only, in row order: the host generator advances as it always has)."""
@@ -151,16 +184,24 @@ class Sampler:
 
 
 def sampling_tensors(rows: list[SamplingRow], keys: list[int] | np.ndarray,
-                     device: torch.device) -> SamplingTensors:
+                     device: torch.device, table: SamplingTable | None = None,
+                     ) -> SamplingTensors:
     """The rows' parameters as the sampling pass reads them: two copies up, three more
     when a row has a logit bias. Greedy rows (temperature 0 or top-k 1) get temperature 0;
-    top-k off is any value >= the vocabulary (2**24 here)."""
-    host = tuple(r.params_row for r in rows)
-    # [B, 4] float32 from each row's bytes: ~10x faster than np.array over the tuples
-    flat = np.frombuffer(b"".join([r.params_bytes for r in rows]), dtype=np.float32)
-    params = host_to_device(torch.from_numpy(flat.reshape(-1, 4).copy()), device)
+    top-k off is any value >= the vocabulary (2**24 here). ``table``: the same parameters
+    as arrays (``sampling_table.py``)."""
+    host: Sequence[Sequence[float]] | np.ndarray
+    if table is None:  # [B, 4] float32 from each row's bytes (~10x faster than np.array)
+        host = tuple(map(_PARAMS_ROW, rows))
+        flat = np.frombuffer(b"".join([r.params_bytes for r in rows]), dtype=np.float32)
+        host_params = flat.reshape(-1, 4).copy()
+    else:  # a fresh array (gathered for this step), the host copy too: the torch pass
+        # decides (> 0, < 1, top-k) from its float32 values as from the rows' own; the
+        # fused kernel reads none of it
+        host = host_params = table.params
+    params = host_to_device(torch.from_numpy(host_params), device)
     keys_up = host_to_device(torch.from_numpy(np.asarray(keys, dtype=np.int64)), device)
-    if not any(r.has_bias for r in rows):
+    if not (any(r.has_bias for r in rows) if table is None else table.any(BIAS)):
         return SamplingTensors(params, keys_up, host)
     offsets: list[int] = [0]
     entries: list[list[int]] = [[], []]
@@ -174,6 +215,9 @@ def sampling_tensors(rows: list[SamplingRow], keys: list[int] | np.ndarray,
     return SamplingTensors(params, keys_up, host, to_device(offsets, torch.int32, device),
                            to_device(entries, torch.int32, device),
                            to_device(values, torch.float32, device))
+
+
+_PARAMS_ROW = attrgetter("params_row")
 
 
 def _greedy_pass(logits: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from protocol.sampling import SamplingParams
 from worker.engine.logits_processors import wants_penalties
 
 if TYPE_CHECKING:
+    from worker.engine.inflight import InflightStep
     from worker.engine.request import Request
 
 _NO_TOP_K = 1 << 24  # top-k off: at least any vocabulary (exact in float32)
@@ -64,18 +65,17 @@ class SamplingRow:
         self.greedy = params.greedy
         self.masked = params.allowed_token_ids is not None or bool(self.bad_words_ids)
         self.wants_logprobs = params.logprobs is not None
-        self.seed_mix = None if self.greedy or params.seed is None else _seed_mix(self)
-        self.params_row = self.cache.get(_PARAMS) or _params_row(self)
+        self.seed_mix = seed_mix_of(params, self.cache)
+        self.params_row = params_row_of(params, self.cache)
         self.params_bytes = np.array(self.params_row, dtype=np.float32).tobytes()
         self.has_bias = bool(params.logit_bias)
 
     @classmethod
-    def of(cls, request: Request,
-           in_flight: tuple[torch.Tensor, dict[str, int]] | None = None) -> SamplingRow:
+    def of(cls, request: Request, in_flight: InflightStep | None = None) -> SamplingRow:
         """The row of a request about to sample: its output index counts the tokens of
         steps still in flight; its output tokens are copied only for penalties and
-        multi-token bad words. ``in_flight``: the sampled tokens of the step in flight
-        (on the device) and each request's row in them (``inflight.py``).
+        multi-token bad words. ``in_flight``: the step in flight, whose sampled tokens (on
+        the device) hold the request's pending one (``inflight.py``).
 
         One row object per request, made at its first step and brought up to date at each
         later one (building 256 rows a step cost ~0.3 ms): a step's rows are read while it
@@ -90,12 +90,27 @@ class SamplingRow:
             row.output_token_ids = request.known_output_ids
             row.pending_output = None
             if row.penalised and request.num_pending:
-                i = -1 if in_flight is None else in_flight[1].get(request.request_id, -1)
-                if i < 0 or request.num_pending > 1:
+                i = -1 if in_flight is None else in_flight.row_of.get(request.request_id, -1)
+                if in_flight is None or i < 0 or request.num_pending > 1:
                     raise RuntimeError(f"{request.request_id}: a pending token with no "
                                        "step in flight to read it from")
-                row.pending_output = in_flight[0][i:i + 1]  # type: ignore[index]  # a view
+                row.pending_output = in_flight.sample.tokens[i:i + 1]  # a view
         return row
+
+    @classmethod
+    def rows_of(cls, requests: list[Request],
+                in_flight: InflightStep | None = None) -> list[SamplingRow]:
+        """``of`` for each request, in order: a row made before that reads no outputs
+        (most of a batch) only moves its output index, inlined here (no call per row)."""
+        rows = []
+        for request in requests:
+            row = request.sampling_row
+            if row is None or row.penalised or request.bans_follow_output:
+                row = cls.of(request, in_flight)
+            else:
+                row.output_index = len(request.output_token_ids)
+            rows.append(row)
+        return rows
 
     def refresh(self, request: Request) -> None:
         """The step before was read back since the row was made: its token is known."""
@@ -104,19 +119,24 @@ class SamplingRow:
             self.pending_output = None
 
 
-def _seed_mix(row: SamplingRow) -> int:
-    """``mix64`` of the row's seed, kept in its request's cache."""
-    seed_mix = row.cache.get(_SEED_MIX)
+def seed_mix_of(params: SamplingParams, cache: dict[str, Any]) -> int | None:
+    """``mix64`` of a seeded sampled request's seed (None: greedy, or no seed), kept in
+    its request's cache (``Request.sampler_cache``)."""
+    if params.greedy or params.seed is None:
+        return None
+    seed_mix = cache.get(_SEED_MIX)
     if seed_mix is None:
-        assert row.params.seed is not None
-        seed_mix = row.cache[_SEED_MIX] = mix64(row.params.seed)
+        seed_mix = cache[_SEED_MIX] = mix64(params.seed)
     return seed_mix  # type: ignore[no-any-return]
 
 
-def _params_row(row: SamplingRow) -> tuple[float, float, float, float]:
-    """A row's (temperature, top-p, min-p, top-k) as the sampling pass reads them, kept in
-    its request's cache (the params never change)."""
-    p = row.params
-    row.cache[_PARAMS] = value = (0.0 if p.greedy else p.temperature, p.top_p, p.min_p,
+def params_row_of(params: SamplingParams,
+                  cache: dict[str, Any]) -> tuple[float, float, float, float]:
+    """A request's (temperature, top-p, min-p, top-k) as the sampling pass reads them, kept
+    in its request's cache (the params never change)."""
+    value = cache.get(_PARAMS)
+    if value is None:
+        p = params
+        cache[_PARAMS] = value = (0.0 if p.greedy else p.temperature, p.top_p, p.min_p,
                                   float(p.top_k if p.top_k > 0 else _NO_TOP_K))
-    return value
+    return value  # type: ignore[no-any-return]

@@ -15,6 +15,9 @@ import numpy as np
 from worker.engine.batch_rows import BatchRows
 from worker.engine.host_tables import HostTables
 from worker.engine.request import Request
+from worker.engine.sampling_table import SamplingTable
+
+_TABLE_MIN_ROWS = 8  # fewer sampling rows: the sampler asks the row objects
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,16 @@ class SchedulerOutput:
             return any(s.sample and _needs_known(s.request) for s in self.scheduled)
         return bool(self.batch.needs_known[self.rows[self.sample]].any())
 
+    def sampling_table(self) -> SamplingTable | None:
+        """The sampling rows' sampler constants, read from the rows' arrays at launch
+        (before ``advance``); None without arrays, once a row changed hands, or for a few
+        rows (a handful of attribute reads cost less than the gathers)."""
+        if self.batch is None or self.rows is None or self.sample is None \
+                or len(self.sampling) < _TABLE_MIN_ROWS or not self.intact():
+            return None
+        return self.batch.sampling_table(
+            self.rows if len(self.sampling) == len(self.rows) else self.rows[self.sample])
+
     def attach_rows(self, host: HostTables, batch: BatchRows) -> None:
         """Give an output built by hand its arrays, from its requests' rows as they are
         now (a request holding none gets row -1, which is never intact)."""
@@ -133,4 +146,5 @@ class Resolved:
     index: np.ndarray  # [m] int64: each one's position among the step's sampling rows
     requests: list[Request]  # [m] (some finished by their token: ``is_finished``)
     tokens: list[int]  # [m]
+    ended: list[int] = field(default_factory=list)  # positions in ``requests`` it finished
 

@@ -20,6 +20,7 @@ from worker.engine.request import (
     FinishReason,
     Request,
     advance_decodes,
+    append_decodes,
     resolve_placeholders,
 )
 from worker.engine.schedule_output import Resolved, SchedulerOutput
@@ -103,6 +104,31 @@ class StepUpdates:
         got = self.resolve_sampled(output, tokens)  # type: ignore[arg-type]
         return list(zip(got.requests, got.tokens, strict=True))
 
+    def advance_resolve(self, output: SchedulerOutput, tokens: list[int]) -> Resolved:
+        """``advance`` then ``resolve_sampled`` for a step read back at once (no overlap).
+        When every row is a decode that samples, still its request's, with no token
+        pending, each token goes straight into its request (``append_decodes``) and the
+        rows' arrays move as the two would move them."""
+        rows, batch = output.rows, self.batch
+        if rows is None or output.num_new is None or output.host is not \
+                self.block_manager.host or not output.intact() or not \
+                len(output.sampling) == len(output.scheduled) == output.num_batched_tokens \
+                or bool((batch.known[rows] != batch.tokens[rows]).any()):
+            self.advance(output)
+            return self.resolve_sampled(output, tokens)
+        requests = output.sampling
+        if len(tokens) != len(requests):
+            raise ValueError(f"{len(tokens)} tokens for {len(requests)} sampling rows")
+        batch.advance(rows, output.num_new, rows)
+        stopped, too_long = batch.resolve(rows, np.asarray(tokens, dtype=np.int64))
+        append_decodes(requests, tokens)
+        ended = (stopped | too_long).nonzero()[0].tolist()
+        for i in ended:
+            if stopped[i]:
+                requests[i].note_stop_token(tokens[i])
+            self.finish(requests[i], FinishReason.STOP if stopped[i] else FinishReason.LENGTH)
+        return Resolved(np.arange(len(requests)), requests, tokens, ended)
+
     def resolve_sampled(
         self, output: SchedulerOutput, tokens: Sequence[int] | np.ndarray
     ) -> Resolved:
@@ -148,10 +174,12 @@ class StepUpdates:
                 stops[i] = FinishReason.STOP if stopped[j] else FinishReason.LENGTH
                 if stopped[j]:
                     requests[i].note_stop_token(token_list[i])
-        for i in sorted(stops):
+        ended = sorted(stops)
+        for i in ended:
             self.finish(requests[i], stops[i])
         index = got.nonzero()[0]
         if len(index) == len(requests):
-            return Resolved(index, requests, token_list)
+            return Resolved(index, requests, token_list, ended)
         return Resolved(index, [requests[i] for i in index.tolist()],
-                        [token_list[i] for i in index.tolist()])
+                        [token_list[i] for i in index.tolist()],
+                        np.searchsorted(index, ended).tolist())

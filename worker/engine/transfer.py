@@ -23,6 +23,8 @@ def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -
 
 
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return tensor  # already there (``.to`` would return it, through the dispatcher)
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

@@ -1,3 +1,6 @@
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 import torch
 
@@ -114,7 +117,9 @@ def test_sampling_rows_copy_outputs_only_for_penalties():
     penalised = Request("b", [1, 2], SamplingParams(repetition_penalty=1.2),
                         output_token_ids=[5, 6])
     penalised.append_placeholder()
-    in_flight = (torch.tensor([9, 7]), {"a": 0, "b": 1})  # the step in flight's tokens
+    # the step in flight: its tokens and each request's row in them (an InflightStep's)
+    in_flight: Any = SimpleNamespace(sample=SimpleNamespace(tokens=torch.tensor([9, 7])),
+                                     row_of={"a": 0, "b": 1})
     assert SamplingRow.of(free, in_flight).output_token_ids == ()
     assert SamplingRow.of(free, in_flight).pending_output is None
     row = SamplingRow.of(penalised, in_flight)
@@ -215,6 +220,38 @@ def test_penalties_equal_the_row_by_row_reference():
     assert "prompt_mask" in rows[0].cache and "prompt_mask" not in rows[3].cache
     again = apply_penalties(logits, rows)  # the cached prompt masks give the same
     assert torch.equal(again, got)
+
+
+def _every_term(logits, rows):
+    """The batched formula with every penalty applied, as 1 or 0 where a row has none
+    (what apply_penalties computed before it skipped the terms no row asks for)."""
+    picked = [r for r in rows if r.penalised]
+    index = torch.tensor([i for i, r in enumerate(rows) if r.penalised])
+    vocab = logits.shape[1]
+    counts = torch.zeros(len(picked), vocab)
+    prompts = torch.zeros(len(picked), vocab, dtype=torch.bool)
+    for j, r in enumerate(picked):
+        for t in r.output_token_ids:
+            counts[j, t] += 1
+        prompts[j, list(r.prompt_token_ids)] = True
+    rep = torch.tensor([r.params.repetition_penalty for r in picked]).unsqueeze(1)
+    freq = torch.tensor([r.params.frequency_penalty for r in picked]).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in picked]).unsqueeze(1)
+    sub = logits.index_select(0, index)
+    sub = torch.where((counts > 0) | prompts, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+    return logits.index_copy(0, index, sub)
+
+
+@pytest.mark.parametrize("kind", [{"frequency_penalty": 0.5}, {"presence_penalty": -0.4},
+                                  {"repetition_penalty": 1.2}])
+def test_penalties_no_row_asks_for_are_skipped_bit_for_bit(kind):
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, VOCAB, generator=gen) * 3
+    logits[1, 5] = float("-inf")
+    rows = [row(out=[3, 3, 5, 8], prompt=[5, 6], **kind), row(temperature=0),
+            row(out=[5, 1, 1], prompt=[9], **kind), row(out=[2] * 7, **kind)]
+    assert torch.equal(apply_penalties(logits, rows), _every_term(logits, rows))
 
 
 def test_logprobs_of_the_batch_equal_row_by_row():
