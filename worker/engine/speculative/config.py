@@ -31,8 +31,8 @@ class SpeculativeConfig:
     # vectorised kernel and the lean path: docs/engine.md): a step's fixed part, one draft
     # token's verification, a step carrying drafts.
     overhead_rows: float = 20.0
-    draft_token_cost: float = 1.0
-    draft_step_cost: float = 1.0
+    draft_token_cost: float = 0.55
+    draft_step_cost: float = 3.0
     # Hard cap: no drafts at all while more rows than this run.
     max_batch_rows: int = 256
 
