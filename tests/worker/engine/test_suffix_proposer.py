@@ -1,5 +1,5 @@
 """Suffix decoding's index and proposer (#29): longest matches checked against brute force,
-the running match held across the automaton's growth, the bounded store, draft lengths."""
+the own match's latest earlier occurrence and its loop, the bounded store, draft lengths."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from worker.engine.speculative.config import SpeculativeConfig
 from worker.engine.speculative.draft_store import DraftStore, StoreCursor
 from worker.engine.speculative.suffix_automaton import SEPARATOR, SuffixAutomaton
-from worker.engine.speculative.suffix_proposer import RequestDrafter, SuffixProposer
+from worker.engine.speculative.suffix_proposer import RequestDrafter, SuffixProposer, periodic
 
 
 def brute_longest(text: list[int], context: list[int]) -> int:
@@ -56,6 +56,43 @@ def test_running_match_points_at_an_earlier_occurrence() -> None:
             assert length == want, (text[:i + 1], length, want)
             if length:
                 assert follow and len(follow) <= 4
+
+
+def test_recent_match_is_an_earlier_occurrence_and_the_latest_in_a_loop() -> None:
+    """``recent_match``: the longest suffix found earlier (brute force) and a true earlier
+    occurrence of it; in a text that loops, the occurrence one period back."""
+    rng = random.Random(11)
+    for _ in range(40):
+        text = [rng.randrange(3) for _ in range(rng.randrange(2, 80))]
+        automaton = SuffixAutomaton(track_recent=True)
+        for i, token in enumerate(text):
+            automaton.extend(token)
+            length, end = automaton.recent_match()
+            assert length == brute_longest(text[:i], text[:i + 1])
+            if length:
+                assert length - 1 <= end < i
+                assert text[end - length + 1:end + 1] == text[i - length + 1:i + 1]
+    loop = list(range(50, 60)) + [1, 2, 3, 4, 5] * 8  # a prefix, then a loop of period 5
+    automaton = SuffixAutomaton(track_recent=True)
+    for i, token in enumerate(loop):
+        automaton.extend(token)
+        length, end = automaton.recent_match()
+        if i >= 15:  # one period in: the latest earlier occurrence ends a period back
+            assert (length, end) == (i - 14, i - 5)
+
+
+def test_own_drafts_run_on_around_a_loop() -> None:
+    """A draft from the request's own loop does not stop where the text ends: the span
+    after the latest earlier occurrence repeats (``periodic``)."""
+    assert periodic([7, 1, 2, 3], 0, 7) == [1, 2, 3, 1, 2, 3, 1]
+    assert periodic([7, 1, 2, 3], 3, 4) == []  # nothing follows the text's end
+    assert periodic([7, 1, 2, 3], 1, 1) == [2]
+    proposer = SuffixProposer(SpeculativeConfig(method="suffix", store_tokens=0,
+                                                draft_per_matched=4))
+    proposer.start("r", [9, 8, 1, 2, 3, 1, 2, 3, 1, 2])
+    draft = proposer.propose("r", limit=10)
+    assert draft.source == "own" and draft.match_length == 5
+    assert draft.tokens == [3, 1, 2, 3, 1, 2, 3, 1, 2, 3]
 
 
 def test_repeated_span_is_drafted_from_the_request_itself() -> None:

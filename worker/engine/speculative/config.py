@@ -27,11 +27,12 @@ class SpeculativeConfig:
     stored_prompt_tail: int = 64
     # Context tokens a store query walks (the longest match it can find).
     match_window: int = 32
-    # Back-off (``backoff.py``): costs in decode rows (measured on CPU, default model): a
-    # step's fixed part, one draft token's verification, a step carrying drafts.
-    overhead_rows: float = 13.0
+    # Back-off (``backoff.py``): costs in decode rows (fitted on CPU, default model, the
+    # vectorised kernel and the lean path: docs/engine.md): a step's fixed part, one draft
+    # token's verification, a step carrying drafts.
+    overhead_rows: float = 20.0
     draft_token_cost: float = 0.55
-    draft_step_cost: float = 6.0
+    draft_step_cost: float = 3.0
     # Hard cap: no drafts at all while more rows than this run.
     max_batch_rows: int = 256
 

@@ -35,7 +35,7 @@ NO_MATCH = Match(0, -1)
 class SuffixAutomaton:
     """Suffix automaton with each state's first end position; ``tokens`` is the text."""
 
-    def __init__(self) -> None:
+    def __init__(self, track_recent: bool = False) -> None:
         self.tokens: list[int] = []
         # Per state: outgoing transitions, suffix link, longest length, first end index.
         self._next: list[dict[int, int]] = [{}]
@@ -43,6 +43,10 @@ class SuffixAutomaton:
         self._len: list[int] = [0]
         self._first: list[int] = [-1]
         self._last = 0
+        # With ``track_recent``: per state, its latest end index and the one before it
+        # (``recent_end``), kept for the states near the text's end (see ``_touch``).
+        self._recent: list[int] | None = [-1] if track_recent else None
+        self._before: list[int] = [-1] if track_recent else []
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -61,6 +65,10 @@ class SuffixAutomaton:
         link.append(0)
         length.append(length[self._last] + 1)
         first.append(position)
+        recent = self._recent
+        if recent is not None:
+            recent.append(position)
+            self._before.append(-1)
         p = self._last
         while p != -1 and token not in nxt[p]:
             nxt[p][token] = cur
@@ -75,12 +83,31 @@ class SuffixAutomaton:
                 link.append(link[q])
                 length.append(length[p] + 1)
                 first.append(first[q])
+                if recent is not None:
+                    recent.append(recent[q])
+                    self._before.append(self._before[q])
                 while p != -1 and nxt[p].get(token) == q:
                     nxt[p][token] = clone
                     p = link[p]
                 link[q] = clone
                 link[cur] = clone
         self._last = cur
+        if recent is not None:
+            self._touch(link[cur], position)
+
+    def _touch(self, state: int, position: int, depth: int = 8) -> None:
+        """The text's new end ``position`` is an end of every state on the new state's
+        suffix path: record it as the latest for the first ``depth`` of them (the
+        longest, which drafts use); a state further up keeps an older end, still a
+        true occurrence, only not the latest."""
+        recent, before, link = self._recent, self._before, self._link
+        assert recent is not None
+        while state > 0 and depth:
+            if recent[state] != position:
+                before[state] = recent[state]
+                recent[state] = position
+            state = link[state]
+            depth -= 1
 
     def extend_all(self, tokens: list[int]) -> None:
         for token in tokens:
@@ -115,6 +142,22 @@ class SuffixAutomaton:
 
     def first_end(self, state: int) -> int:
         return self._first[state]
+
+    def recent_match(self) -> tuple[int, int]:
+        """(length, end) of the longest suffix of the text that also occurs earlier, at
+        its latest earlier occurrence (``track_recent`` only): in a text that repeats
+        itself the latest period is the best guess of the next (the model's loop as it
+        is now, not as it first was). (0, -1) when no suffix occurs earlier."""
+        assert self._recent is not None, "built without track_recent"
+        state = self._link[self._last]
+        if state <= 0:
+            return 0, -1
+        end = self._recent[state]
+        if end == len(self.tokens) - 1:  # the text's own end: the one before it
+            end = self._before[state]
+        if end < 0:  # not reached here (the state was just touched): any occurrence
+            end = self._first[state]
+        return self._len[state], end
 
     def continuation(self, match: Match, limit: int) -> list[int]:
         """Up to ``limit`` tokens that follow ``match`` in the text, stopping at a

@@ -1,13 +1,15 @@
 """Suffix decoding's proposer: drafts from a request's own tokens and from the store.
 
 Each request keeps an automaton of its own text (prompt, then every token it is known to
-have produced) and a running match: before a token is added to the automaton, the match is
-stepped with it, so the match always points at an *earlier* occurrence of the text's
-current suffix and the tokens after that occurrence are a draft (loops, repeated spans of
-the prompt). The store of past outputs is followed the same way, one running match per
-store segment (``StoreCursor``: retries, repeated batch lines, the fleet's outputs). The longer
-match wins (the request's own on a tie), and the draft grows with it: nothing under
-``min_match_tokens``, then ``draft_per_matched`` tokens per matched token up to the limit.
+have produced). After each token, the longest suffix of the text that also occurred
+earlier is the automaton's last state's suffix link; the draft is what followed its
+*latest* earlier occurrence (``SuffixAutomaton.recent_match``), read as a loop: when the
+text runs out, the span after that occurrence repeats (``periodic``), since a model that
+repeats a span tends to keep repeating it. The store of past outputs is followed with one
+running match per store segment (``StoreCursor``: retries, repeated batch lines, the
+fleet's outputs). The longer match wins (the request's own on a tie), and the draft grows
+with it: nothing under ``min_match_tokens``, then ``draft_per_matched`` tokens per
+matched token up to the limit; the back-off cuts it to what is worth verifying.
 
 Only tokens a request is known to have produced are observed: drafts never enter the
 index, so a rejected draft leaves nothing behind.
@@ -35,15 +37,26 @@ class Draft:
 NO_DRAFT = Draft([], 0, "none")
 
 
+def periodic(tokens: list[int], end: int, limit: int) -> list[int]:
+    """Up to ``limit`` tokens after ``tokens[end]``, the text read as repeating past its
+    end: the span after the match's earlier occurrence is the loop's period (a model that
+    repeats itself goes on repeating), so the draft need not stop where the text does."""
+    out = tokens[end + 1:end + 1 + limit]
+    period = len(out)
+    if period == 0 or period >= limit:
+        return out
+    repeats = -(-limit // period)  # ceil
+    return (out * repeats)[:limit]
+
+
 class RequestDrafter:
-    """One request's own index and running match."""
+    """One request's own index (its prompt and known output) and its store cursor."""
 
     def __init__(self, prompt: list[int], cursor: StoreCursor) -> None:
-        self.automaton = SuffixAutomaton()
-        self._state, self._matched = 0, 0
+        self.automaton = SuffixAutomaton(track_recent=True)
         self.cursor = cursor
         cursor.reset(prompt)
-        self._index(prompt)
+        self.automaton.extend_all(prompt)
 
     @property
     def tokens(self) -> list[int]:
@@ -51,22 +64,17 @@ class RequestDrafter:
 
     def observe(self, tokens: list[int]) -> None:
         """Tokens the request is known to have produced."""
-        self._index(tokens)
+        self.automaton.extend_all(tokens)
         self.cursor.advance(tokens)
 
-    def _index(self, tokens: list[int]) -> None:
-        """Step the running match with each token, then add the token to the index."""
-        automaton = self.automaton
-        for token in tokens:
-            self._state, self._matched = automaton.step(self._state, self._matched, token)
-            automaton.extend(token)
-
     def own_match(self, limit: int) -> tuple[int, list[int]]:
-        """Length of the running match and up to ``limit`` tokens that followed it."""
-        if self._matched == 0:
+        """Length of the longest suffix of the text that occurred before, and up to
+        ``limit`` tokens after its latest earlier occurrence, the text read as repeating
+        (``periodic``)."""
+        length, end = self.automaton.recent_match()
+        if length == 0:
             return 0, []
-        end = self.automaton.first_end(self._state)
-        return self._matched, self.automaton.tokens[end + 1:end + 1 + limit]
+        return length, periodic(self.automaton.tokens, end, limit)
 
 
 class SuffixProposer:
