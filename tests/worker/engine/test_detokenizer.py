@@ -1,6 +1,7 @@
 import pytest
 
 from tests.checkpoints import build_tokenizer
+from worker.engine.byte_detokenizer import gpt2_byte_chars
 from worker.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -26,21 +27,8 @@ def stream(tok, ids, prompt=(), **kw):
 def byte_tokens(tok, text):
     """One token per UTF-8 byte, so multi-byte characters are split across tokens."""
     vocab = tok.get_vocab()
-    byte_to_char = _byte_level_map()
+    byte_to_char = {b: c for c, b in gpt2_byte_chars().items()}  # byte -> printable char
     return [vocab[byte_to_char[b]] for b in text.encode("utf-8")]
-
-
-def _byte_level_map():
-    """GPT-2's byte -> printable character table used by byte-level BPE."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=False)}
 
 
 @pytest.mark.parametrize("text", ["héllo wörld", "日本語", "🚀 go 🔥", "a€b"])
