@@ -165,24 +165,3 @@ class StreamingDetokenizer(IncrementalDetokenizer):
         self._read_offset = len(self._ids)
         self.text += new_text
         return str(new_text)
-
-
-def make_detokenizer(
-    tokenizer: Any, prompt_token_ids: list[int], *, stop: list[str] | None = None,
-    include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-    prior_output_ids: list[int] | None = None,
-) -> IncrementalDetokenizer:
-    """The detokenizer of one stream (the output side's single way to build one): the
-    byte-table one where the tokenizer has a table (``ByteDetokenizer``), else the
-    ``DecodeStream`` one where it offers that (same text, one decode a token)."""
-    from worker.engine.byte_detokenizer import ByteDetokenizer
-    from worker.engine.rust_decode import RustDecoder
-
-    cls: type[IncrementalDetokenizer] = IncrementalDetokenizer
-    if isinstance(tokenizer, RustDecoder) and tokenizer.streams:
-        cls = ByteDetokenizer if tokenizer.byte_pieces is not None else StreamingDetokenizer
-    return cls(
-        tokenizer, prompt_token_ids, stop=stop,
-        include_stop_str_in_output=include_stop_str_in_output,
-        skip_special_tokens=skip_special_tokens, prior_output_ids=prior_output_ids,
-    )

@@ -39,7 +39,7 @@ class RustDecoder:
     def __init__(self, spec: dict[str, Any]) -> None:
         from tokenizers import Tokenizer
 
-        from worker.engine.byte_detokenizer import byte_pieces
+        from worker.engine.byte_table import byte_pieces
 
         self.rust = Tokenizer.from_str(spec["json"])
         self._clean_up = bool(spec["clean_up"])

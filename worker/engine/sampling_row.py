@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -21,8 +21,22 @@ from protocol.sampling import SamplingParams
 from worker.engine.logits_processors import wants_penalties
 
 if TYPE_CHECKING:
-    from worker.engine.inflight import InflightStep
     from worker.engine.request import Request
+
+class _Sampled(Protocol):
+    tokens: torch.Tensor  # [rows] int64: the step's sampled tokens (on the device)
+
+
+class StepInFlight(Protocol):
+    """What a row reads of the step in flight (``inflight.InflightStep``; named here by
+    shape, as ``inflight`` imports the sampler and so this module)."""
+
+    @property
+    def sample(self) -> _Sampled: ...
+
+    @property
+    def row_of(self) -> dict[str, int]: ...
+
 
 _NO_TOP_K = 1 << 24  # top-k off: at least any vocabulary (exact in float32)
 _SEED_MIX = "seed_mix"  # SamplingRow.cache: mix64 of the request's seed (its keys' base)
@@ -71,7 +85,7 @@ class SamplingRow:
         self.has_bias = bool(params.logit_bias)
 
     @classmethod
-    def of(cls, request: Request, in_flight: InflightStep | None = None) -> SamplingRow:
+    def of(cls, request: Request, in_flight: StepInFlight | None = None) -> SamplingRow:
         """The row of a request about to sample: its output index counts the tokens of
         steps still in flight; its output tokens are copied only for penalties and
         multi-token bad words. ``in_flight``: the step in flight, whose sampled tokens (on
@@ -99,7 +113,7 @@ class SamplingRow:
 
     @classmethod
     def rows_of(cls, requests: list[Request],
-                in_flight: InflightStep | None = None) -> list[SamplingRow]:
+                in_flight: StepInFlight | None = None) -> list[SamplingRow]:
         """``of`` for each request, in order: a row made before that reads no outputs
         (most of a batch) only moves its output index, inlined here (no call per row)."""
         rows = []

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from worker.engine.detokenizer import make_detokenizer
+from worker.engine.byte_detokenizer import make_detokenizer
 from worker.engine.outputs import StepOutput
 from worker.engine.step_batch import EngineEnd, StepBatch, StreamOpen
 

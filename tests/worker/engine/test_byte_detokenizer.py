@@ -9,12 +9,9 @@ import pytest
 
 from tests.worker.engine.test_decode_stream import byte_fallback_tokenizer
 from tests.worker.engine.test_detokenizer import byte_tokens
-from worker.engine.byte_detokenizer import ByteDetokenizer, byte_pieces, ends_in_replacement
-from worker.engine.detokenizer import (
-    IncrementalDetokenizer,
-    StreamingDetokenizer,
-    make_detokenizer,
-)
+from worker.engine.byte_detokenizer import ByteDetokenizer, ends_in_replacement, make_detokenizer
+from worker.engine.byte_table import byte_pieces
+from worker.engine.detokenizer import IncrementalDetokenizer, StreamingDetokenizer
 from worker.engine.rust_decode import RustDecoder, decode_spec
 
 STUB_VOCAB = 512  # ops/bench/host_stub.py: the stub model's ids

@@ -1,7 +1,7 @@
 import pytest
 
 from tests.checkpoints import build_tokenizer
-from worker.engine.byte_detokenizer import gpt2_byte_chars
+from worker.engine.byte_table import gpt2_byte_chars
 from worker.engine.detokenizer import IncrementalDetokenizer
 
 
