@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -129,15 +130,24 @@ class LocalCluster:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGCONT)
 
-    def replicas_of(self, master: int) -> list[int]:
-        """Ports of the replicas of the master on ``master`` (``CLUSTER NODES``)."""
-        with contextlib.closing(self.node(master)) as r:
-            me = r.execute_command("CLUSTER", "MYID")
-            me = me.decode() if isinstance(me, bytes) else str(me)
-            nodes = r.execute_command("CLUSTER", "NODES")
-        lines = (nodes.decode() if isinstance(nodes, bytes) else str(nodes)).splitlines()
-        return [int(f[1].split("@")[0].rsplit(":", 1)[1]) for f in map(str.split, lines)
-                if len(f) > 3 and f[3] == me]
+    def replicas_of(self, master: int, timeout: float = 15.0) -> list[int]:
+        """Ports of the replicas of the master on ``master``, in the master's own view
+        (``INFO replication``: the replicas connected to it). ``CLUSTER NODES`` was used
+        before, but a master learns a new replica's role by gossip, which on a loaded CI
+        machine lagged the replica's own "link up" (an empty list, and a frozen master's
+        replica promoted under a test that meant to freeze both). Waits until every
+        replica the layout gives a master is connected."""
+        want = self.layout.replicas
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.closing(self.node(master)) as r:
+                info = r.info("replication")
+            ports = sorted(int(v["port"]) for k, v in info.items()
+                           if k.startswith("slave") and isinstance(v, dict)
+                           and v.get("state") == "online")
+            if len(ports) >= want or time.monotonic() > deadline:
+                return ports
+            time.sleep(0.1)
 
     def restart(self, port: int) -> None:
         """Start a killed node again on its port and wait until the cluster is whole."""
