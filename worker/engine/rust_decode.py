@@ -28,6 +28,21 @@ def decode_spec(tokenizer: Any) -> dict[str, Any] | None:
     return {"json": backend.to_str(), "clean_up": clean_up}
 
 
+def text_decoder(tokenizer: Any) -> Any:
+    """What an in-process output side detokenizes with: a ``RustDecoder`` where the
+    tokenizer has a spec and its decoder streams (then ``make_detokenizer`` takes the byte
+    table or ``DecodeStream``: one table look-up or one Rust call a token, where
+    transformers' ``decode`` of a growing window cost two Python decodes a token, ~40-90 us
+    at the default model), else ``tokenizer`` itself. The same text either way: the
+    output process decodes this way (``tests/worker/engine/test_byte_detokenizer.py`` and
+    ``test_decode_stream.py`` hold both to transformers' text)."""
+    spec = decode_spec(tokenizer)
+    if spec is None:
+        return tokenizer
+    decoder = RustDecoder(spec)
+    return decoder if decoder.streams else tokenizer
+
+
 # Decoders whose text for ids[:n] is always a prefix of the text for ids (per-token maps,
 # byte joins, a strip at the very start): there ``DecodeStream`` never meets a chunk that
 # stops extending the last one, so it follows the window decodes exactly.

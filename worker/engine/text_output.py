@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from worker.engine.byte_detokenizer import make_detokenizer
 from worker.engine.outputs import StepOutput
+from worker.engine.rust_decode import text_decoder
 from worker.engine.step_batch import EngineEnd, StepBatch, StreamOpen
 
 if TYPE_CHECKING:
@@ -136,7 +137,7 @@ class TextOutputs:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.texts = StreamTexts(engine.tokenizer, self._stop)
+        self.texts = StreamTexts(text_decoder(engine.tokenizer), self._stop)
 
     @classmethod
     def of(cls, engine: Engine) -> TextOutputs:
