@@ -29,6 +29,9 @@ class ModelConfig:
     attention_backend: AttentionBackendName = "auto"
     # CPU: linear layers on oneDNN with weights packed at load (worker/packed_linear.py)
     pack_weights: bool = True
+    # CPU, packed weights: up to this many rows a projection takes F.linear instead (the
+    # faster side differs by CPU); None: measured at load (worker/engine/gemv_calibration.py)
+    packed_gemv_rows: int | None = None
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     trust_remote_code: bool = False
     # CUDA: pure-decode steps replay CUDA graphs (worker/engine/decode_graphs.py); True
@@ -37,6 +40,13 @@ class ModelConfig:
     # CPU: the steps of a Llama model take worker/engine/lean_decode.py (the same ops
     # without the modules' Python); False keeps them on the modules
     lean_decode: bool = True
+
+    def __post_init__(self) -> None:
+        rows = self.packed_gemv_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int)
+                                 or rows < 0):
+            raise ValueError(f"packed_gemv_rows must be an integer >= 0 or None (measured), "
+                             f"got {rows!r}")
 
 
 @dataclass(frozen=True)
@@ -149,6 +159,7 @@ class EngineConfig:
             device=env.get("FERRY_DEVICE"),
             attention_backend=env.get("FERRY_ATTENTION_BACKEND"),
             pack_weights=_bool("FERRY_PACK_WEIGHTS"),
+            packed_gemv_rows=_gemv_rows(env.get("FERRY_PACKED_GEMV_ROWS")),
             enforce_eager=_bool("FERRY_ENFORCE_EAGER"),
             lean_decode=_bool("FERRY_LEAN_DECODE"),
             max_model_len=_int("FERRY_MAX_MODEL_LEN"),
@@ -203,6 +214,17 @@ def _lora_modules(value: object) -> tuple[tuple[str, str], ...]:
         name, path = item
         pairs.append((str(name), str(path)))
     return tuple(pairs)
+
+
+def _gemv_rows(raw: str | None) -> int | None:
+    """``FERRY_PACKED_GEMV_ROWS``: unset or ``auto`` (measured at load), else rows >= 0."""
+    if raw is None or raw.strip().lower() in ("", "auto"):
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"FERRY_PACKED_GEMV_ROWS must be auto or an integer >= 0, "
+                         f"got {raw!r}") from None
 
 
 def _default_model() -> str:

@@ -14,7 +14,8 @@ import torch
 
 from worker.engine import attention
 from worker.engine.config import ModelConfig
-from worker.engine.packed_linear import pack_linears
+from worker.engine.gemv_calibration import log_choice, set_gemv_rows
+from worker.engine.packed_linear import PackedLinear, pack_linears
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -101,8 +102,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except OSError as exc:
         raise ValueError(f"cannot load model weights or tokenizer from {path!r}: {exc}") from exc
     model = model.to(device).eval()  # type: ignore[arg-type]
-    if device.type == "cpu" and cfg.pack_weights:
-        pack_linears(model)
+    if device.type == "cpu" and cfg.pack_weights and pack_linears(model):
+        packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        log_choice(set_gemv_rows(packed, cfg.packed_gemv_rows), cfg.packed_gemv_rows)
     shape = model_shape(hf_config, cfg.max_model_len)
     return LoadedModel(model, tokenizer, shape, device, dtype, _eos_ids(model, tokenizer))
 

@@ -12,17 +12,15 @@ reads the embedding's storage); a larger one keeps its shared weight (packing it
 duplicate a big embedding). The default model's head at 4-16 rows (a verification step):
 packed 405-677 us against 656-960 us for ``F.linear``.
 
-At a few rows it is the other way round: oneDNN's primitive for the padded 8 rows cost
-4-5x MKL's matrix-vector product (``F.linear`` of one row) on the 2-core machine, so a
+At a few rows it can be the other way round: oneDNN's primitive for the padded 8 rows
+cost 4-5x MKL's matrix-vector product (``F.linear`` of one row) on one 2-core machine, so a
 small input takes ``F.linear`` on the weight as loaded (kept beside the packed copy;
 exactness: both are fp32 dot products, and greedy outputs are checked against
-transformers, which runs ``F.linear``). How small depends on the weight (one thread,
-2026-11-26, ``F.linear`` vs packed): for a weight under 1 MiB (the default model's
-256x256, 704x256 and 256x704) oneDNN's ~25 us per call and padded rows lose up to 32
-rows and more (the model's 42 projections, weights cycled as a step streams them: 0.83
-vs 2.29 ms at 3 rows, 2.28 vs 2.40 at 16, 3.22 vs 3.39 at 32); a larger weight (1024x1024
-and up) favours ``F.linear`` at 2 rows (217 vs 361 us), ties at 4 and loses at 8 (594 vs
-384). Speculative decoding's verification steps (1 + a few drafts a row) are these sizes.
+transformers, which runs ``F.linear``). How small depends on the CPU as much as on the
+weight: on that machine ``F.linear`` won up to 32 rows for weights under 1 MiB, on the next
+(AVX-512) the packed weight won from 2 rows. So the threshold (``gemv_rows``) is measured
+at load for the small and the large weights (``gemv_calibration.py``); the constants
+below are only the defaults of a module built outside the loader.
 """
 
 from __future__ import annotations

@@ -58,11 +58,12 @@ def test_pack_linears_packs_a_small_tied_lm_head_only(tmp_path, monkeypatch):
 
 
 def test_engine_tokens_do_not_depend_on_packing(tmp_path):
+    """Packed or not, and whatever rows the packed weights leave to ``F.linear``."""
     path = build_checkpoint("llama", tmp_path)
 
-    def run(pack: bool) -> list[list[int]]:
+    def run(pack: bool, gemv_rows: int | None = None) -> list[list[int]]:
         engine = Engine(EngineConfig.create(path, device="cpu", num_blocks=64,
-                                            pack_weights=pack))
+                                            pack_weights=pack, packed_gemv_rows=gemv_rows))
         kinds = {type(m).__name__ for m in engine.runner.model.modules()}
         assert ("PackedLinear" in kinds) == pack
 
@@ -75,4 +76,53 @@ def test_engine_tokens_do_not_depend_on_packing(tmp_path):
                 outs.setdefault(out.request_id, []).extend(out.new_token_ids)
         return [outs[str(i)] for i in range(3)]
 
-    assert run(True) == run(False)
+    plain = run(False)
+    assert run(True) == plain
+    assert run(True, 0) == run(True, 32) == plain
+
+
+def test_gemv_rows_fixed_or_measured_per_weight_size():
+    from worker.engine import gemv_calibration
+    from worker.engine.packed_linear import _CACHED_BYTES
+
+    torch.manual_seed(0)
+    small = [PackedLinear(nn.Linear(64, 64)) for _ in range(3)]
+    large = [PackedLinear(nn.Linear(512, _CACHED_BYTES // (4 * 512) + 8))]
+    assert gemv_calibration.set_gemv_rows(small + large, fixed=5) == {"small": 5, "large": 5}
+    assert {m.gemv_rows for m in small + large} == {5}
+
+    chosen = gemv_calibration.set_gemv_rows(small + large)
+    assert set(chosen) == {"small", "large"}
+    for name, group in (("small", small), ("large", large)):
+        assert chosen[name] in (0, *gemv_calibration.ROWS)
+        assert {m.gemv_rows for m in group} == {chosen[name]}
+    # one measurement per set of shapes: a second engine of the model reuses it
+    key = tuple((m.out_features, m.in_features) for m in small)
+    assert gemv_calibration._measured[key] == chosen["small"]
+
+
+@pytest.mark.parametrize("rows", [0, 1, 32])
+def test_packed_path_follows_the_threshold_and_stays_equal(rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(48, 40)
+    packed = PackedLinear(linear)
+    packed.gemv_rows = rows
+    for n in (1, 2, 5, 33):
+        x = torch.randn(n, 48)
+        with torch.inference_mode():
+            torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("raw", ["-1", "two", "1.5"])
+def test_bad_gemv_rows_setting_is_refused(raw):
+    with pytest.raises(ValueError, match="PACKED_GEMV_ROWS|packed_gemv_rows"):
+        EngineConfig.from_env("some-model", {"FERRY_PACKED_GEMV_ROWS": raw})
+
+
+def test_gemv_rows_setting_reaches_the_engine(tmp_path):
+    path = build_checkpoint("llama", tmp_path)
+    cfg = EngineConfig.from_env(path, {"FERRY_PACKED_GEMV_ROWS": "7", "FERRY_DEVICE": "cpu",
+                                       "FERRY_KV_CACHE_BLOCKS": "32"})
+    engine = Engine(cfg)
+    rows = {m.gemv_rows for m in engine.runner.model.modules() if isinstance(m, PackedLinear)}
+    assert rows == {7}

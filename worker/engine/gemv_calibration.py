@@ -1,0 +1,114 @@
+"""CPU: up to how many rows a projection runs faster on ``F.linear`` than on its packed
+oneDNN weight, measured once at load on this machine.
+
+Why measured: the crossover is the CPU's, not the model's. On one dev machine (2026-11-26,
+one thread) ``F.linear`` won up to 32 rows for weights under 1 MiB (the default model's 42
+projections at 3 rows 0.83 vs 2.29 ms), and that was the fixed rule; on the next one (an
+AMD EPYC with AVX-512, same day) the packed weight won from 2 rows (the same 42 at 3 rows
+2.95 vs 2.35 ms, at 16 rows 4.09 vs 2.83), so that rule cost a batch-16 decode step ~8%
+of its CPU. Both paths are fp32 products of the same weights (``test_packed_linear.py``);
+the speculative benchmark's 192 greedy outputs at batch 16 were the same with either rule.
+
+How: the projections are split as ``PackedLinear`` splits them (weights up to
+``_CACHED_BYTES``, and larger ones), each group timed on both paths at 1, 2, 4, ... 32
+rows, its weights cycled as a step streams them (the first ``SAMPLE_BYTES`` of them),
+best of ``TRIALS``; the group's threshold is the last row count ``F.linear`` won before
+the packed path first won. About 0.1-0.4 s at the default model; one result per
+process for a set of weight shapes (engines of the same model reuse it). A fixed
+``ModelConfig.packed_gemv_rows`` (``FERRY_PACKED_GEMV_ROWS``) skips the measurement.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import structlog
+import torch
+from torch.nn import functional as F
+
+from worker.engine.packed_linear import _CACHED_BYTES, PackedLinear, bucket_rows
+
+_log = structlog.get_logger("ferry.worker.gemv_calibration")
+ROWS = (1, 2, 4, 8, 16, 32)
+TRIALS = 3
+SAMPLE_BYTES = 64 << 20  # weights timed per group: enough to leave the caches as a step
+_measured: dict[tuple[tuple[int, int], ...], int] = {}
+
+
+def set_gemv_rows(modules: list[PackedLinear], fixed: int | None = None) -> dict[str, int]:
+    """Set every module's few-row threshold: ``fixed`` for all, else measured per group
+    (small and large weights); returns {group: threshold} for the log."""
+    groups: dict[str, list[PackedLinear]] = {"small": [], "large": []}
+    for m in modules:
+        groups["small" if m.weight.numel() * m.weight.element_size() <= _CACHED_BYTES
+               else "large"].append(m)
+    chosen: dict[str, int] = {}
+    for name, members in groups.items():
+        if not members:
+            continue
+        rows = fixed if fixed is not None else measured_gemv_rows(members)
+        for m in members:
+            m.gemv_rows = rows
+        chosen[name] = rows
+    return chosen
+
+
+def measured_gemv_rows(modules: list[PackedLinear]) -> int:
+    """The last of ``ROWS`` at which ``F.linear`` beat the packed weight (0: it never
+    did), over the group's first ``SAMPLE_BYTES`` of weights; cached by their shapes."""
+    sample: list[PackedLinear] = []
+    size = 0
+    for m in modules:
+        if sample and size >= SAMPLE_BYTES:
+            break
+        sample.append(m)
+        size += m.weight.numel() * m.weight.element_size()
+    key = tuple((m.out_features, m.in_features) for m in sample)
+    if key not in _measured:
+        _measured[key] = _crossover(sample)
+    return _measured[key]
+
+
+def _crossover(sample: list[PackedLinear]) -> int:
+    best = 0
+    with torch.inference_mode():
+        for rows in ROWS:
+            xs = [torch.randn(rows, m.in_features) for m in sample]
+
+            def plain(xs: list[torch.Tensor] = xs) -> None:
+                for m, x in zip(sample, xs, strict=True):
+                    F.linear(x, m.weight, m.bias)
+
+            def packed(xs: list[torch.Tensor] = xs) -> None:
+                for m, x in zip(sample, xs, strict=True):
+                    _packed(m, x)
+
+            if _best_time(packed) <= _best_time(plain):
+                break
+            best = rows
+    return best
+
+
+def _packed(m: PackedLinear, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
+    """``PackedLinear.forward``'s packed branch whatever the row count."""
+    rows = x.shape[0]
+    padded = bucket_rows(rows)
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    return torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], "")[:rows]
+
+
+def _best_time(run: Callable[[], object]) -> float:
+    run()  # warm: oneDNN builds its primitive for a new shape on the first call
+    best = float("inf")
+    for _ in range(TRIALS):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def log_choice(chosen: dict[str, int], fixed: int | None) -> None:
+    _log.info("packed_gemv_rows", source="fixed" if fixed is not None else "measured",
+              **chosen)
