@@ -22,7 +22,13 @@ the summed times: wall-clock and CPU time (``time.process_time``; the machine is
 CPU time is what its load disturbs least). Outputs are compared on/off request by request,
 every round. Prints a table, writes ``ops/bench/results/spec_decode.json``.
 
-    python ops/bench/spec_decode.py [--quick] [--rounds N]
+With ``--threads 2`` (a worker's default on the 2-core dev machine: torch's thread count)
+CPU time also counts the second thread's work and its spin-waits, so there the wall-clock
+ratio is the measure; steps of at most ~19 tokens run on one thread by design
+(``step_threads.py``), so a plain batch-16 decode step is serial where a verification step
+of 30-500 tokens uses both cores.
+
+    python ops/bench/spec_decode.py [--quick] [--rounds N] [--threads T] [--out FILE]
 """
 
 from __future__ import annotations
@@ -158,6 +164,8 @@ def summarize(name: str, off: list[dict[str, Any]], on: list[dict[str, Any]]
            "on_cpu_tok_s": tokens / total(on, "cpu_s"),
            "cpu_x_per_round": [round(a["cpu_s"] / b["cpu_s"], 3)
                                for a, b in zip(off, on, strict=True)],
+           "wall_x_per_round": [round(a["wall_s"] / b["wall_s"], 3)
+                                for a, b in zip(off, on, strict=True)],
            "steps_off": off[0]["steps"], "steps_on": on[0]["steps"],
            "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
            "mean_acceptance_length": round((accepted + rows) / rows, 2) if rows else 0.0,
@@ -212,7 +220,8 @@ def main() -> None:
         for label, spec in (("off", {}), ("on", SPEC_KW)):
             runs[label].append(run_setting(path, workloads, spec))
             print(f"round {r + 1} {label}: " + ", ".join(
-                f"{k} {v['cpu_s']:.1f}s" for k, v in runs[label][-1].items()), flush=True)
+                f"{k} {v['wall_s']:.1f}s ({v['cpu_s']:.1f} CPU s)"
+                for k, v in runs[label][-1].items()), flush=True)
     rows = [summarize(name, [g[name] for g in runs["off"]], [g[name] for g in runs["on"]])
             for name in workloads]
     for batch in (1, 16):
