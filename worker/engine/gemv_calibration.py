@@ -13,9 +13,13 @@ How: the projections are split as ``PackedLinear`` splits them (weights up to
 ``_CACHED_BYTES``, and larger ones), each group timed on both paths at 1, 2, 4, ... 32
 rows, its weights cycled as a step streams them (the first ``SAMPLE_BYTES`` of them),
 best of ``TRIALS``; the group's threshold is the last row count ``F.linear`` won before
-the packed path first won. About 0.1-0.4 s at the default model; one result per
-process for a set of weight shapes (engines of the same model reuse it). A fixed
-``ModelConfig.packed_gemv_rows`` (``FERRY_PACKED_GEMV_ROWS``) skips the measurement.
+the packed path first won. Each row count is timed on the threads its steps run on: one
+where ``step_threads`` serializes a step of that many tokens (``serial_rows``: up to ~19
+at the default model), torch's configured count above. 0.04 s at the default model on the
+AVX-512 machine (the packed path won at 2 rows, so the measurement stopped there), a few
+tenths where ``F.linear`` wins to 32; one result per process for a set of weight shapes
+and threads (engines of the same model reuse it). A fixed ``ModelConfig.packed_gemv_rows``
+(``FERRY_PACKED_GEMV_ROWS``) skips the measurement.
 """
 
 from __future__ import annotations
@@ -28,17 +32,20 @@ import torch
 from torch.nn import functional as F
 
 from worker.engine.packed_linear import _CACHED_BYTES, PackedLinear, bucket_rows
+from worker.engine.step_threads import serial_if
 
 _log = structlog.get_logger("ferry.worker.gemv_calibration")
 ROWS = (1, 2, 4, 8, 16, 32)
 TRIALS = 3
 SAMPLE_BYTES = 64 << 20  # weights timed per group: enough to leave the caches as a step
-_measured: dict[tuple[tuple[int, int], ...], int] = {}
+_measured: dict[tuple[object, ...], int] = {}
 
 
-def set_gemv_rows(modules: list[PackedLinear], fixed: int | None = None) -> dict[str, int]:
+def set_gemv_rows(modules: list[PackedLinear], fixed: int | None = None,
+                  serial_rows: int = 0) -> dict[str, int]:
     """Set every module's few-row threshold: ``fixed`` for all, else measured per group
-    (small and large weights); returns {group: threshold} for the log."""
+    (small and large weights), a step of at most ``serial_rows`` tokens timed on one
+    thread as the runner runs it; returns {group: threshold} for the log."""
     groups: dict[str, list[PackedLinear]] = {"small": [], "large": []}
     for m in modules:
         groups["small" if m.weight.numel() * m.weight.element_size() <= _CACHED_BYTES
@@ -47,16 +54,17 @@ def set_gemv_rows(modules: list[PackedLinear], fixed: int | None = None) -> dict
     for name, members in groups.items():
         if not members:
             continue
-        rows = fixed if fixed is not None else measured_gemv_rows(members)
+        rows = fixed if fixed is not None else measured_gemv_rows(members, serial_rows)
         for m in members:
             m.gemv_rows = rows
         chosen[name] = rows
     return chosen
 
 
-def measured_gemv_rows(modules: list[PackedLinear]) -> int:
+def measured_gemv_rows(modules: list[PackedLinear], serial_rows: int = 0) -> int:
     """The last of ``ROWS`` at which ``F.linear`` beat the packed weight (0: it never
-    did), over the group's first ``SAMPLE_BYTES`` of weights; cached by their shapes."""
+    did), over the group's first ``SAMPLE_BYTES`` of weights; cached by their shapes and
+    the threads."""
     sample: list[PackedLinear] = []
     size = 0
     for m in modules:
@@ -64,13 +72,14 @@ def measured_gemv_rows(modules: list[PackedLinear]) -> int:
             break
         sample.append(m)
         size += m.weight.numel() * m.weight.element_size()
-    key = tuple((m.out_features, m.in_features) for m in sample)
+    key = (tuple((m.out_features, m.in_features) for m in sample), torch.get_num_threads(),
+           serial_rows)
     if key not in _measured:
-        _measured[key] = _crossover(sample)
+        _measured[key] = _crossover(sample, serial_rows)
     return _measured[key]
 
 
-def _crossover(sample: list[PackedLinear]) -> int:
+def _crossover(sample: list[PackedLinear], serial_rows: int) -> int:
     best = 0
     with torch.inference_mode():
         for rows in ROWS:
@@ -84,8 +93,9 @@ def _crossover(sample: list[PackedLinear]) -> int:
                 for m, x in zip(sample, xs, strict=True):
                     _packed(m, x)
 
-            if _best_time(packed) <= _best_time(plain):
-                break
+            with serial_if(rows <= serial_rows):
+                if _best_time(packed) <= _best_time(plain):
+                    break
             best = rows
     return best
 

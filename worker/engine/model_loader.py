@@ -16,6 +16,7 @@ from worker.engine import attention
 from worker.engine.config import ModelConfig
 from worker.engine.gemv_calibration import log_choice, set_gemv_rows
 from worker.engine.packed_linear import PackedLinear, pack_linears
+from worker.engine.step_threads import SERIAL_MACS, linear_macs_per_token
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -104,7 +105,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     model = model.to(device).eval()  # type: ignore[arg-type]
     if device.type == "cpu" and cfg.pack_weights and pack_linears(model):
         packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-        log_choice(set_gemv_rows(packed, cfg.packed_gemv_rows), cfg.packed_gemv_rows)
+        serial = SERIAL_MACS // max(1, linear_macs_per_token(model))  # as the runner's
+        log_choice(set_gemv_rows(packed, cfg.packed_gemv_rows, serial), cfg.packed_gemv_rows)
     shape = model_shape(hf_config, cfg.max_model_len)
     return LoadedModel(model, tokenizer, shape, device, dtype, _eos_ids(model, tokenizer))
 

@@ -97,8 +97,14 @@ def test_gemv_rows_fixed_or_measured_per_weight_size():
         assert chosen[name] in (0, *gemv_calibration.ROWS)
         assert {m.gemv_rows for m in group} == {chosen[name]}
     # one measurement per set of shapes: a second engine of the model reuses it
-    key = tuple((m.out_features, m.in_features) for m in small)
+    key = (tuple((m.out_features, m.in_features) for m in small), torch.get_num_threads(), 0)
     assert gemv_calibration._measured[key] == chosen["small"]
+    # timed on one thread up to serial_rows, as the runner runs such steps; the threads
+    # configured are back afterwards
+    threads = torch.get_num_threads()
+    assert gemv_calibration.measured_gemv_rows(small, serial_rows=32) in (
+        0, *gemv_calibration.ROWS)
+    assert torch.get_num_threads() == threads
 
 
 @pytest.mark.parametrize("rows", [0, 1, 32])
