@@ -27,14 +27,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import structlog
 import torch
 from torch.nn import functional as F
 
 from worker.engine.packed_linear import _CACHED_BYTES, PackedLinear, bucket_rows
 from worker.engine.step_threads import serial_if
 
-_log = structlog.get_logger("ferry.worker.gemv_calibration")
 ROWS = (1, 2, 4, 8, 16, 32)
 TRIALS = 3
 SAMPLE_BYTES = 64 << 20  # weights timed per group: enough to leave the caches as a step
@@ -45,7 +43,7 @@ def set_gemv_rows(modules: list[PackedLinear], fixed: int | None = None,
                   serial_rows: int = 0) -> dict[str, int]:
     """Set every module's few-row threshold: ``fixed`` for all, else measured per group
     (small and large weights), a step of at most ``serial_rows`` tokens timed on one
-    thread as the runner runs it; returns {group: threshold} for the log."""
+    thread as the runner runs it; returns {group: threshold} (the worker logs it)."""
     groups: dict[str, list[PackedLinear]] = {"small": [], "large": []}
     for m in modules:
         groups["small" if m.weight.numel() * m.weight.element_size() <= _CACHED_BYTES
@@ -117,8 +115,3 @@ def _best_time(run: Callable[[], object]) -> float:
         run()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def log_choice(chosen: dict[str, int], fixed: int | None) -> None:
-    _log.info("packed_gemv_rows", source="fixed" if fixed is not None else "measured",
-              **chosen)

@@ -7,14 +7,14 @@ Any architecture whose transformers implementation routes attention through
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from worker.engine import attention
 from worker.engine.config import ModelConfig
-from worker.engine.gemv_calibration import log_choice, set_gemv_rows
+from worker.engine.gemv_calibration import set_gemv_rows
 from worker.engine.packed_linear import PackedLinear, pack_linears
 from worker.engine.step_threads import SERIAL_MACS, linear_macs_per_token
 
@@ -41,6 +41,8 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     eos_token_ids: frozenset[int]
+    # CPU, packed weights: the rows each weight group leaves to F.linear (gemv_calibration)
+    packed_gemv_rows: dict[str, int] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -103,12 +105,14 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except OSError as exc:
         raise ValueError(f"cannot load model weights or tokenizer from {path!r}: {exc}") from exc
     model = model.to(device).eval()  # type: ignore[arg-type]
+    gemv_rows: dict[str, int] = {}
     if device.type == "cpu" and cfg.pack_weights and pack_linears(model):
         packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
         serial = SERIAL_MACS // max(1, linear_macs_per_token(model))  # as the runner's
-        log_choice(set_gemv_rows(packed, cfg.packed_gemv_rows, serial), cfg.packed_gemv_rows)
+        gemv_rows = set_gemv_rows(packed, cfg.packed_gemv_rows, serial)
     shape = model_shape(hf_config, cfg.max_model_len)
-    return LoadedModel(model, tokenizer, shape, device, dtype, _eos_ids(model, tokenizer))
+    return LoadedModel(model, tokenizer, shape, device, dtype, _eos_ids(model, tokenizer),
+                       gemv_rows)
 
 
 def _check_servable(hf_config: Any) -> None:

@@ -96,7 +96,9 @@ def run_worker(
     if signals.received.is_set():  # signalled between the two checks
         service.request_stop()
     stats = engine.stats()
+    loaded = getattr(engine.runner, "loaded", None)
     log.info("model_loaded", kv_blocks=stats.kv_blocks_total,
-             device=str(getattr(engine.runner, "device", config.model.device)))
+             device=str(getattr(engine.runner, "device", config.model.device)),
+             packed_gemv_rows=getattr(loaded, "packed_gemv_rows", None) or None)
     return service.run()
 

@@ -46,9 +46,17 @@ def _times(r: redis.Redis, rid: str) -> tuple[str, float, float]:
     return ((state or b"").decode(), float(started or "inf"), float(finished or "inf"))
 
 
+def _entry(r: redis.Redis, rid: str) -> tuple[int, ...] | None:
+    """Where the fair pull put a request in its lane stream: the entry id it created
+    (None: not pulled yet)."""
+    entry = r.hget(KEYS.job(rid), "entry_id")
+    return tuple(int(x) for x in entry.split(b"-")) if entry else None
+
+
 def _pulled(r: redis.Redis, rid: str) -> tuple[int, ...]:
-    """Where the fair pull put a request in its lane stream: the entry id it created."""
-    return tuple(int(x) for x in r.hget(KEYS.job(rid), "entry_id").split(b"-"))
+    entry = _entry(r, rid)
+    assert entry is not None, f"{rid} was never pulled"
+    return entry
 
 
 def _wait_done(r: redis.Redis, ids: list[str], timeout: float = 600.0) -> None:
@@ -101,17 +109,23 @@ def test_late_small_tenant_finishes_before_the_floods_twentieth(
     why = (f"b's last finished after {sum(t < b_last for t in a_finish)} of a's; "
            f"{started_before} of a's started when b came; start order {order}")
     print("late tenant:", why)
-    # b's are the next four pulls (two of a's may slip in when a finishing wave's charges
-    # have not reached the ledger yet: VTC then alternates)
-    assert order.rindex("b") < started_before + 4 + 2, why
+    # b's are the next four pulls, give or take a's that slip in when a finishing wave's
+    # charges have not reached the ledger yet: VTC then alternates, and four b's
+    # alternating with a's leave three a's between them (CI saw "ababab" + "ab")
+    assert order.rindex("b") < started_before + 4 + 3, why
     assert b_last < a_finish[19], why
 
 
 def _shares(r: redis.Redis, heavy: list[GenerateRequest], light: list[GenerateRequest],
             first: int) -> tuple[int, int]:
-    """Of the first ``first`` requests started, how many were each tenant's."""
-    starts = sorted([(_times(r, q.request_id)[1], "heavy") for q in heavy]
-                    + [(_times(r, q.request_id)[1], "light") for q in light])[:first]
+    """Of the first ``first`` requests the fair pull handed out, how many were each
+    tenant's. The pull's order (the lane entries it created), not ``started_at``: the
+    final status rewrites that with the time the engine loop admitted the request, and on
+    a loaded CI machine admission reordered enough of them to read 145:55 for a 3:1
+    pull."""
+    pulled = [(entry, who) for who, group in (("heavy", heavy), ("light", light))
+              for q in group if (entry := _entry(r, q.request_id)) is not None]
+    starts = sorted(pulled)[:first]
     return (sum(who == "heavy" for _t, who in starts),
             sum(who == "light" for _t, who in starts))
 
@@ -131,7 +145,7 @@ def _backlogs(server: RedisServer) -> tuple[list[GenerateRequest], list[Generate
 def test_weights_three_to_one_hold_within_ten_percent(server: RedisServer,
                                                        log_dir: Path) -> None:
     """Tenant h (weight 3) and tenant l (weight 1) both keep a backlog (300 and 100
-    requests of the same size, queued before the worker starts): of the first 200 started,
+    requests of the same size, queued before the worker starts): of the first 200 pulled,
     h's share of the tokens is 3:1 within 10%."""
     heavy, light = _backlogs(server)
     r = server.client()
@@ -139,6 +153,7 @@ def test_weights_three_to_one_hold_within_ten_percent(server: RedisServer,
         start_all(worker)
         _wait_done(r, [q.request_id for q in heavy[:150] + light[:50]])
     h, l_ = _shares(r, heavy, light, 200)
+    print(f"shares of the first 200 pulled: heavy {h}, light {l_}")
     assert h + l_ == 200 and 2.7 <= h / l_ <= 3.3, (h, l_)
 
 
