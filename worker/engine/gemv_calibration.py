@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from worker.engine.packed_linear import _CACHED_BYTES, PackedLinear, bucket_rows
+from worker.engine.packed_linear import _CACHED_BYTES, PackedLinear
 from worker.engine.step_threads import serial_if
 
 ROWS = (1, 2, 4, 8, 16, 32)
@@ -89,22 +89,13 @@ def _crossover(sample: list[PackedLinear], serial_rows: int) -> int:
 
             def packed(xs: list[torch.Tensor] = xs) -> None:
                 for m, x in zip(sample, xs, strict=True):
-                    _packed(m, x)
+                    m.packed_rows(x)
 
             with serial_if(rows <= serial_rows):
                 if _best_time(packed) <= _best_time(plain):
                     break
             best = rows
     return best
-
-
-def _packed(m: PackedLinear, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
-    """``PackedLinear.forward``'s packed branch whatever the row count."""
-    rows = x.shape[0]
-    padded = bucket_rows(rows)
-    if padded != rows:
-        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-    return torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], "")[:rows]
 
 
 def _best_time(run: Callable[[], object]) -> float:

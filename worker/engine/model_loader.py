@@ -16,7 +16,7 @@ from worker.engine import attention
 from worker.engine.config import ModelConfig
 from worker.engine.gemv_calibration import set_gemv_rows
 from worker.engine.packed_linear import PackedLinear, pack_linears
-from worker.engine.step_threads import SERIAL_MACS, linear_macs_per_token
+from worker.engine.step_threads import serial_tokens
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,8 +108,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     gemv_rows: dict[str, int] = {}
     if device.type == "cpu" and cfg.pack_weights and pack_linears(model):
         packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-        serial = SERIAL_MACS // max(1, linear_macs_per_token(model))  # as the runner's
-        gemv_rows = set_gemv_rows(packed, cfg.packed_gemv_rows, serial)
+        gemv_rows = set_gemv_rows(packed, cfg.packed_gemv_rows, serial_tokens(model))
     shape = model_shape(hf_config, cfg.max_model_len)
     return LoadedModel(model, tokenizer, shape, device, dtype, _eos_ids(model, tokenizer),
                        gemv_rows)

@@ -29,7 +29,7 @@ from worker.engine.lora.manager import LoraManager
 from worker.engine.model_loader import _DTYPES, LoadedModel, LogitsHead, ModelShape, load_model
 from worker.engine.scheduler import SchedulerOutput
 from worker.engine.step_inputs import build_inputs, patch_placeholders, to_device_packed
-from worker.engine.step_threads import SERIAL_MACS, linear_macs_per_token, serial_if
+from worker.engine.step_threads import serial_if, serial_tokens
 from worker.engine.transfer import to_device
 from worker.engine.warmup import warm_up_kernels
 
@@ -73,8 +73,7 @@ class ModelRunner:
         self.lean = build_lean_decode(self.model, self.backend) if (
             self.device.type == "cpu" and model_cfg.lean_decode) else None
         # CPU steps of at most this many tokens run on one thread (step_threads.py)
-        self.serial_tokens = SERIAL_MACS // max(1, linear_macs_per_token(self.model)) \
-            if self.device.type == "cpu" else 0
+        self.serial_tokens = serial_tokens(self.model) if self.device.type == "cpu" else 0
         self.num_blocks = self._num_blocks(cache_cfg)
         self.kv_caches = self._allocate_cache()
         self.tables = BlockTableBuffer(

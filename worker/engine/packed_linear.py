@@ -75,12 +75,17 @@ class PackedLinear(nn.Module):
         rows = x.numel() // self.in_features
         if rows <= self.gemv_rows:
             return F.linear(x, self.weight, self.bias)
+        out = self.packed_rows(x.reshape(rows, self.in_features))
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def packed_rows(self, flat: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
+        """The packed path whatever the row count (``gemv_calibration`` times it)."""
+        rows = flat.shape[0]
         padded = bucket_rows(rows)
-        flat = x.reshape(rows, self.in_features)
         if padded != rows:  # [rows, in] -> [padded, in], zero rows at the end
             flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        return out[:rows].view(*x.shape[:-1], self.out_features)
+        return out[:rows]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN"

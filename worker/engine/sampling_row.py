@@ -23,6 +23,7 @@ from worker.engine.logits_processors import wants_penalties
 if TYPE_CHECKING:
     from worker.engine.request import Request
 
+
 class _Sampled(Protocol):
     tokens: torch.Tensor  # [rows] int64: the step's sampled tokens (on the device)
 

@@ -44,6 +44,11 @@ def linear_macs_per_token(model: nn.Module) -> int:
     return total  # a tied LM head counts once, as the output module (embeddings skipped)
 
 
+def serial_tokens(model: nn.Module) -> int:
+    """The most tokens a step of ``model`` may have and still run on one thread."""
+    return SERIAL_MACS // max(1, linear_macs_per_token(model))
+
+
 @contextmanager
 def serial_if(small: bool) -> Iterator[None]:
     """One torch thread inside the block when ``small`` (and more were configured)."""

@@ -44,7 +44,8 @@ class SuffixAutomaton:
         self._first: list[int] = [-1]
         self._last = 0
         # With ``track_recent``: per state, its latest end index and the one before it
-        # (``recent_end``), kept for the states near the text's end (see ``_touch``).
+        # (``recent_match`` reads them), kept for the states near the text's end
+        # (see ``_touch``).
         self._recent: list[int] | None = [-1] if track_recent else None
         self._before: list[int] = [-1] if track_recent else []
 
