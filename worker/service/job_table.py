@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from protocol.cache_scope import cache_partition
 from protocol.models import ErrorKind, FinishReason
 from worker.engine.engine import Engine
 from worker.engine.lora.engine_hooks import UnknownAdapter
@@ -145,6 +146,8 @@ class JobTable:
                 rid, admission.prompt_token_ids, params, priority=request.priority,
                 prior_by_choice=admission.prior,
                 skip_choices=frozenset(admission.finished_choices), lora=lora,
+                cache_scope=cache_partition(request.tenant, request.cache_scope,
+                                            request.cache_salt),
             )
         except UnknownAdapter as exc:  # registered, but it cannot run here
             self._finish_now(job, "error", str(exc), "invalid_request")
