@@ -25,7 +25,7 @@ REFUSED = {
     "prompt": "stored prompt templates are not supported",
 }
 PASSED = ("temperature", "top_p", "parallel_tool_calls", "stream", "seed", "model",
-          "user", "metadata", "service_tier")
+          "user", "metadata", "service_tier", "cache_salt")
 
 
 def new_id(prefix: str) -> str:
@@ -154,7 +154,8 @@ def response_body(chat: dict[str, Any], body: dict[str, Any], resp_id: str,
                                 call["function"]["arguments"]))
     usage = chat.get("usage") or {}
     return envelope(body, resp_id, output, created, choice.get("finish_reason"),
-                    usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+                    usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
+                    (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -174,8 +175,9 @@ def call_item(call_id: str, name: str, arguments: str,
 
 def envelope(body: dict[str, Any], resp_id: str, output: list[dict[str, Any]],
              created: float | None, finish: str | None, prompt: int,
-             completion: int) -> dict[str, Any]:
-    """The Response object around ``output``; ``finish`` None: still in progress."""
+             completion: int, cached: int = 0) -> dict[str, Any]:
+    """The Response object around ``output``; ``finish`` None: still in progress.
+    ``cached``: the prompt tokens the prefix cache served (the caller's own)."""
     status = "in_progress" if finish is None else \
         "incomplete" if finish == "length" else "completed"
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) \
@@ -195,6 +197,6 @@ def envelope(body: dict[str, Any], resp_id: str, output: list[dict[str, Any]],
         "usage": None if finish is None else {
             "input_tokens": prompt, "output_tokens": completion,
             "total_tokens": prompt + completion,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": cached},
             "output_tokens_details": {"reasoning_tokens": 0}},
     }

@@ -38,9 +38,9 @@ class ResponsesStream:
         return frame
 
     def _response(self, finish: str | None = None, prompt: int = 0,
-                  completion: int = 0) -> dict[str, Any]:
+                  completion: int = 0, cached: int = 0) -> dict[str, Any]:
         return envelope(self.body, self.id, list(self.output), self.created, finish,
-                        prompt, completion)
+                        prompt, completion, cached)
 
     def opening(self) -> bytes:
         return self.event("response.created", response=self._response()) + \
@@ -103,9 +103,10 @@ class ResponsesStream:
             name=item["name"], arguments=arguments) + self.event(
             "response.output_item.done", output_index=index, item=done)
 
-    def closing(self, finish: str | None, prompt: int, completion: int) -> bytes:
+    def closing(self, finish: str | None, prompt: int, completion: int,
+                cached: int = 0) -> bytes:
         out = self._close_text()
-        final = self._response(finish or "stop", prompt, completion)
+        final = self._response(finish or "stop", prompt, completion, cached)
         kind = "response.incomplete" if final["status"] == "incomplete" \
             else "response.completed"
         return out + self.event(kind, response=final)

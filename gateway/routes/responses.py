@@ -87,7 +87,8 @@ async def _stream(group: Generations, body: dict[str, Any], resp_id: str,
                     out += events_out.feed(tools.finish(event.finish_reason == "length"))
                     out += events_out.closing(
                         event.finish_reason, usage.prompt_tokens if usage else prompt,
-                        usage.completion_tokens if usage else 0)
+                        usage.completion_tokens if usage else 0,
+                        (usage.cached_tokens or 0) if usage else 0)
             if out:
                 yield out
             if group.finished:

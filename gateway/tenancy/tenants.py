@@ -42,7 +42,7 @@ from protocol.tenancy import DEFAULT_TENANT, TENANT_PATTERN
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _FIELDS = {"keys_sha256", "weight", "max_concurrent", "tokens_per_minute", "max_priority",
-           "lora_adapters"}
+           "lora_adapters", "prefix_cache_group"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class Tenant:
     tokens_per_minute: int | None = None
     max_priority: int | None = None  # the lowest ``priority`` value (highest lane) allowed
     lora_adapters: frozenset[str] | None = None  # the adapters it may use (None: all)
+    # the prefix-cache space it shares with the group's other tenants (None: its own)
+    prefix_cache_group: str | None = None
 
     def may_use_adapter(self, name: str) -> bool:
         """Whether this tenant may name LoRA adapter ``name`` (its allowlist, if any)."""
@@ -178,8 +180,11 @@ def _parse_tenant(name: str, spec: Any) -> tuple[Tenant, list[str]]:
     priority = spec.get("max_priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise ValueError(f"{where}.max_priority: must be an integer")
+    group = spec.get("prefix_cache_group")
+    if group is not None and not (isinstance(group, str) and re.fullmatch(TENANT_PATTERN, group)):
+        raise ValueError(f"{where}.prefix_cache_group: a group name matching {TENANT_PATTERN}")
     return Tenant(name, weight, quotas["max_concurrent"], quotas["tokens_per_minute"],
-                  priority, _adapters(where, spec.get("lora_adapters"))), hashes
+                  priority, _adapters(where, spec.get("lora_adapters")), group), hashes
 
 
 def _adapters(where: str, value: Any) -> frozenset[str] | None:
