@@ -215,3 +215,12 @@ def test_batch_results_report_cached_tokens(stack: Any) -> None:
             usage["prompt_tokens_details"]["cached_tokens"]
         totals[who] = usage["prompt_tokens_details"]["cached_tokens"]
     assert totals["alpha"] > 0 and totals["beta"] == 0
+
+
+def test_n_choices_report_the_prompt_once(stack: Any) -> None:
+    """Two candidates of one prompt: the second shares the first's blocks in the very step
+    that computes them, yet the request's prompt was not served from the cache: the
+    request reports the fewest of its candidates (0), and its repeat the hit."""
+    prompt = _prompt("two choices")
+    assert _cached(stack, "alpha", prompt, n=2) == 0
+    assert _cached(stack, "alpha", prompt, n=2) > 0
