@@ -148,3 +148,13 @@ def test_sdk_sees_the_field(gateway: GatewayServer) -> None:
         h.sdk(gateway).responses.create(model="fake-model", input="x",
                                         tools=5)  # type: ignore[arg-type]
     assert caught.value.body["param"] == "tools"  # type: ignore[index]
+
+
+def test_docs_name_every_field() -> None:
+    from pathlib import Path
+
+    from gateway.openai_api.responses_body import ResponsesRequest
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "tools.md").read_text()
+    missing = [name for name in ResponsesRequest.model_fields if f"`{name}`" not in docs]
+    assert not missing, missing
