@@ -92,6 +92,13 @@ _PATH = re.compile(r"(?<![\w.~:/-])/([\w.@+-]+)(?:/[^\s'\"(),;:]*)?")
 _ROOTS = frozenset(os.listdir("/")) if os.path.isdir("/") else frozenset()
 
 
+def scrub_error(record: dict[str, Any]) -> dict[str, Any]:
+    """A job's status or event as the jobs API shows it: its ``error`` scrubbed."""
+    if isinstance(record.get("error"), str):
+        record["error"] = scrub(record["error"])
+    return record
+
+
 def scrub(message: str) -> str:
     """``message`` without a traceback or a path on this server: the log has them, the
     client is told neither how the server is laid out nor what its code looks like. A path

@@ -8,6 +8,7 @@ fake worker, the openai SDK where it applies."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -123,7 +124,7 @@ PATHS = f"cannot open {os.getcwd()}/worker/x.json nor /etc/ferry/secret"
 def test_no_error_body_carries_a_traceback_or_a_server_path(
         gateway: GatewayServer, fake: FakeWorker, error: str) -> None:
     """A worker's failure shown to a client, whole or streamed (in-band, after the
-    first token), on every OpenAI route."""
+    first token), on every OpenAI route and the jobs API."""
     fake.script = Script(tokens=["a", "b"], finish_reason="error", error=error,
                          error_kind="internal")
     bodies = {"/v1/chat/completions": {"model": "fake-model", "messages": h.MESSAGES},
@@ -137,6 +138,15 @@ def test_no_error_body_carries_a_traceback_or_a_server_path(
         with httpx.stream("POST", gateway.url + path, json={**body, "stream": True},
                             timeout=15) as streamed:
             seen.append(streamed.read().decode())
+    job = h.post(gateway, "/v1/jobs", {"prompt": "x", "stream": False}).json()["id"]
+    for _ in range(100):  # the jobs API shows the job's error, and its events
+        status = httpx.get(f"{gateway.url}/v1/jobs/{job}", timeout=15)
+        if status.json()["state"] == "failed":
+            break
+        time.sleep(0.05)
+    seen.append(status.text)
+    seen.append(httpx.get(f"{gateway.url}/v1/jobs/{job}/events", timeout=15).text)
+    assert "boom" in seen[-1] or "cannot open" in seen[-1]
     for text in seen:
         assert "Traceback" not in text and 'File "' not in text, text
         assert os.getcwd() not in text and "/etc/" not in text, text
