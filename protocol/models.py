@@ -30,7 +30,8 @@ version 5 the prompt controls (chat template switches and kwargs, ``suffix``;
 ``truncate_prompt_tokens``, ``bad_words``, ``allowed_token_ids``) and ``stop_reason``,
 version 6 tool calls (``structured_output.tools``; a chat message's ``tool_calls``,
 ``tool_call_id`` and ``name``), version 7 the prefix cache's partition (``cache_salt``,
-``cache_scope``; ``protocol.cache_scope``) and ``Usage.cached_tokens``: older messages are
+``cache_scope``; ``protocol.cache_scope``), ``Usage.cached_tokens`` and the tools a call
+may name (``ToolCalls.allowed``, OpenAI's ``allowed_tools``): older messages are
 still read, and mean the same."""
 
 SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5, 6, PROTOCOL_VERSION})

@@ -125,8 +125,8 @@ class Formatter:
             lp = chat_content(entries_of(events), self.shape.token_ids_as_text) \
                 if any(e.logprobs is not None for e in events) else None
             message = {"role": "assistant", **message_fields(
-                echo + text, self.shape.tools, reason == "length")}
-            if message.get("tool_calls") and reason == "stop":
+                echo + text, self.shape.tools, _cut(reason, stop_reason))}
+            if message.get("tool_calls") and reason == "stop" and stop_reason is None:
                 reason = "tool_calls"
             return {"index": index, "message": message,
                     "logprobs": lp, "finish_reason": reason, "stop_reason": stop_reason}
@@ -247,8 +247,9 @@ class Formatter:
         if index in self._tools:  # tools: what was held back, then the reason
             tools = self._tools[index]
             rest = b"".join(sse(self._chunk(index, d))
-                            for d in tools.finish(reason == "length"))
-            reason = "tool_calls" if tools.has_calls and reason == "stop" else reason
+                            for d in tools.finish(_cut(reason, stop_reason)))
+            if tools.has_calls and reason == "stop" and stop_reason is None:
+                reason = "tool_calls"
         chunk = self._chunk(index, delta, finish_reason=reason)
         chunk["choices"][0]["stop_reason"] = stop_reason
         return rest + sse(self._with_usage(p, chunk))
@@ -300,6 +301,11 @@ class Formatter:
         cached = summed([s.cached_tokens for s in self._prompts])
         return sse({**self._envelope(self.obj, []),
                     "usage": usage_body(prompt, completion, cached)})
+
+
+def _cut(reason: str | None, stop_reason: StopReason | None) -> bool:
+    """Whether an output ended before its grammar did: ``max_tokens`` or a stop string."""
+    return reason == "length" or stop_reason is not None
 
 
 def _choice_content(

@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from gateway.admission import require_api_key
 from gateway.body import parse_json, run_sized, validate
-from gateway.errors import APIError, unavailable
+from gateway.errors import APIError, scrub_error, unavailable
 from gateway.openai_api.schemas import JobCreate
 from gateway.queue_client import QueueClient
 from gateway.routes.openai import body_schema, get_queue, get_served
@@ -83,7 +83,8 @@ async def create_job(http: Request, queue: QueueClient = Depends(get_queue)) -> 
 async def get_job(job_id: str, http: Request,
                   queue: QueueClient = Depends(get_queue)) -> dict[str, Any]:
     status = await _status_or_404(queue, _own(http, job_id), job_id)
-    return {"id": job_id, "object": "job", **status.model_dump(mode="json", exclude=_INTERNAL),
+    return {"id": job_id, "object": "job",
+            **scrub_error(status.model_dump(mode="json", exclude=_INTERNAL)),
             "request_id": job_id, "links": _links(job_id)}
 
 
@@ -176,8 +177,8 @@ async def _events(sub: AsyncSubscription, queue: QueueClient, deadline: float,
             if left <= 0:
                 return
             events = await sub.next_events(min(left, queue.settings.keepalive_s))
-            yield b"".join(sse({**e.model_dump(mode="json", exclude_none=True,
-                                               exclude=_INTERNAL),
+            yield b"".join(sse({**scrub_error(e.model_dump(mode="json", exclude_none=True,
+                                                           exclude=_INTERNAL)),
                                 "request_id": job_id}, event_id=e.seq)
                            for e in events) if events else PING
     except (RedisError, OSError, ProtocolError) as exc:
