@@ -27,7 +27,6 @@ producer runs another's adapter, nor learns whether it exists.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -36,17 +35,21 @@ from typing import Any
 import structlog
 
 from protocol.lora import LoraRecord, public_name, read_adapters, register_adapter
-from protocol.lora_paths import AdapterPathError, confine, scrub
+from protocol.lora_paths import confine
 from protocol.tenancy import DEFAULT_TENANT, SEPARATOR, tenant_of_id
-from worker.engine.lora.adapter import LoraAdapter, LoraError
+from worker.engine.lora.adapter import LoraAdapter
 from worker.engine.lora.engine_hooks import UnknownAdapter
 from worker.engine.lora.manager import LoraManager
+from worker.service.lora_errors import Failure, reason_of, unavailable
 from worker.service.redis_io import TRANSIENT_ERRORS, Backoff, WorkerSettings, recover
 
 log = structlog.get_logger("ferry.worker.lora")
 
 HEARTBEAT_NAMES = 16
 """Adapter names a heartbeat lists (``lora_adapters``); ``lora_adapters_loaded`` counts all."""
+RETRY_S = 30.0
+"""A registration that failed to load is tried again after this long (the files may have
+come back); until then its requests get the failure at once, without reading files."""
 
 
 class LoraSync:
@@ -65,7 +68,9 @@ class LoraSync:
             manager.roots = settings.lora_roots  # check_lora reads them too
         self._changes: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._versions: dict[str, str] = {}  # sync thread: the registrations loaded or queued
-        self._failed: dict[str, str] = {}  # name -> the registration that failed (logged once)
+        # name -> the registration that failed to load, why and when (both threads write
+        # single entries; a request finds the reason here instead of reading files again)
+        self._failed: dict[str, Failure] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ferry-lora-sync", daemon=True)
         self._loop_redis: Any = None  # the engine loop's own client (a registry miss)
@@ -122,11 +127,12 @@ class LoraSync:
 
     def reconcile(self, records: dict[str, LoraRecord]) -> None:
         """Queue the loads and drops that make this worker's adapters equal ``records``;
-        an entry that cannot be loaded is logged once and skipped."""
+        an entry that cannot be loaded is logged once per registration, skipped, and tried
+        again every ``RETRY_S``."""
         assert self.manager is not None
         for name, record in records.items():
             version = record.version
-            if self._versions.get(name) == version or self._failed.get(name) == version:
+            if self._versions.get(name) == version or self._failing(name, version):
                 continue
             if name not in self._versions and self._modules.get(name) == record.path:
                 self._versions[name] = version  # installed at start from the command line
@@ -134,17 +140,33 @@ class LoraSync:
             try:
                 adapter = self._read(name, record)
             except Exception as exc:  # any entry at all: the thread goes on
-                self._failed[name] = version
-                log.error("lora_adapter_load_failed", adapter=name,
-                          error=_reason(exc, record.path))
+                self._failure(name, version, exc, record.path)
                 continue
+            self._failed.pop(name, None)
             self._versions[name] = version
             self._changes.put(("add", (adapter, version)))
         for name in [n for n in self._versions if n not in records]:
             del self._versions[name]
             self._changes.put(("remove", name))
-        for name in [n for n in self._failed if n not in records]:
-            del self._failed[name]
+        for name in [n for n in list(self._failed) if n not in records]:
+            self._failed.pop(name, None)
+
+    def _failing(self, name: str, version: str) -> Failure | None:
+        """The recent failure of registration ``version`` of ``name``, if any."""
+        failed = self._failed.get(name)
+        if failed is None or failed.version != version:
+            return None
+        return failed if time.monotonic() - failed.at < RETRY_S else None
+
+    def _failure(self, name: str, version: str, exc: BaseException, path: str) -> Failure:
+        """Remember why ``name`` failed (logged the first time for a registration)."""
+        reason = reason_of(exc, path)
+        previous = self._failed.get(name)
+        if previous is None or previous.version != version:
+            log.error("lora_adapter_load_failed", adapter=name, error=reason)
+        failed = Failure(version, reason, time.monotonic())
+        self._failed[name] = failed
+        return failed
 
     def _read(self, name: str, record: LoraRecord) -> LoraAdapter:
         """Load ``record``'s files, from inside the roots unless the operator's command
@@ -214,10 +236,14 @@ class LoraSync:
         if self.manager is None:
             raise UnknownAdapter(f"model: LoRA adapter {shown!r} cannot run on this worker: "
                                  "LoRA is not enabled (FERRY_ENABLE_LORA=1)", "lora_disabled")
-        try:
-            self._install(self._read(model, record), record.version)
-        except Exception as exc:
-            raise _unavailable(model, shown, exc, record.path) from None
+        failed = self._failing(model, record.version)
+        if failed is None:
+            try:
+                self._install(self._read(model, record), record.version)
+            except Exception as exc:
+                failed = self._failure(model, record.version, exc, record.path)
+        if failed is not None:
+            raise unavailable(model, shown, failed.reason)
         self._loaded_changed()
         return self._cached(model, shown)
 
@@ -228,7 +254,8 @@ class LoraSync:
         try:
             return self.manager.adapter(model)
         except Exception as exc:
-            raise _unavailable(model, shown, exc, self.manager.cache.paths.get(model)) from None
+            reason = reason_of(exc, self.manager.cache.paths.get(model))
+            raise unavailable(model, shown, reason) from None
 
     def _registered(self, model: str) -> LoraRecord | None:
         """The registry's record of ``model``; a label it lacked is not asked again for
@@ -249,24 +276,3 @@ class LoraSync:
 
     def loaded(self) -> list[str]:
         return self.manager.adapters() if self.manager is not None else []
-
-
-def _reason(exc: BaseException, path: str | None) -> str:
-    """What went wrong, for a log line or a client, without the adapter's path."""
-    if not isinstance(exc, (LoraError, AdapterPathError)):
-        return f"its files cannot be read ({type(exc).__name__})"
-    try:
-        real = os.path.realpath(path) if path else None
-    except (OSError, ValueError):
-        real = None
-    return scrub(str(exc), path, real)
-
-
-def _unavailable(model: str, shown: str, exc: BaseException, path: str | None
-                 ) -> UnknownAdapter:
-    """A registered adapter that cannot be read here: the request's clear refusal (under
-    the name its caller knows)."""
-    reason = _reason(exc, path).replace(repr(model), repr(shown))
-    log.warning("lora_adapter_unavailable", adapter=shown, error=reason)
-    return UnknownAdapter(f"model: LoRA adapter {shown!r} cannot be loaded on this worker: "
-                          f"{reason}", "adapter_unavailable")
