@@ -139,6 +139,15 @@ def test_check_lora_opens_only_the_roots_and_refuses_alike(
         for path in (root / "sql", root / "link-in"):  # a symlink that stays inside is fine
             reply = _check_lora(clean, str(path))
             assert reply.status == 200 and reply.body["rank"] == 8, reply
+        deep = root / "deep-check"  # a config that breaks the JSON parser: a 400, no 500
+        shutil.copytree(root / "sql", deep)
+        (deep / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+        try:
+            reply = _check_lora(clean, str(deep))
+        finally:
+            shutil.rmtree(deep)
+        assert (reply.status, reply.param) == (400, "lora_path"), reply
+        assert str(root) not in (reply.error or ""), reply
     with _worker(checkpoint, redis_server.url, ()):  # no roots: no loading by path at all
         reply = _check_lora(clean, str(root / "sql"))
         assert (reply.status, reply.error) == (400, NOT_ALLOWED)
