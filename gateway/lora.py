@@ -121,8 +121,11 @@ class LoraAdapters:
         if plain == base or plain in await self.served.base_names(fresh=True):
             raise APIError(400, f"lora_name: {name!r} is the name of a served base model",
                            param="lora_name")
-        if not replace and key in await self.served.adapters(fresh=True):
+        records = await self.served.adapters(fresh=True)
+        if not replace and key in records:
             raise _already_loaded(name)
+        if key not in records and _count(records, key, base) >= limit:
+            raise _full(limit, base)  # before a worker spends a load on it
         try:
             await self.tokenizer.ask(base, "check_lora", lora_name=plain, lora_path=path)
         except APIError as exc:
@@ -136,10 +139,7 @@ class LoraAdapters:
         if outcome == "exists":
             raise _already_loaded(name)  # another gateway registered it meanwhile
         if outcome == "full":
-            raise APIError(403, f"lora_name: this namespace has {limit} LoRA adapters of "
-                           f"{base!r} loaded (the limit); unload one first",
-                           param="lora_name", type_="permission_error",
-                           code="lora_adapter_limit")
+            raise _full(limit, base)
         self.served.forget_adapters()
         log.info("lora_adapter_loaded", adapter=key, parent=base, source=source,
                  outcome=outcome, tenant=tenant.id)
@@ -196,6 +196,18 @@ class LoraAdapters:
                                f"LoRA adapter: {exc.message}", param="model") from None
             raise
         return True
+
+
+def _count(records: dict[str, LoraRecord], key: str, base: str) -> int:
+    """How many adapters of ``base`` ``key``'s namespace holds (the script's count)."""
+    owner = owner_of(key)
+    return sum(r.owner == owner and r.parent == base for r in records.values())
+
+
+def _full(limit: int, base: str) -> APIError:
+    return APIError(403, f"lora_name: this namespace has {limit} LoRA adapters of {base!r} "
+                    "loaded (the limit); unload one first", param="lora_name",
+                    type_="permission_error", code="lora_adapter_limit")
 
 
 def _already_loaded(name: str) -> APIError:
