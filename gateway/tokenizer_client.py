@@ -21,7 +21,7 @@ import structlog
 from gateway.errors import APIError
 from gateway.served_models import ServedModels
 from gateway.settings import GatewaySettings
-from gateway.tenancy.tenants import Tenant
+from gateway.tenancy.tenants import DEFAULT, Tenant
 from protocol.aclient import AsyncFerryClient
 from protocol.codec import ProtocolError
 from protocol.tokenizer import (
@@ -48,7 +48,7 @@ class TokenizerClient:
         """The response body of ``op`` (``tokenize``, ``detokenize``, ``info``,
         ``check_lora``) on ``model`` (None: the served one; a LoRA adapter: its base
         model's tokenizer), answered by one of its workers; ``APIError`` otherwise."""
-        name = await self.served.base_of(await self.served.resolve(model, tenant))
+        name = (await self.served.route(model, tenant or DEFAULT)).base
         await self._require_worker(name)
         timeout = self.settings.tokenizer_timeout_s
         request = TokenizerRequest(op=op, reply_id=uuid.uuid4().hex,  # type: ignore[arg-type]

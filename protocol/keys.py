@@ -185,6 +185,12 @@ class Keys:
         load what it holds and drop what leaves it."""
         return f"{self.prefix}:lora:{{{model_tag(model)}}}:adapters"
 
+    def lora_models(self) -> str:
+        """SET: the served models that have (or had) registered LoRA adapters, so a gateway
+        that knows no served model yet (none configured, no worker live) still finds the
+        adapters a request names."""
+        return f"{self.prefix}:lora:models"
+
     def tokenizer_reply(self, model: str, reply_id: str) -> str:
         """LIST: the one msgpack TokenizerReply to request ``reply_id`` (short TTL); in the
         slot of the model's request list."""

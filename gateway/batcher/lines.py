@@ -36,6 +36,7 @@ from gateway.settings import GatewaySettings
 from gateway.sse import json_bytes
 from protocol.batch_progress import LineResult
 from protocol.batches import BatchRecord, line_request_id
+from protocol.lora import public_name
 from protocol.models import GenerateRequest, TokenEvent
 from protocol.tenancy import DEFAULT_TENANT, scoped_id
 
@@ -89,7 +90,9 @@ class LinePlan:
 
     @property
     def model(self) -> str:
-        return self.requests[0].model or ""
+        """The model as the batch's owner named it (an adapter: not its registry key)."""
+        first = self.requests[0]
+        return public_name(first.tenant, first.model or "")
 
 
 def parse_line(raw: bytes, index: int, endpoint: str, max_bytes: int) -> BatchLine | None:
@@ -170,7 +173,7 @@ async def plan_line(line: BatchLine, batch_id: str, endpoint: str, settings: Gat
         body = {**line.body, "request_id": line_request_id(batch_id, line.index)}
         requests, shape = validate(SCHEMAS[endpoint], body).to_generate_requests(settings)
         who = served.tenant_of(owner)
-        model = await served.resolve(requests[0].model, who)
+        model = (await served.route(requests[0].model, who)).key
         for request in requests:
             check_limits(request, settings)
     except APIError as exc:

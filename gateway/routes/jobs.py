@@ -31,6 +31,7 @@ from gateway.tenancy.principal import job_id as job_id_of
 from gateway.tenancy.principal import scoped, tenant
 from protocol.aclient import AsyncSubscription
 from protocol.codec import ProtocolError
+from protocol.lora import public_name
 from protocol.models import ID_PATTERN, GenerateRequest, JobStatus
 
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)])
@@ -69,8 +70,9 @@ async def create_job(http: Request, queue: QueueClient = Depends(get_queue)) -> 
 
     plain = await run_sized(await http.body(), prepare)
     who = tenant(http)
-    if plain.model is not None:
-        await get_served(http).resolve(plain.model, who)
+    if plain.model is not None:  # an adapter travels as its registry key
+        route = await get_served(http).route(plain.model, who)
+        plain = plain.model_copy(update={"model": route.key})
     [request] = scoped(who, [plain])
     await queue.admit([request], who)
     await queue.enqueue(request)
@@ -83,9 +85,11 @@ async def create_job(http: Request, queue: QueueClient = Depends(get_queue)) -> 
 async def get_job(job_id: str, http: Request,
                   queue: QueueClient = Depends(get_queue)) -> dict[str, Any]:
     status = await _status_or_404(queue, _own(http, job_id), job_id)
-    return {"id": job_id, "object": "job",
-            **scrub_error(status.model_dump(mode="json", exclude=_INTERNAL)),
-            "request_id": job_id, "links": _links(job_id)}
+    body = status.model_dump(mode="json", exclude=_INTERNAL)
+    if status.model is not None:  # an adapter's registry key: the caller's name for it
+        body["model"] = public_name(tenant(http).id, status.model)
+    return {"id": job_id, "object": "job", **scrub_error(body), "request_id": job_id,
+            "links": _links(job_id)}
 
 
 @router.delete("/{job_id}", status_code=202)

@@ -141,7 +141,8 @@ class JobTable:
         elif admission.prompt_text is not None:
             job.prompt_fields["prompt_text"] = admission.prompt_text
         try:
-            lora = self.adapters.adapter_for(request.model) if self.adapters else None
+            lora = self.adapters.adapter_for(request.model, request.tenant) \
+                if self.adapters else None
             self.engine.add_tokens(
                 rid, admission.prompt_token_ids, params, priority=request.priority,
                 prior_by_choice=admission.prior,
@@ -149,7 +150,8 @@ class JobTable:
                 cache_scope=cache_partition(request.tenant, request.cache_scope,
                                             request.cache_salt),
             )
-        except UnknownAdapter as exc:  # registered, but it cannot run here
+        except UnknownAdapter as exc:  # not the tenant's, or it cannot run here
+            job.error_code, job.error_param = exc.code, "model"
             self._finish_now(job, "error", str(exc), "invalid_request")
             return
         except Exception as exc:  # a bug must fail the request, not the worker

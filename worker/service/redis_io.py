@@ -89,6 +89,9 @@ class WorkerSettings:
     # #28: text, events and their fenced writes in a second process (output_service.py),
     # off the engine loop's GIL; False: the engine loop makes them (one process)
     output_process: bool = True
+    # Directories runtime LoRA loads may read (FERRY_LORA_ROOTS, else FERRY_LORA_DIR; none:
+    # only the worker's own --lora adapters load): protocol/lora_paths.py
+    lora_roots: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not re.match(ID_PATTERN, self.worker_id):

@@ -103,7 +103,7 @@ class WorkerService:
             dead_lettered=self.dead.count,
             outbox_depth=self.outbox.depth + self.table.outbox_depth,
             draining=self.draining, metrics_port=self.metrics_port,
-        )) | ({"lora_adapters": self.lora.names} if self.lora.manager is not None else {}) \
+        )) | self.lora.heartbeat \
             | ({"spec_fleet_published": self.drafts.published,
                 "spec_fleet_received": self.drafts.received} if self.drafts else {})
 
