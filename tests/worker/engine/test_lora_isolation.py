@@ -1,0 +1,165 @@
+"""One row's adapter never reaches another row: an adapter whose weights hold a NaN or an
+Inf, installed straight into a slot (past the load check), leaves every other row's
+logits bit for bit what they are beside a clean adapter of the same shapes.
+
+The default model through the ``Engine``, fp32 on CPU, on each of its LoRA paths: the
+lean CPU decode and the module path (every slot in use at once for small steps), one
+matmul pair per adapter (``WIDE_MAX_TOKENS`` set to 0), and the static decode path
+(the Triton kernels under the interpreter). Requests: the base model, a clean adapter,
+and the bad adapter (or, for the reference run, its clean twin) in the slot beside the
+clean one's, so the CPU's every-slot product spans it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from protocol.sampling import SamplingParams
+from tests.worker.engine.lora_adapters import write_adapter
+from worker import Engine, EngineConfig
+from worker.engine.lora import metadata
+from worker.engine.lora.adapter import LoraAdapter
+from worker.engine.lora.slots import slot_key
+from worker.engine.lora.targets import BaseTargets, base_targets
+from worker.engine.text_output import TextOutputs
+from worker.models import default_model_path
+
+PROMPTS = {"base": [5, 17, 300, 41, 9], "clean": [9] * 11, "bad": [1000, 2, 3, 77]}
+STEPS = 6
+
+
+@pytest.fixture(autouse=True)
+def _free_engines() -> Iterator[None]:
+    """Engines hold reference cycles: free each test's KV pools before the next test's."""
+    yield
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[BaseTargets, str, str]:
+    """(the base's targets, a clean adapter, the bad one's clean twin): their paths."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("lora-isolation")
+    path = default_model_path()
+    base = base_targets(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), path)
+    return (base, write_adapter(root / "clean", base, rank=8, seed=1),
+            write_adapter(root / "twin", base, rank=16, seed=2))
+
+
+def poisoned(adapter: LoraAdapter, value: float) -> LoraAdapter:
+    """``adapter`` with ``value`` in one entry of every A and every B."""
+    weights = {}
+    for module, (a, b) in adapter.weights.items():
+        a, b = a.clone(), b.clone()
+        a[1, 3] = value
+        b[2, 1] = value
+        weights[module] = (a, b)
+    return dataclasses.replace(adapter, name="bad", weights=weights)
+
+
+def _engine(adapters: tuple[BaseTargets, str, str], value: float | None, lean: bool
+            ) -> Engine:
+    """The engine with ``clean`` registered and ``bad`` installed: the twin's weights
+    with ``value`` in them (the twin itself for ``None``)."""
+    _, clean, twin = adapters
+    engine = Engine(EngineConfig.create(
+        default_model_path(), device="cpu", block_size=16, num_blocks=64, lean_decode=lean,
+        max_loras=3, max_lora_rank=16, lora_modules=[f"clean={clean}"]))
+    assert engine.lora is not None
+    twin_adapter = engine.lora.load("bad", twin)
+    engine.lora.install(twin_adapter if value is None else poisoned(twin_adapter, value))
+    return engine
+
+
+def _run(engine: Engine, static: bool = False) -> tuple[dict[str, list[torch.Tensor]],
+                                                        dict[str, list[int]]]:
+    """Per request, its logits at every step and its tokens. The adapters take their slots
+    first, in order (clean in slot 0, bad in slot 1), then the base model's row joins."""
+    runner = engine.runner
+    if static:
+        runner.use_static_decode()
+    rows: dict[str, list[torch.Tensor]] = {rid: [] for rid in PROMPTS}
+    execute = runner.execute
+
+    def recording(sched: Any, *args: Any, **kw: Any) -> torch.Tensor:
+        out = execute(sched, *args, **kw)
+        for request, logits in zip(sched.sampling, out, strict=True):
+            rows[request.request_id].append(logits.clone())
+        return out
+
+    runner.execute = recording  # type: ignore[method-assign]
+    assert engine.lora is not None
+    engine.lora.attach("pin-clean", "clean")
+    engine.lora.attach("pin-bad", "bad")
+    engine.lora.detach("pin-clean")
+    engine.lora.detach("pin-bad")
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(rid, prompt, params, lora_name=None if rid == "base" else rid)
+    tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
+    while engine.has_unfinished_requests():
+        for out in TextOutputs.of(engine).step():
+            tokens[out.request_id] += out.new_token_ids
+    lora = engine.lora
+    assert [lora.slots.slot_of(slot_key(lora.adapter(n))) for n in ("clean", "bad")] == [0, 1]
+    return rows, tokens
+
+
+def _assert_isolated(got: tuple[dict[str, list[torch.Tensor]], dict[str, list[int]]],
+                     want: tuple[dict[str, list[torch.Tensor]], dict[str, list[int]]]
+                     ) -> None:
+    """The base model's and the clean adapter's logits bit for bit, and their tokens."""
+    for rid in ("base", "clean"):
+        assert got[1][rid] == want[1][rid], rid
+        assert len(got[0][rid]) == len(want[0][rid]) == STEPS
+        for step, (g, w) in enumerate(zip(got[0][rid], want[0][rid], strict=True)):
+            assert torch.equal(g, w), f"{rid}, step {step}: max diff {(g - w).abs().max()}"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")],
+                         ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("path", ["lean", "modules", "groups"])
+def test_a_bad_adapter_changes_no_other_row(adapters: Any, value: float, path: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "groups":
+        monkeypatch.setattr(metadata, "WIDE_MAX_TOKENS", 0)
+    lean = path == "lean"
+    want = _run(_engine(adapters, None, lean))
+    got = _run(_engine(adapters, value, lean))
+    _assert_isolated(got, want)
+    assert got[1]["bad"] != want[1]["bad"] or not all(
+        torch.equal(g, w) for g, w in zip(got[0]["bad"], want[0]["bad"], strict=True))
+
+
+def test_a_bad_adapter_changes_no_other_row_on_the_static_path(adapters: Any) -> None:
+    """The decode graphs' path: a static slot buffer, the Triton kernels (interpreted)."""
+    want = _run(_engine(adapters, None, False), static=True)
+    got = _run(_engine(adapters, float("nan"), False), static=True)
+    _assert_isolated(got, want)
+
+
+def test_the_bad_adapter_is_refused_at_load(adapters: Any, tmp_path: Path) -> None:
+    """The same weights in files: the load check refuses them, naming the tensor."""
+    from safetensors.torch import save_file
+
+    from worker.engine.lora.adapter import LoraError, load_adapter
+
+    base, _, twin = adapters
+    bad = poisoned(load_adapter("bad", twin, base, 16), float("nan"))
+    root = tmp_path / "bad"
+    root.mkdir()
+    (root / "adapter_config.json").write_text(Path(twin, "adapter_config.json").read_text())
+    save_file({f"base_model.model.{m}.lora_{ab}.weight": t
+               for m, pair in bad.weights.items() for ab, t in zip("AB", pair, strict=True)},
+              str(root / "adapter_model.safetensors"))
+    with pytest.raises(LoraError, match="not finite") as info:
+        load_adapter("bad", root, base, 16)
+    assert str(tmp_path) not in str(info.value)
