@@ -163,3 +163,76 @@ def test_the_bad_adapter_is_refused_at_load(adapters: Any, tmp_path: Path) -> No
     with pytest.raises(LoraError, match="not finite") as info:
         load_adapter("bad", root, base, 16)
     assert str(tmp_path) not in str(info.value)
+
+
+def _sequential(engine: Engine) -> dict[str, list[int]]:
+    """The bad adapter's request runs alone and finishes; then two base-model requests
+    run on its freed blocks (a pool of four: every block is reused)."""
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    engine.add_request("bad", list(range(100, 120)), params, lora_name="bad")
+    while engine.has_unfinished_requests():
+        TextOutputs.of(engine).step()
+    tokens: dict[str, list[int]] = {"short": [], "long": []}
+    engine.add_request("short", PROMPTS["base"], params)
+    engine.add_request("long", [7] * 40, params)
+    while engine.has_unfinished_requests():
+        for out in TextOutputs.of(engine).step():
+            tokens[out.request_id] += out.new_token_ids
+    return tokens
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_a_bad_adapters_freed_blocks_reach_no_later_request(adapters: Any, backend: str
+                                                            ) -> None:
+    """The bad adapter's rows write NaN keys and values into their KV blocks; requests
+    that later take those blocks (their tails past each row's length still hold the
+    leftovers) get the tokens they get after its clean twin, on each CPU attention
+    backend (the C++ kernel; the torch fallback's masked SDPA)."""
+    def run(value: float | None) -> dict[str, list[int]]:
+        _, clean, twin = adapters
+        engine = Engine(EngineConfig.create(
+            default_model_path(), device="cpu", block_size=16, num_blocks=4,
+            attention_backend=backend, max_loras=2, max_lora_rank=16,
+            lora_modules=[f"clean={clean}"]))
+        assert engine.lora is not None
+        twin_adapter = engine.lora.load("bad", twin)
+        engine.lora.install(twin_adapter if value is None else poisoned(twin_adapter, value))
+        return _sequential(engine)
+
+    assert run(float("nan")) == run(None)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter
+@pytest.mark.parametrize("impl", ["sdpa", "reference", "reference-softcap", "cpu-kernel",
+                                  "triton"])
+def test_decode_attention_never_reads_leftovers(impl: str) -> None:
+    """Every decode attention path, with NaN in every cache position no row may see (the
+    tails of rows' last blocks, a block no row holds that padded tables point at): each
+    row's output bit for bit what it is with finite leftovers."""
+    from kernels import cpu_attention, cpu_decode_attention, reference
+    from kernels.decode_attention import paged_decode_attention as triton_decode
+
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache = (torch.randn(6, 16, 2, 32, generator=gen) for _ in range(2))
+    tables = torch.tensor([[0, 5, 5], [1, 2, 5], [3, 4, 5]], dtype=torch.int32)  # 5: freed
+    lens = torch.tensor([5, 19, 33], dtype=torch.int32)
+    q = torch.randn(3, 4, 32, generator=gen)
+
+    def attend(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if impl == "sdpa":
+            return cpu_attention.paged_decode_sdpa(q, k, v, tables, lens, 0.2, 33)
+        if impl.startswith("reference"):
+            cap = 30.0 if impl.endswith("softcap") else None
+            return reference.paged_decode_attention(q, k, v, tables, lens, 0.2,
+                                                    logits_soft_cap=cap)
+        if impl == "cpu-kernel":
+            return cpu_decode_attention.paged_decode_attention(q, k, v, tables, lens, 0.2)
+        return triton_decode(q, k, v, tables, lens, 0.2)
+
+    want = attend(k_cache, v_cache)
+    seen = torch.zeros(6, 16, dtype=torch.bool)
+    for row, length in zip(tables.tolist(), lens.tolist(), strict=True):
+        for pos in range(length):
+            seen[row[pos // 16], pos % 16] = True
+    k_cache[~seen], v_cache[~seen] = float("nan"), float("nan")
+    assert torch.equal(attend(k_cache, v_cache), want)
