@@ -8,6 +8,10 @@ matmul pair per adapter (``WIDE_MAX_TOKENS`` set to 0), and the static decode pa
 (the Triton kernels under the interpreter). Requests: the base model, a clean adapter,
 and the bad adapter (or, for the reference run, its clean twin) in the slot beside the
 clean one's, so the CPU's every-slot product spans it.
+
+The bad adapter's rows also write NaN keys and values into their KV blocks: requests
+that take those blocks after it finished must not read them, on either CPU attention
+backend, and no decode attention path may read a cache position a row does not own.
 """
 
 from __future__ import annotations
@@ -236,3 +240,27 @@ def test_decode_attention_never_reads_leftovers(impl: str) -> None:
             seen[row[pos // 16], pos % 16] = True
     k_cache[~seen], v_cache[~seen] = float("nan"), float("nan")
     assert torch.equal(attend(k_cache, v_cache), want)
+
+
+def test_sampled_rows_beside_a_bad_adapter(adapters: Any) -> None:
+    """Seeded sampling with top-k, top-p, penalties and logprobs: the bad adapter's NaN
+    logits stay in its own row of the sampler (its request finishes too), every other
+    row's tokens and logprobs are those it gets beside the clean twin."""
+    def run(value: float | None) -> dict[str, list[Any]]:
+        engine = _engine(adapters, value, True)
+        got: dict[str, list[Any]] = {}
+        for rid in PROMPTS:
+            params = SamplingParams(temperature=0.9, top_p=0.8, top_k=40, seed=5, logprobs=3,
+                                    max_tokens=STEPS, ignore_eos=True, presence_penalty=0.5,
+                                    repetition_penalty=1.2)
+            engine.add_request(rid, PROMPTS["base"], params,
+                               lora_name=None if rid == "base" else rid)
+            got[rid] = []
+        while engine.has_unfinished_requests():
+            for out in TextOutputs.of(engine).step():
+                got[out.request_id].append((out.new_token_ids, out.logprobs))
+        return got
+
+    want, got = run(None), run(float("nan"))
+    assert got["base"] == want["base"] and got["clean"] == want["clean"]
+    assert len(got["bad"]) == STEPS

@@ -7,7 +7,8 @@ the token indices sorted by slot, computed on the device (``kernels.lora.lora_se
 On a CPU it holds each slot's tokens (a slice when they are contiguous, as a prefill
 chunk's are: no gather) and, for a step of at most ``WIDE_MAX_TOKENS`` tokens, the
 ``wide`` scale matrix: ``[T, n·R]`` over the slots from the lowest to the highest in use,
-each token's own slot's first ``rank`` columns holding its scale and every other entry 0.
+each token's own slot's first ``rank`` columns holding its scale and every other entry 0,
+with ``wide_own`` marking those columns (the layer selects them: ``layer._apply_wide``).
 A projection then costs three ops whatever the mix of adapters (``layer.py``): per-group
 gathers and matmuls cost ~10 small torch calls per adapter, which on a decode step of 16
 rows over 4 adapters more than doubled a projection's time.
