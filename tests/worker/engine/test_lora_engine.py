@@ -217,7 +217,7 @@ def test_bad_module_spec_and_bad_adapter_at_start(setup, tmp_path: Path) -> None
     path, adapters = setup
     with pytest.raises(ValueError, match="NAME=PATH"):
         EngineConfig.create(path, lora_modules="all8")
-    with pytest.raises(LoraError, match="not a directory"):
+    with pytest.raises(LoraError, match="adapter files are missing or unreadable"):
         _engine(path, {"ghost": (str(tmp_path / "missing"), 1.0)})
 
 

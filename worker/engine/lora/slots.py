@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import torch
 
-from worker.engine.lora.adapter import LoraAdapter
+from worker.engine.lora.adapter import LoraAdapter, all_finite
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.targets import BaseTargets
 
@@ -55,6 +55,10 @@ class LoraSlots:
         self.scales = [0.0] * n  # host copy of ``scale``
         self.ranks = [0] * n  # host copy: the CPU path multiplies only the used rank
         self.names: list[str | None] = [None] * n  # each slot's ``slot_key``
+        # whether each slot's rows hold finite numbers only: the CPU's every-slot product
+        # reads them for other slots' tokens too (layer.py); on CUDA, where the kernels
+        # read a token's own slot alone, they are not checked
+        self.finite = [True] * n
         self.pins = [0] * n
         self._recent: OrderedDict[int, None] = OrderedDict((s, None) for s in range(n))
         self._slot_of: dict[str, int] = {}
@@ -124,6 +128,9 @@ class LoraSlots:
         self.scale[slot] = adapter.scale
         self.scales[slot] = adapter.scale
         self.ranks[slot] = r
+        if self.scale.device.type != "cuda":
+            self.finite[slot] = all(all_finite(t[slot]) for t in (*self.a.values(),
+                                                                   *self.b.values()))
         key = slot_key(adapter)
         self.names[slot] = key
         self._slot_of[key] = slot
