@@ -110,7 +110,10 @@ def _install_docs(app: FastAPI) -> None:
 def _install_fallback_handlers(app: FastAPI, retry_after_s: int) -> None:
     """Whatever escapes the specific handlers still gets an OpenAI-style JSON body: any
     Redis error (an unexpected reply such as LOADING or OOM) a 503, anything else a 500,
-    never Starlette's plain-text "Internal Server Error"."""
+    never Starlette's plain-text "Internal Server Error". The 500 says ``Connection:
+    close``: Starlette re-raises the error after it (for the server's log) and uvicorn then
+    closes the connection, so a client that reused it for its next request had that one
+    reset instead of answered."""
 
     async def on_redis(_: Request, exc: Exception) -> JSONResponse:
         log.warning("redis_error", error=f"{type(exc).__name__}: {exc}")
@@ -118,8 +121,8 @@ def _install_fallback_handlers(app: FastAPI, retry_after_s: int) -> None:
 
     async def on_anything(_: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled_error", error=f"{type(exc).__name__}: {exc}")
-        return APIError(500, f"internal error: {type(exc).__name__}", type_="server_error"
-                        ).response()
+        return APIError(500, f"internal error: {type(exc).__name__}", type_="server_error",
+                        headers={"Connection": "close"}).response()
 
     app.add_exception_handler(RedisError, on_redis)
     app.add_exception_handler(Exception, on_anything)
