@@ -40,7 +40,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.queue = QueueClient(client, settings, metrics, app.state.tenants)
         app.state.served = ServedModels(client, settings.served_model_name)
         app.state.served.tenants = app.state.tenants
-        app.state.tokenizer = TokenizerClient(client, app.state.served, settings)
+        app.state.tokenizer = TokenizerClient(client, app.state.served, settings, metrics)
         app.state.lora = LoraAdapters(client, app.state.served, app.state.tokenizer, settings)
         if settings.lora_dir is not None:
             app.state.served.resolver = app.state.lora.from_dir
