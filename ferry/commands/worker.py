@@ -84,6 +84,9 @@ OutputProc = Annotated[bool, _opt(
     "FERRY_OUTPUT_PROCESS", "Detokenize, build events and write them to Redis in a second "
     "process, off the engine's GIL (default); --no-output-process: in the engine's own.",
     "--output-process/--no-output-process")]
+OutputHangS = Annotated[float, _opt(
+    "FERRY_OUTPUT_HANG_S", "An output process that answers nothing for this long (stopped, "
+    "deadlocked) is killed and the worker exits 71, as when it dies.")]
 
 
 def _name_for(model: str) -> str:
@@ -109,6 +112,7 @@ def worker(
     redis_wait_replicas: WaitReplicas = 1, redis_wait_timeout_ms: WaitTimeoutMs = 2000,
     lora: Lora = None, speculative: Speculative = None, spec_fleet: SpecFleet = True,
     spec_fleet_entries: SpecFleetEntries = 4096, output_process: OutputProc = True,
+    output_hang_s: OutputHangS = 5.0,
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
     from protocol.cluster import Replication
@@ -136,6 +140,7 @@ def worker(
             replication=Replication(redis_wait_replicas, redis_wait_timeout_ms),
             metrics_host=metrics_host, spec_fleet=spec_fleet,
             spec_fleet_entries=spec_fleet_entries, output_process=output_process,
+            output_hang_s=output_hang_s,
             dead_letters=DeadLetterBounds(dead_letter_max_len, dead_letter_max_age_s,
                                           dead_letter_max_payload_bytes),
         )

@@ -89,6 +89,9 @@ class WorkerSettings:
     # #28: text, events and their fenced writes in a second process (output_service.py),
     # off the engine loop's GIL; False: the engine loop makes them (one process)
     output_process: bool = True
+    # An output process whose main loop answers nothing for this long (stopped, deadlocked)
+    # is killed and the worker exits 71, as when it dies (worker/service/output_link.py)
+    output_hang_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not re.match(ID_PATTERN, self.worker_id):
@@ -104,6 +107,8 @@ class WorkerSettings:
             raise ValueError("prefetch: must be >= 1")
         if self.spec_fleet_entries < 1:
             raise ValueError("spec_fleet_entries: must be >= 1")
+        if not self.output_hang_s > 0:
+            raise ValueError("output_hang_s: must be > 0")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s: must be >= 0")
         if self.ttls.heartbeat_s < 2 * self.heartbeat_interval_s:
