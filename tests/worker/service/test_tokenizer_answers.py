@@ -5,7 +5,9 @@ process on a real Redis) tokenizing never runs on the engine loop's thread."""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import threading
 import time
 from typing import Any
@@ -133,3 +135,25 @@ def test_tokenizing_never_runs_on_the_engine_loop_thread(
             assert list(sub.events(timeout=60))[-1].is_final
         r.close()
     assert len(seen) >= 1 and running.thread.ident not in seen
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are Linux's")
+def test_the_responder_threads_yield_the_cpu_to_generation(prompts: PromptBuilder,
+                                                           tokenizer: Any) -> None:
+    """Generation comes first when the CPU is short: the responder's threads run at a
+    lower priority (nice ``NICE``) than the engine's, the rest of the process unchanged."""
+    settings = WorkerSettings(redis_url="redis://127.0.0.1:1/0", worker_id="nice")
+    responder = TokenizerResponder(settings, prompts, tokenizer, threads=2)
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    responder.start()
+    try:
+        deadline = time.monotonic() + 30
+        for thread in responder._threads:
+            assert thread.native_id is not None
+            while os.getpriority(os.PRIO_PROCESS, thread.native_id) != min(
+                    19, own + tokenizer_responder.NICE):
+                assert time.monotonic() < deadline, "the thread kept its priority"
+                time.sleep(0.01)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+    finally:
+        responder.stop()
