@@ -150,10 +150,15 @@ class TokenizerClient:
         script_keys, args = push_args(base, call.queue, entry,
                                       max(REQUEST_TTL_S, int(timeout) + 1))
         await redis.eval(PUSH_LUA, len(script_keys), *script_keys, *args)  # type: ignore[misc]
-        raw = await self._wait(keys.tokenizer_reply(name, call.id), timeout)
+        raw = None
+        try:
+            raw = await self._wait(keys.tokenizer_reply(name, call.id), timeout)
+        finally:
+            if raw is None:  # taken back (also when cancelled): nobody waits for it now,
+                with anyio.CancelScope(shield=True):  # and its slot is given back
+                    await redis.eval(TAKE_BACK_LUA, 2, script_keys[0],  # type: ignore[misc]
+                                     script_keys[1], entry, call.queue)
         if raw is None:
-            await redis.eval(TAKE_BACK_LUA, 2, script_keys[0], script_keys[1],  # type: ignore[misc]
-                             entry, call.queue)  # taken back: nobody waits for it now
             waited = self.settings.tokenizer_timeout_s
             log.warning("tokenizer_no_answer", model=name, op=request.op, timeout_s=waited)
             raise APIError(503, f"model: no worker of {name!r} answered within {waited:g}s; "
