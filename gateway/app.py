@@ -9,7 +9,7 @@ import structlog
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from redis.exceptions import RedisError
 
 from gateway.admission import BodyLimitMiddleware, require_api_key
@@ -61,6 +61,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     _install_docs(app)
     install_error_handlers(app, settings.retry_after_s)
     _install_fallback_handlers(app, settings.retry_after_s)
+    app.add_exception_handler(404, _not_served)
     app.include_router(health.router)
     app.include_router(openai.router)
     app.include_router(responses.router)
@@ -105,6 +106,26 @@ def _install_docs(app: FastAPI) -> None:
     @app.get("/redoc", include_in_schema=False, dependencies=guard)
     async def redoc() -> HTMLResponse:
         return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
+
+
+_MAX_ROUTE_CHARS = 200
+
+
+async def _not_served(request: Request, exc: Exception) -> Response:
+    """A path no route serves (``/v1/embeddings``, ``/rerank``, ``/sleep``, ...): 404 in
+    OpenAI's shape, naming the route, so a client learns this server does not offer it
+    (not that something it asked for is missing). With API keys the key is checked
+    first, as on the routes that exist: without one, no route is told from another."""
+    if "endpoint" in request.scope:  # a route raised it: its own 404
+        detail = getattr(exc, "detail", "not found")
+        return APIError(404, str(detail)).response()
+    try:
+        await require_api_key(request)
+    except APIError as refused:
+        return refused.response()
+    route = f"{request.method} {request.url.path}"[:_MAX_ROUTE_CHARS]
+    return APIError(404, f"{route}: not supported by this server", code="not_supported"
+                    ).response()
 
 
 def _install_fallback_handlers(app: FastAPI, retry_after_s: int) -> None:

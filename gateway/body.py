@@ -40,7 +40,7 @@ import anyio
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from gateway.errors import APIError
-from protocol.codec import describe_errors
+from gateway.field_errors import field_error
 
 OFFLOAD_BYTES = 64 * 1024
 CHUNK = 256  # messages per validation call
@@ -156,7 +156,7 @@ def validate(model: type[M], obj: dict[str, Any]) -> M:
         except ValidationError as exc:
             errors = [{**e, "loc": ("messages", lo + int(e["loc"][0]), *e["loc"][1:])}
                       for e in exc.errors()]
-            raise _error(errors) from None
+            raise APIError(400, *field_error(errors, model)) from None
     rest = _validate(model, {**obj, "messages": messages[:1]})
     return rest.model_copy(update={"messages": validated})
 
@@ -165,7 +165,7 @@ def _validate(model: type[M], obj: dict[str, Any]) -> M:
     try:
         return model.model_validate(obj, strict=True)
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        raise validation_error(exc, model) from None
 
 
 @functools.cache
@@ -182,16 +182,10 @@ def _list_type(annotation: Any) -> Any:
     raise TypeError(f"messages is not a list field: {annotation}")
 
 
-def validation_error(exc: ValidationError) -> APIError:
+def validation_error(exc: ValidationError, model: Any = None) -> APIError:
     """A 400 whose ``param`` is the field at fault, dotted (``messages.0.role``): its
-    location, else the field a model validator's message starts with
+    location (without pydantic's union branches, ``gateway/field_errors.py``: ``model``
+    is the type validated), else the field a model validator's message starts with
     (``"logit_bias: ..."``)."""
-    return _error(exc.errors())
-
-
-def _error(errors: Any) -> APIError:
-    message = describe_errors(errors)
-    loc = ".".join(str(p) for p in errors[0].get("loc", ())) if errors else ""
-    named = message.split(":", 1)[0]
-    param = loc or (named if named and " " not in named else None)
+    message, param = field_error(exc.errors(), model)
     return APIError(400, message, param=param)

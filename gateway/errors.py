@@ -9,6 +9,8 @@ Invalid input is a 400 with type ``invalid_request_error``, as OpenAI and vLLM a
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,8 +23,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from gateway.field_errors import field_error
 from protocol.cluster import NotReplicatedError
-from protocol.codec import ProtocolError, describe_errors
+from protocol.codec import ProtocolError
 from protocol.models import TokenEvent
 from protocol.shard_health import ShardDownError
 
@@ -76,7 +79,35 @@ class APIError(Exception):
 def error_body(
     message: str, type_: str, param: str | None, code: str | None
 ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return {"error": {"message": scrub(message), "type": type_, "param": param,
+                      "code": code}}
+
+
+# Where a traceback starts: Python's, a frame line of one, C++'s (torch: "Exception raised
+# from f at /path/x.cpp:12 (most recent call first):").
+_TRACEBACK = re.compile(r'Traceback \(most recent call last\)|\bFile "[^"\n]*", line \d+'
+                        r'|\(most recent call first\)|Exception raised from ')
+# An absolute path (not a URL's: nothing before it but a space, a quote or a bracket)
+_PATH = re.compile(r"(?<![\w.~:/-])/([\w.@+-]+)(?:/[^\s'\"(),;:]*)?")
+_ROOTS = frozenset(os.listdir("/")) if os.path.isdir("/") else frozenset()
+
+
+def scrub_error(record: dict[str, Any]) -> dict[str, Any]:
+    """A job's status or event as the jobs API shows it: its ``error`` scrubbed."""
+    if isinstance(record.get("error"), str):
+        record["error"] = scrub(record["error"])
+    return record
+
+
+def scrub(message: str) -> str:
+    """``message`` without a traceback or a path on this server: the log has them, the
+    client is told neither how the server is laid out nor what its code looks like. A path
+    counts when its first directory exists here (``/etc/...``, ``/usr/...``, the install
+    directory), so routes (``/v1/embeddings``) and the client's own paths stay."""
+    found = _TRACEBACK.search(message)
+    if found is not None:
+        message = message[:found.start()].rstrip() + " (details are in the server's log)"
+    return _PATH.sub(lambda m: "<path>" if m.group(1) in _ROOTS else m.group(0), message)
 
 
 def unavailable(exc: Exception, retry_after_s: int) -> APIError:
@@ -104,9 +135,8 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         assert isinstance(exc, RequestValidationError)
         errors = list(exc.errors())
         skip = 1 if errors and tuple(errors[0].get("loc", ()))[:1] == ("body",) else 0
-        loc = tuple(errors[0].get("loc", ()))[skip:] if errors else ()
-        param = ".".join(str(p) for p in loc) or None
-        return APIError(400, describe_errors(errors, skip_loc=skip), param=param).response()
+        message, param = field_error(errors, skip_loc=skip)
+        return APIError(400, message, param=param).response()
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

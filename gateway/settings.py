@@ -12,11 +12,13 @@ from gateway.tenancy.tenants import tenant_directory
 from protocol.cluster import Replication
 from protocol.cluster_keys import keys_for
 from protocol.keys import Keys
+from protocol.lora_paths import adapter_roots
 from protocol.shard_slots import DEFAULT_SHARDS, MAX_SHARDS
 from protocol.store import Ttls
 
 _NONE_WORDS = frozenset({"", "none", "off", "null"})
-_LIST_FIELDS = frozenset({"api_keys", "allowed_origins"})  # comma-separated in FERRY_*
+_LIST_FIELDS = frozenset({"api_keys", "allowed_origins", "admin_keys",
+                          "lora_roots"})  # comma-separated in FERRY_*
 
 
 def _api_keys(raw: str) -> tuple[str, ...]:
@@ -54,6 +56,10 @@ class GatewaySettings(BaseModel):
     api_keys: tuple[str, ...] = Field(
         default=(), description="Empty: no authentication (unless tenants_file); each key "
         "is its own tenant. FERRY_API_KEYS=' , ' (no key) is refused, not read as empty.")
+    admin_keys: tuple[str, ...] = Field(
+        default=(), description="Operator keys (comma-separated in FERRY_ADMIN_KEYS): they "
+        "register and unload fleet-wide LoRA adapters, and any tenant's; no tenant's key "
+        "does (docs/tenants.md).")
     metrics_key: str | None = Field(
         default=None, min_length=1, description="Bearer token /metrics requires; None: "
         "/metrics is open without API keys and refused (403) with them.")
@@ -116,6 +122,16 @@ class GatewaySettings(BaseModel):
         "served nor a registered LoRA adapter loads $FERRY_LORA_DIR/<name> as an adapter of "
         "the served model on first use (the same shared volume on gateways and workers); "
         "None: 404 as for any unknown model.")
+    lora_roots: tuple[str, ...] = Field(
+        default=(), description="Directories a lora_path must lie in (comma-separated in "
+        "FERRY_LORA_ROOTS; default: lora_dir alone). The gateway refuses a path outside "
+        "them at once; the worker, which opens the files, resolves and checks it again.")
+    lora_max_adapters_per_tenant: int = Field(
+        default=8, ge=0, le=4096, description="LoRA adapters one tenant may register per "
+        "served model (a tenants file's max_lora_adapters overrides it).")
+    lora_max_fleet_adapters: int = Field(
+        default=256, ge=0, le=65536, description="Fleet-wide LoRA adapters (operators' and "
+        "FERRY_LORA_DIR's) per served model.")
     # --- Batch API: /v1/files, /v1/batches and the batcher (docs/batch.md) -----------------
     batch_file_max_bytes: int = Field(
         default=100 * 1024 * 1024, ge=1024, description="Largest file /v1/files takes (413).")
@@ -145,14 +161,26 @@ class GatewaySettings(BaseModel):
         default=10.0, gt=0, description="A batch whose batcher died moves to another "
         "batcher after this long.")
 
-    @field_validator("api_keys")
+    @field_validator("api_keys", "admin_keys")
     @classmethod
     def _keys_are_keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
         """A key nobody can send (blank, or with spaces a bearer header loses)."""
         for key in keys:
             if not key or key != key.strip():
-                raise ValueError("api_keys: a key is blank or has surrounding spaces")
+                raise ValueError("a key is blank or has surrounding spaces")
         return keys
+
+    @model_validator(mode="after")
+    def _admin_keys_are_no_tenant_keys(self) -> GatewaySettings:
+        """One key cannot be both a tenant's and an operator's: the operator's would win."""
+        if set(self.admin_keys) & set(self.api_keys):
+            raise ValueError("admin_keys: a key is also in api_keys")
+        return self
+
+    @property
+    def adapter_roots(self) -> tuple[str, ...]:
+        """The directories a ``lora_path`` may name (``protocol/lora_paths.py``)."""
+        return adapter_roots(self.lora_roots, self.lora_dir)
 
     @model_validator(mode="after")
     def _lease_outlasts_polls(self) -> GatewaySettings:

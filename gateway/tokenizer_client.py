@@ -120,7 +120,7 @@ class TokenizerClient:
     async def send(self, model: str | None, request: TokenizerRequest, call: Call) -> bytes:
         """``request`` answered by a worker of ``model`` as ``call``: the reply's msgpack
         bytes (200), ``APIError`` otherwise."""
-        name = await self.served.base_of(await self.served.resolve(model, call.tenant))
+        name = (await self.served.route(model, call.tenant or DEFAULT)).base
         await self._require_worker(name)
         request = request.model_copy(update={"reply_id": call.id, "deadline": call.deadline})
         payload = encode_tokenizer_message(request)

@@ -7,6 +7,9 @@ tile multiplies by that slot's matrices alone (a real ``tl.dot``, not a per-toke
 matrix-vector product). The grid is ``(token blocks, column blocks, slots)``: it depends
 only on the token count and the pool's size, never on which adapters are in the step, so
 a CUDA graph captured once serves any mix; programs past their slot's tokens return.
+A program loads and stores only its own slot's tokens (padding lanes masked on both), so
+no token ever meets another slot's matrices: one adapter's NaN or Inf stays in its own
+rows, and the shrink's rows of tokens with no adapter are neither written nor read.
 
     shrink: t[tok]  = x[tok] @ A[s]^T                   [T, in] -> [T, R] fp32
     expand: y[tok] += scale[s] * (t[tok] @ B[s]^T)      [T, R] -> [T, out], in place

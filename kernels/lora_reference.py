@@ -2,7 +2,8 @@
 
 A step's tokens each carry an adapter slot (``-1``: the base model alone). Tokens of one
 slot are gathered and multiplied by that slot's matrices, one matmul pair per slot used
-(the CPU path's cost grows with the adapters in the batch, not with its tokens):
+(the CPU path's cost grows with the adapters in the batch, not with its tokens). No token
+meets another slot's matrices, so one adapter's NaN or Inf stays in its own rows:
 
     t[tok]  = x[tok] @ A[s]^T                       shrink: [n, in] -> [n, R], fp32
     y[tok] += scale[s] * (t[tok] @ B[s]^T)          expand: [n, R] -> [n, out], in place

@@ -113,6 +113,10 @@ def paged_decode_attention(
     v = gather_kv(v_cache, block_tables, nb).float().transpose(1, 2)
     qg = q.float().view(num_seqs, num_kv_heads, group, 1, head_dim)  # [S, Hkv, G, 1, D]
     allowed = decode_key_mask(nb * block_size, seq_lens, sliding_window)  # [S, L]
+    # hidden keys and values zeroed, not only masked: a freed block's leftovers past a
+    # row's length may hold another request's NaN, and 0·NaN is NaN
+    k.masked_fill_(~allowed.view(num_seqs, 1, -1, 1), 0.0)
+    v.masked_fill_(~allowed.view(num_seqs, 1, -1, 1), 0.0)
     res = _attend(qg, k, v, allowed.view(num_seqs, 1, 1, 1, -1), scale, logits_soft_cap)
     res = res.view(num_seqs, num_q_heads, head_dim).to(q.dtype)
     if out is not None:

@@ -41,12 +41,13 @@ return 'ok'
 """
 
 # KEYS: batch, lease, output, errors, inflight. ARGV: batcher, then per line: index,
-# 'output' or 'errors', the result line, prompt tokens, completion tokens. A line that
-# already has a result keeps it. Returns how many were recorded now, or 'lost'.
+# 'output' or 'errors', the result line, prompt tokens, completion tokens, prompt tokens
+# served from the prefix cache. A line that already has a result keeps it. Returns how
+# many were recorded now, or 'lost'.
 RECORD_LUA = f"""
 if not ({_LEASE_HELD}) then return 'lost' end
 local recorded = 0
-for i = 2, #ARGV, 5 do
+for i = 2, #ARGV, 6 do
   local index = ARGV[i]
   if redis.call('HEXISTS', KEYS[3], index) == 0 and redis.call('HEXISTS', KEYS[4], index) == 0 then
     local ok = ARGV[i + 1] == 'output'
@@ -55,6 +56,7 @@ for i = 2, #ARGV, 5 do
     redis.call('HINCRBY', KEYS[1], ok and 'output_bytes' or 'error_bytes', #ARGV[i + 2] + 1)
     redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[i + 3])
     redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[i + 4])
+    redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[i + 5])
     recorded = recorded + 1
   end
   redis.call('SREM', KEYS[5], index)
@@ -145,6 +147,7 @@ class LineResult:
     line: str
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of its prompt tokens, served from the prefix cache
 
 
 class BatchProgress:
@@ -194,7 +197,8 @@ class BatchProgress:
         if not results:
             return 0
         args = [x for r in results for x in (r.index, "output" if r.ok else "errors", r.line,
-                                             r.prompt_tokens, r.completion_tokens)]
+                                             r.prompt_tokens, r.completion_tokens,
+                                             r.cached_tokens)]
         keys = [self._batch, self._lease, self._output, self._errors, self._inflight]
         return int(await self._fenced(RECORD_LUA, keys, *args))
 

@@ -134,6 +134,7 @@ class BatchRecord(_Record):
     error_bytes: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, served from the prefix cache
 
     @classmethod
     def _json_fields(cls) -> frozenset[str]:

@@ -185,6 +185,12 @@ class Keys:
         load what it holds and drop what leaves it."""
         return f"{self.prefix}:lora:{{{model_tag(model)}}}:adapters"
 
+    def lora_models(self) -> str:
+        """SET: the served models that have (or had) registered LoRA adapters, so a gateway
+        that knows no served model yet (none configured, no worker live) still finds the
+        adapters a request names."""
+        return f"{self.prefix}:lora:models"
+
     def tokenizer_reply(self, model: str, reply_id: str) -> str:
         """LIST: the one msgpack TokenizerReply to request ``reply_id`` (short TTL); in the
         slot of the model's request list."""
@@ -193,9 +199,11 @@ class Keys:
     # --- speculative decoding: the fleet's store of recent outputs ------------------------
     def drafts(self, model: str) -> str:
         """STREAM of recent outputs of ``model`` (field ``t``: the tokens as little-endian
-        int32, ``w``: the worker that produced them), capped by its writers; every worker of
-        the model tails it into its draft store (``worker/service/draft_feed.py``). One hash
-        tag per model: the stream lives on one shard of a Redis Cluster."""
+        int32, ``tenant``: whose they are, ``w``: the worker that produced them), capped by
+        its writers and trimmed to the draft store's TTL, the key expiring a TTL after the
+        last append; every worker of the model tails it into its draft store, each entry
+        under its tenant only (``worker/service/draft_feed.py``). One hash tag per model:
+        the stream lives on one shard of a Redis Cluster."""
         return f"{self.prefix}:drafts:{{{model_tag(model)}}}"
 
     # --- Batch API: one hash tag per file and per batch ------------------------------------

@@ -14,13 +14,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from protocol.cache_scope import MAX_CACHE_SALT_CHARS, check_cache_salt
 from protocol.chat_template import check_template_kwargs
 from protocol.sampling import SamplingParams
 from protocol.tenancy import TENANT_PATTERN, check_scoped
 from protocol.tools import ToolCall
 from protocol.values import first_path, out_of_int64, unencodable
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped on any incompatible change; decoders refuse versions they do not know. Version 2
 added fields (logit_bias, structured_output, n, best_of; per-choice events), version 3 more
 (prompt logprobs, echo, fit_to_context; the first event's prompt fields; error codes),
@@ -28,9 +29,12 @@ version 4 the request's ``tenant`` and tenant-scoped request ids (``protocol.ten
 version 5 the prompt controls (chat template switches and kwargs, ``suffix``;
 ``truncate_prompt_tokens``, ``bad_words``, ``allowed_token_ids``) and ``stop_reason``,
 version 6 tool calls (``structured_output.tools``; a chat message's ``tool_calls``,
-``tool_call_id`` and ``name``): older messages are still read, and mean the same."""
+``tool_call_id`` and ``name``), version 7 the prefix cache's partition (``cache_salt``,
+``cache_scope``; ``protocol.cache_scope``), ``Usage.cached_tokens`` and the tools a call
+may name (``ToolCalls.allowed``, OpenAI's ``allowed_tools``): older messages are
+still read, and mean the same."""
 
-SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5, PROTOCOL_VERSION})
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5, 6, PROTOCOL_VERSION})
 
 ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 """Request and worker ids become part of Redis key names: only key-safe characters."""
@@ -123,6 +127,10 @@ class GenerateRequest(_Wire):
     chat_template_kwargs: dict[str, Any] | None = None
     suffix: str | None = Field(default=None, description=(
         "The text after the completion (fill-in-the-middle; needs a model with FIM tokens)."))
+    # The prefix-cache partition (protocol.cache_scope): a salt narrowing the tenant's
+    # (vLLM's cache_salt), and the sharing group the gateway names (None: the tenant's).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    cache_scope: str | None = Field(default=None, pattern=TENANT_PATTERN)
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> GenerateRequest:
@@ -142,6 +150,7 @@ class GenerateRequest(_Wire):
         if self.messages is not None and not self.messages:
             raise ValueError("messages: at least one message is required")
         self._check_prompt_controls()
+        check_cache_salt(self.cache_salt)
         dumped = self.model_dump()
         too_big = first_path(dumped, out_of_int64)
         if too_big:
@@ -179,6 +188,9 @@ class Usage(_Wire):
     prompt_tokens: int = Field(default=0, ge=0)
     completion_tokens: int = Field(default=0, ge=0)
     total_tokens: int = Field(default=0, ge=0)
+    # Prompt tokens served from the prefix cache, within the request's own partition
+    # (OpenAI's prompt_tokens_details.cached_tokens); None: not reported (version < 7)
+    cached_tokens: int | None = Field(default=None, ge=0)
 
 
 class Timings(_Wire):

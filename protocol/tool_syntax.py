@@ -117,15 +117,30 @@ def parse_calls(text: str, names: set[str],
                 cut: bool = False) -> tuple[str | None, list[Call]] | None:
     """(text before the calls or None, the calls) if ``text`` is a complete list of calls
     in any family, to functions in ``names``; None if it is plain text (or malformed).
-    ``cut``: the output was cut short (``max_tokens``): the calls it completed."""
+    ``cut``: the output was cut short (``max_tokens``, a stop string): the calls it
+    completed, then the one it was writing, as written so far (``_cut_call``)."""
     for fam in FAMILIES.values():
-        at = _start(text, fam)
+        at = _start(text, fam, cut)
         if at is None:
             continue
         calls, end = _decode(text, at, fam, names)
-        if calls and (cut or text[end:].strip() == fam.close):
+        if cut:
+            head = fam.sep + fam.call_open if calls else fam.opener
+            last = _cut_call(text[end:], head, len(fam.sep) if calls else 0, fam.args_key,
+                             names)
+            calls += [last] if last is not None else []
+        # cut, a family with an opener has begun its calls: what follows is no text
+        if (calls or (cut and fam.opener)) and (cut or text[end:].strip() == fam.close):
             return (text[:at].strip() or None), calls
     return None
+
+
+def whole_arguments(arguments: str) -> bool:
+    """Whether a call's ``arguments`` are a whole JSON object (not cut short)."""
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
 
 
 def complete_calls(text: str, names: set[str]) -> list[Call] | None:
@@ -145,14 +160,18 @@ def might_be_calls(text: str) -> bool:
         or text == ""
 
 
-def _start(text: str, fam: Family) -> int | None:
-    """Where ``fam``'s list of calls starts in ``text`` (hermes may follow some text)."""
+def _start(text: str, fam: Family, cut: bool = False) -> int | None:
+    """Where ``fam``'s list of calls starts in ``text`` (hermes may follow some text);
+    ``cut``: also a text that is only the beginning of the opener (``<tool_c``)."""
     if fam.opener == "":  # llama3_json: the whole output is the JSON
         return 0 if text.startswith("{") else None
     if fam.open == "":
         at = text.find(fam.call_open)
-        return at if at >= 0 else None
-    return 0 if text.startswith(fam.opener) else None
+        if at >= 0:
+            return at
+    elif text.startswith(fam.opener):
+        return 0
+    return 0 if cut and text and fam.opener.startswith(text) else None
 
 
 def _decode(text: str, at: int, fam: Family, names: set[str]) -> tuple[list[Call], int]:
@@ -186,3 +205,61 @@ def _call(obj: Any, args_key: str, names: set[str]) -> Call | None:
     if name not in names or not isinstance(args, dict):
         return None
     return name, json.dumps(args, ensure_ascii=False, separators=(",", ":"))
+
+
+def _cut_call(rest: str, head: str, sep: int, args_key: str, names: set[str]) -> Call | None:
+    """The call ``rest`` (what follows the complete calls of a cut output) began, as
+    written so far: its name (completed when only one of ``names`` begins with what was
+    written) and its arguments' JSON text (compact if it was whole). None when ``rest``
+    begins no call: nothing past the separator (``sep`` characters of ``head``), or not
+    the family's next call."""
+    if len(rest) <= sep or not (rest.startswith(head) or head.startswith(rest)):
+        return None
+    body = rest[len(head):]
+    pos = 0
+    for lit in ("{", '"name"', ":", '"'):
+        pos, state = _expect(body, pos, lit)
+        if state != "ok":
+            name = _name_from("", names) if state == "end" else None
+            return None if name is None else (name, "")
+    close = body.find('"', pos)
+    if close < 0:
+        name = _name_from(body[pos:], names)
+        return None if name is None else (name, "")
+    name, pos = body[pos:close], close + 1
+    if name not in names:
+        return None
+    for lit in (",", json.dumps(args_key), ":"):
+        pos, state = _expect(body, pos, lit)
+        if state != "ok":
+            return (name, "") if state == "end" else None
+    args = body[pos:].lstrip()
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(args)
+    except ValueError:
+        return name, args
+    if not isinstance(obj, dict):
+        return name, args
+    return name, json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _expect(text: str, pos: int, literal: str) -> tuple[int, str]:
+    """After optional whitespace at ``pos``: ``literal`` ("ok", the position after it),
+    the text ending inside it ("end") or something else ("no")."""
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    got = text[pos:pos + len(literal)]
+    if got == literal:
+        return pos + len(literal), "ok"
+    if literal.startswith(got) and pos + len(got) == len(text):
+        return len(text), "end"
+    return pos, "no"
+
+
+def _name_from(prefix: str, names: set[str]) -> str | None:
+    """The function a name cut after ``prefix`` is: the one name beginning with it, else
+    the prefix itself (several do); None when none does (not a call)."""
+    matches = [n for n in names if n.startswith(prefix)]
+    if not matches:
+        return None
+    return matches[0] if len(matches) == 1 else prefix

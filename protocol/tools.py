@@ -58,13 +58,17 @@ class ToolCalls(BaseModel):
 
     ``mode`` ``auto``: free text (or, with ``final_schema``, a JSON answer following it)
     or calls; ``required``: one or more calls to any tool; ``named``: calls to ``name``
-    only. ``parallel`` false: at most one call."""
+    only. ``allowed`` (OpenAI's ``allowed_tools``): with ``auto`` or ``required``, calls
+    may name only these tools (every tool is still shown to the model). ``parallel``
+    false: at most one call."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     tools: list[FunctionTool] = Field(min_length=1, max_length=MAX_TOOLS)
     mode: ToolMode = "auto"
     name: str | None = Field(default=None, pattern=NAME_PATTERN)
+    allowed: list[str] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS,
+                                      description="The tools a call may name (None: all).")
     parallel: bool = True
     max_calls: int = Field(default=MAX_CALLS, ge=1, le=MAX_TOOLS, description=(
         "With parallel: the most calls one output may hold."))
@@ -84,11 +88,20 @@ class ToolCalls(BaseModel):
             raise ValueError(f"tools.name: {self.name!r} is not one of the tools")
         if self.final_schema is not None and self.mode != "auto":
             raise ValueError("tools.final_schema: only with mode 'auto'")
+        if self.allowed is not None:
+            unknown = [a for a in self.allowed if a not in names]
+            if unknown:
+                raise ValueError(f"tools.allowed: {unknown[0]!r} is not one of the tools")
+            if self.mode == "named":
+                raise ValueError("tools.allowed: not with mode 'named'")
         return self
 
     def offered(self) -> list[FunctionTool]:
         """The tools a call may name."""
-        return [t for t in self.tools if self.name is None or t.name == self.name]
+        if self.name is None and self.allowed is None:
+            return list(self.tools)
+        allowed = {self.name} if self.name is not None else set(self.allowed or ())
+        return [t for t in self.tools if t.name in allowed]
 
 
 class ToolCall(BaseModel):

@@ -98,8 +98,11 @@ def _worker_cells(w: WorkerView, restarts: list[RestartRecord]) -> dict[str, Ren
     if accept:  # speculative decoding: tokens per drafted row-step
         name.append(f"\nspec {accept:.2f} tok/step", style="cyan")
     adapters = str(s.get("lora_adapters") or "")
-    if adapters:  # multi-LoRA: the adapters this worker has loaded
-        name.append("\nLoRA " + adapters.replace(",", " "), style="magenta")
+    if adapters:  # multi-LoRA: the adapters this worker has loaded (the first few named)
+        listed = adapters.split(",")
+        loaded = int(_num(s, "lora_adapters_loaded")) or len(listed)
+        more = f" (+{loaded - len(listed)})" if loaded > len(listed) else ""
+        name.append("\nLoRA " + " ".join(listed) + more, style="magenta")
     return {
         "worker": name, "batch": _occupancy(s), "wait": _count(s, "waiting"), "KV used": _kv(s),
         "tok/s": f"{_num(s, 'tokens_per_s'):.1f}",

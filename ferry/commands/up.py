@@ -30,7 +30,14 @@ from typing import Annotated, Any
 
 import typer
 
-from ferry.commands.lora_flags import EnableLora, LoraModules, MaxLoraRank, MaxLoras, lora_env
+from ferry.commands.lora_flags import (
+    EnableLora,
+    LoraModules,
+    LoraRoots,
+    MaxLoraRank,
+    MaxLoras,
+    lora_env,
+)
 from ferry.demo import stream_demo
 from ferry.local_cluster import ClusterLayout
 from ferry.local_stack import free_port, start_redis, start_redis_cluster
@@ -238,6 +245,7 @@ def up(
     enable_lora: EnableLora = False,
     max_loras: MaxLoras = None,
     max_lora_rank: MaxLoraRank = None,
+    lora_root: LoraRoots = None,
     demo: Annotated[bool, typer.Option(help="Stream a few prompts, then stop.")] = False,
     demo_max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     ready_timeout_s: Annotated[float, typer.Option()] = 600.0,
@@ -246,7 +254,7 @@ def up(
     stop all on Ctrl-C."""
     if served_model_name:  # both the gateway and the workers read it from the environment
         os.environ["FERRY_SERVED_MODEL_NAME"] = served_model_name
-    os.environ.update(lora_env(lora, enable_lora, max_loras, max_lora_rank))
+    os.environ.update(lora_env(lora, enable_lora, max_loras, max_lora_rank, lora_root))
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
     tmp = Path(tempfile.mkdtemp(prefix="ferry-up-"))

@@ -70,6 +70,13 @@ WaitReplicas = Annotated[int, _opt("FERRY_REDIS_WAIT_REPLICAS", "Cluster: replic
 Lora = Annotated[list[str] | None, _opt(
     "FERRY_LORA_MODULES", "NAME=PATH: a LoRA adapter served as model NAME (repeatable; "
     "enables LoRA).", "--lora")]
+LoraRoots = Annotated[str | None, _opt(
+    "FERRY_LORA_ROOTS", "Comma-separated directories that adapters loaded at run time "
+    "(/v1/load_lora_adapter, FERRY_LORA_DIR) must lie in, symlinks resolved (default: "
+    "--lora-dir alone; neither: no loading by path at run time).")]
+LoraDir = Annotated[str | None, _opt(
+    "FERRY_LORA_DIR", "The gateway's FERRY_LORA_DIR (the same volume): an adapter root "
+    "when --lora-roots is not given.")]
 Speculative = Annotated[str | None, _opt(
     "FERRY_SPECULATIVE", "suffix: speculative decoding, drafts from the request's own text "
     "and past outputs (no draft model); off (default).")]
@@ -110,13 +117,15 @@ def worker(
     attention_backend: Backend = None, log_level: LogLevel = "info",
     redis_cluster: RedisCluster = False, stream_shards: StreamShards = 3,
     redis_wait_replicas: WaitReplicas = 1, redis_wait_timeout_ms: WaitTimeoutMs = 2000,
-    lora: Lora = None, speculative: Speculative = None, spec_fleet: SpecFleet = True,
+    lora: Lora = None, lora_roots: LoraRoots = None, lora_dir: LoraDir = None,
+    speculative: Speculative = None, spec_fleet: SpecFleet = True,
     spec_fleet_entries: SpecFleetEntries = 4096, output_process: OutputProc = True,
     output_hang_s: OutputHangS = 5.0,
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
     from protocol.cluster import Replication
     from protocol.dead_letters import DeadLetterBounds
+    from protocol.lora_paths import adapter_roots, parse_roots
     from protocol.store import Ttls
     from worker.service.main import engine_config, run_worker
     from worker.service.redis_io import WorkerSettings, default_worker_id
@@ -140,6 +149,7 @@ def worker(
             replication=Replication(redis_wait_replicas, redis_wait_timeout_ms),
             metrics_host=metrics_host, spec_fleet=spec_fleet,
             spec_fleet_entries=spec_fleet_entries, output_process=output_process,
+            lora_roots=adapter_roots(parse_roots(lora_roots), lora_dir),
             output_hang_s=output_hang_s,
             dead_letters=DeadLetterBounds(dead_letter_max_len, dead_letter_max_age_s,
                                           dead_letter_max_payload_bytes),

@@ -36,6 +36,7 @@ from gateway.settings import GatewaySettings
 from gateway.sse import json_bytes
 from protocol.batch_progress import LineResult
 from protocol.batches import BatchRecord, line_request_id
+from protocol.lora import public_name
 from protocol.models import GenerateRequest, TokenEvent
 from protocol.tenancy import DEFAULT_TENANT, scoped_id
 
@@ -89,7 +90,9 @@ class LinePlan:
 
     @property
     def model(self) -> str:
-        return self.requests[0].model or ""
+        """The model as the batch's owner named it (an adapter: not its registry key)."""
+        first = self.requests[0]
+        return public_name(first.tenant, first.model or "")
 
 
 def parse_line(raw: bytes, index: int, endpoint: str, max_bytes: int) -> BatchLine | None:
@@ -169,13 +172,14 @@ async def plan_line(line: BatchLine, batch_id: str, endpoint: str, settings: Gat
             raise APIError(400, "stream: not supported in a batch", param="stream")
         body = {**line.body, "request_id": line_request_id(batch_id, line.index)}
         requests, shape = validate(SCHEMAS[endpoint], body).to_generate_requests(settings)
-        model = await served.resolve(requests[0].model, served.tenant_of(owner))
+        who = served.tenant_of(owner)
+        model = (await served.route(requests[0].model, who)).key
         for request in requests:
             check_limits(request, settings)
     except APIError as exc:
         return refused_result(batch_id, line.index, line.custom_id, exc)
     update = {"stream": False, "model": model, "tenant": None if owner == DEFAULT_TENANT
-              else owner}
+              else owner, "cache_scope": who.prefix_cache_group if who else None}
     planned = tuple(r.model_copy(update={**update, "priority": max(settings.batch_priority,
                                                                    r.priority),
                                          "request_id": scoped_id(owner, r.request_id)})
@@ -266,4 +270,5 @@ def finished_result(batch_id: str, plan: LinePlan,
     return LineResult(plan.index, ok, _result(batch_id, plan.index, plan.custom_id, response,
                                               None),
                       sum(u.prompt_tokens for u in usages),
-                      sum(u.completion_tokens for u in usages))
+                      sum(u.completion_tokens for u in usages),
+                      sum(u.cached_tokens or 0 for u in usages))

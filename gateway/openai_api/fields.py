@@ -43,7 +43,6 @@ REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "return_token_ids": (None, False),
     "prompt_embeds": (None,),
     "structural_tag": (None,),
-    "cache_salt": (None,),  # isolation the shared prefix cache cannot give: refuse it
     "kv_transfer_params": (None, {}),
     "vllm_xargs": (None, {}),
     # vLLM chat template controls (the switches and kwargs are honoured: ROUTE_ONLY)

@@ -24,14 +24,9 @@ from gateway.openai_api.logprobs import (
 )
 from gateway.openai_api.response_shape import ResponseShape
 from gateway.openai_api.tool_output import ToolStream, message_fields
+from gateway.openai_api.usage import summed, usage_body
 from gateway.sse import json_bytes, sse
 from protocol.models import ChoiceResult, PromptLogprob, StopReason, TokenEvent, Usage
-
-
-def usage_body(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
-
 
 _SLOT = "\x00ferry-text-slot\x00"
 
@@ -45,6 +40,7 @@ class _Prompt:
         self.completion_tokens = 0
         self.prompt_logprobs: list[PromptLogprob] | None = None
         self.prompt_text: str | None = None
+        self.cached_tokens: int | None = None  # known from the terminal event's usage
 
     def learn(self, event: TokenEvent) -> bool:
         """Take the prompt's facts from its first event; True the first time."""
@@ -58,6 +54,7 @@ class _Prompt:
             self.prompt_text = event.prompt_text
         if event.usage is not None:
             self.prompt_tokens = event.usage.prompt_tokens or self.prompt_tokens
+            self.cached_tokens = event.usage.cached_tokens
         return first
 
 
@@ -112,7 +109,8 @@ class Formatter:
                   (final.finish_reason, final.stop_reason))]
             choices += [self._choice(p, i, text, evs, *end) for i, text, evs, end in parts]
         body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
-        body["usage"] = usage_body(prompt_total, completion_total)
+        body["usage"] = usage_body(prompt_total, completion_total,
+                                   summed([s.cached_tokens for s in self._prompts]))
         if self.chat and self.shape.prompt_logprobs:
             body["prompt_logprobs"] = self._vllm_prompt_logprobs(0)
         return body
@@ -127,8 +125,8 @@ class Formatter:
             lp = chat_content(entries_of(events), self.shape.token_ids_as_text) \
                 if any(e.logprobs is not None for e in events) else None
             message = {"role": "assistant", **message_fields(
-                echo + text, self.shape.tools, reason == "length")}
-            if message.get("tool_calls") and reason == "stop":
+                echo + text, self.shape.tools, _cut(reason, stop_reason))}
+            if message.get("tool_calls") and reason == "stop" and stop_reason is None:
                 reason = "tool_calls"
             return {"index": index, "message": message,
                     "logprobs": lp, "finish_reason": reason, "stop_reason": stop_reason}
@@ -234,7 +232,7 @@ class Formatter:
         if self.shape.continuous_usage:
             state = self._prompts[p]
             chunk["usage"] = usage_body(state.prompt_tokens, state.completion_tokens
-                                        if self.shape.generate else 0)
+                                        if self.shape.generate else 0, state.cached_tokens)
         return chunk
 
     def finish_frame(self, p: int, index: int, reason: str | None,
@@ -249,8 +247,9 @@ class Formatter:
         if index in self._tools:  # tools: what was held back, then the reason
             tools = self._tools[index]
             rest = b"".join(sse(self._chunk(index, d))
-                            for d in tools.finish(reason == "length"))
-            reason = "tool_calls" if tools.has_calls and reason == "stop" else reason
+                            for d in tools.finish(_cut(reason, stop_reason)))
+            if tools.has_calls and reason == "stop" and stop_reason is None:
+                reason = "tool_calls"
         chunk = self._chunk(index, delta, finish_reason=reason)
         chunk["choices"][0]["stop_reason"] = stop_reason
         return rest + sse(self._with_usage(p, chunk))
@@ -266,6 +265,7 @@ class Formatter:
         if final.usage is not None:
             state.prompt_tokens = final.usage.prompt_tokens or state.prompt_tokens
             state.completion_tokens = final.usage.completion_tokens
+            state.cached_tokens = final.usage.cached_tokens
         ends = {c.index: (c.finish_reason, c.stop_reason) for c in final.choices or []}
         return [self.finish_frame(p, self.shape.index(p, i),
                                   *ends.get(i, (final.finish_reason, final.stop_reason)))
@@ -298,7 +298,14 @@ class Formatter:
         prompt = sum(s.prompt_tokens for s in self._prompts)
         completion = sum(s.completion_tokens for s in self._prompts) \
             if self.shape.generate else 0
-        return sse({**self._envelope(self.obj, []), "usage": usage_body(prompt, completion)})
+        cached = summed([s.cached_tokens for s in self._prompts])
+        return sse({**self._envelope(self.obj, []),
+                    "usage": usage_body(prompt, completion, cached)})
+
+
+def _cut(reason: str | None, stop_reason: StopReason | None) -> bool:
+    """Whether an output ended before its grammar did: ``max_tokens`` or a stop string."""
+    return reason == "length" or stop_reason is not None
 
 
 def _choice_content(

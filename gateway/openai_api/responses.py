@@ -4,141 +4,183 @@ A Responses body becomes a chat body (``to_chat_body``): ``instructions`` a syst
 ``input`` a string or a list of items (messages, the model's earlier ``function_call``
 items, the client's ``function_call_output`` items), function ``tools``, ``tool_choice``,
 ``text.format`` a ``response_format``; from there it is a chat request like any other
-(the same tool grammar, queue and worker). Nothing is stored: ``store: true``,
-``previous_response_id``, ``conversation`` and ``background`` are refused by name, so a
-client never believes a response was kept. ``response_body`` turns a chat completion
-back into a Response object. docs/tools.md.
+(the same tool grammar, queue and worker). The body is typed and checked first
+(``gateway/openai_api/responses_body.py``): nothing is stored, so ``store: true``,
+``previous_response_id``, ``conversation`` and ``background`` are refused by name, and a
+client never believes a response was kept; the chat route's errors are renamed to the
+Responses fields (``ChatBody.translate``). ``response_body`` turns a chat completion
+back into a Response object, with the text's logprobs when ``include`` asks. docs/tools.md.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import APIError
+import structlog
 
-REFUSED = {
-    "previous_response_id": "responses are not stored by this server (stateless): send "
-                            "the whole conversation as input",
-    "conversation": "conversations are not stored by this server (stateless)",
-    "prompt": "stored prompt templates are not supported",
-}
-PASSED = ("temperature", "top_p", "parallel_tool_calls", "stream", "seed", "model",
-          "user", "metadata", "service_tier")
+from gateway.body import validate
+from gateway.errors import APIError
+from gateway.openai_api.responses_body import (
+    AllowedToolsChoice,
+    FormatJsonObject,
+    FormatJsonSchema,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionChoice,
+    MessageItem,
+    ResponsesRequest,
+    Text,
+    ToolIn,
+)
+from protocol.tool_syntax import whole_arguments
+from protocol.values import first_path, unencodable
+
+log = structlog.get_logger("ferry.gateway")
+PASSED = ("temperature", "top_p", "parallel_tool_calls", "stream", "seed", "model", "user",
+          "cache_salt")
+# a chat body's field -> the Responses body's (the chat route's errors, renamed)
+_RENAMES = (
+    (re.compile(r"^max_(completion_)?tokens"), "max_output_tokens"),
+    (re.compile(r"^response_format\.json_schema\.schema"), "text.format.schema"),
+    (re.compile(r"^response_format"), "text.format"),
+    (re.compile(r"^tools\.(\d+)\.function(?=\.|$)"), r"tools.\1"),
+    (re.compile(r"^tool_choice\.allowed_tools\.tools\.(\d+)\.function"),
+     r"tool_choice.tools.\1"),
+    (re.compile(r"^tool_choice\.function(?=\.)"), "tool_choice"),
+)
+_MESSAGE = re.compile(r"^messages(\.(\d+))?(\.[\w.]+)?")
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
+@dataclass
+class ChatBody:
+    """A Responses body as a chat body, and where each chat message came from, so the
+    chat route's errors name the Responses field (``max_output_tokens``, ``input.3``)."""
+
+    request: ResponsesRequest
+    chat: dict[str, Any]
+    sources: list[str] = field(default_factory=list)  # per chat message: its field
+
+    def param(self, param: str | None) -> str | None:
+        if param is None:
+            return None
+        found = _MESSAGE.match(param)
+        if found:
+            index = found.group(2)
+            return self.sources[int(index)] if index is not None \
+                and int(index) < len(self.sources) else "input"
+        for pattern, name in _RENAMES:
+            param = pattern.sub(name, param)
+        return param
+
+    def translate(self, error: APIError) -> APIError:
+        """``error`` with its field named as the Responses body names it."""
+        param = self.param(error.param)
+        if param == error.param:
+            return error
+        message = error.message
+        if error.param and message.startswith(error.param):
+            message = str(param) + message[len(error.param):]
+        return APIError(error.status, message, param=param, type_=error.type,
+                        headers=error.headers, code=error.code)
+
+
+def to_chat_body(body: dict[str, Any]) -> ChatBody:
     """The chat completions body a Responses body means; 400 naming what cannot be."""
-    for name, why in REFUSED.items():
-        if body.get(name) is not None:
-            raise APIError(400, f"{name}: {why}", param=name)
-    if body.get("store") is True:
-        raise APIError(400, "store: responses are not stored by this server (stateless); "
-                       "send store: false", param="store")
-    if body.get("background") is True:
-        raise APIError(400, "background: not supported", param="background")
-    if body.get("top_logprobs"):
-        raise APIError(400, "top_logprobs: not supported on /v1/responses",
-                       param="top_logprobs")
-    chat: dict[str, Any] = {k: body[k] for k in PASSED if body.get(k) is not None}
-    chat.pop("metadata", None)
-    chat.pop("service_tier", None)
+    broken = first_path(body, unencodable)  # every field is echoed in the Response
+    if broken:
+        raise APIError(400, f"{broken}: not valid Unicode text (a lone surrogate?)",
+                       param=broken.split(" ")[0])
+    request = validate(ResponsesRequest, body)
+    request.check()
+    if request.model_extra:
+        log.info("request_fields_ignored", fields=sorted(request.model_extra)[:20])
+    chat: dict[str, Any] = {k: getattr(request, k) for k in PASSED
+                            if getattr(request, k) is not None}
+    out = ChatBody(request, chat)
     messages: list[dict[str, Any]] = []
-    if body.get("instructions"):
-        messages.append({"role": "system", "content": _text(body["instructions"],
-                                                              "instructions")})
-    messages += _messages(body.get("input"))
+    if request.instructions:
+        messages.append({"role": "system", "content": _text(request.instructions)})
+        out.sources.append("instructions")
+    _messages(request, messages, out.sources)
     chat["messages"] = messages
-    if body.get("max_output_tokens") is not None:
-        chat["max_completion_tokens"] = body["max_output_tokens"]
-    if body.get("tools"):
-        chat["tools"] = [_tool(i, t) for i, t in enumerate(body["tools"])]
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise APIError(400, "tool_choice: only a function may be named "
-                           '({"type": "function", "name": ...})', param="tool_choice")
-        chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
-    elif choice is not None:
-        chat["tool_choice"] = choice
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) \
-        else None
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+    if request.max_output_tokens is not None:
+        chat["max_completion_tokens"] = request.max_output_tokens
+    if request.tools:
+        chat["tools"] = [_tool(i, t) for i, t in enumerate(request.tools)]
+    if request.tool_choice is not None:
+        chat["tool_choice"] = _choice(request.tool_choice)
+    fmt = request.text.format if request.text is not None else None
+    if isinstance(fmt, FormatJsonSchema):
         chat["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": fmt.get("name", "output"), "schema": fmt.get("schema")}}
-    elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
+            "name": fmt.name, "schema": fmt.schema_}}
+    elif isinstance(fmt, FormatJsonObject):
         chat["response_format"] = {"type": "json_object"}
-    return chat
-
-
-def _text(value: Any, param: str) -> str:
-    """A string, or the text of a list of text parts."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        parts = []
-        for i, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text", "text"):
-                raise APIError(400, f"{param}.{i}.type: only text parts are supported, got "
-                               f"{kind!r}", param=f"{param}.{i}.type")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
-    raise APIError(400, f"{param}: must be a string or a list of text parts", param=param)
-
-
-def _messages(items: Any) -> list[dict[str, Any]]:
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise APIError(400, "input: required, a string or a list of items", param="input")
-    out: list[dict[str, Any]] = []
-    for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise APIError(400, f"input.{i}: must be an object", param=f"input.{i}")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise APIError(400, f"input.{i}.role: unknown role {role!r}",
-                               param=f"input.{i}.role")
-            out.append({"role": role, "content": _text(item.get("content", ""),
-                                                       f"input.{i}.content")})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"),
-                                 "arguments": item.get("arguments", "{}")}}
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output", "")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str)
-                        else _text(output, f"input.{i}.output")})
-        elif kind == "reasoning":
-            continue  # no reasoning here to replay
-        else:
-            raise APIError(400, f"input.{i}.type: {kind!r} items are not supported",
-                           param=f"input.{i}.type")
+    if request.logprobs:
+        chat["logprobs"] = True
+        chat["top_logprobs"] = request.top_logprobs or None
     return out
 
 
-def _tool(i: int, tool: Any) -> dict[str, Any]:
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        kind = tool.get("type") if isinstance(tool, dict) else None
+def _text(value: Text) -> str:
+    """A string, or the text of a list of text parts."""
+    return value if isinstance(value, str) else "".join(part.text for part in value)
+
+
+def _messages(request: ResponsesRequest, out: list[dict[str, Any]],
+              sources: list[str]) -> None:
+    """``input``'s items as chat messages (a run of calls is one assistant turn)."""
+    if isinstance(request.input, str):
+        out.append({"role": "user", "content": request.input})
+        sources.append("input")
+        return
+    if not request.input:
+        raise APIError(400, "input: must not be empty", param="input")
+    for i, item in enumerate(request.input):
+        if isinstance(item, MessageItem):
+            out.append({"role": item.role, "content": _text(item.content)})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+                continue
+            out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append({"role": "tool", "tool_call_id": item.call_id,
+                        "content": _text(item.output)})
+        else:
+            continue  # reasoning: none here to replay
+        sources.append(f"input.{i}")
+
+
+def _tool(i: int, tool: ToolIn) -> dict[str, Any]:
+    if tool.type != "function":
         raise APIError(400, f"tools.{i}.type: only function tools are supported, got "
-                       f"{kind!r}", param=f"tools.{i}.type")
-    function = {k: tool[k] for k in ("name", "description", "parameters", "strict")
-                if tool.get(k) is not None}
+                       f"{tool.type!r}", param=f"tools.{i}.type")
+    if tool.name is None:
+        raise APIError(400, f"tools.{i}.name: required", param=f"tools.{i}.name")
+    function = {k: getattr(tool, k) for k in ("name", "description", "parameters", "strict")
+                if getattr(tool, k) is not None}
     return {"type": "function", "function": function}
+
+
+def _choice(choice: Any) -> Any:
+    """``tool_choice`` in the chat body's shape."""
+    if isinstance(choice, FunctionChoice):
+        return {"type": "function", "function": {"name": choice.name}}
+    if isinstance(choice, AllowedToolsChoice):
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": [
+            {"type": "function", "function": {"name": t.name}} for t in choice.tools]}}
+    return choice
 
 
 def response_body(chat: dict[str, Any], body: dict[str, Any], resp_id: str,
@@ -148,22 +190,34 @@ def response_body(chat: dict[str, Any], body: dict[str, Any], resp_id: str,
     message = choice["message"]
     output: list[dict[str, Any]] = []
     if message.get("content"):
-        output.append(message_item(new_id("msg"), message["content"]))
+        logprobs = (choice.get("logprobs") or {}).get("content") or []
+        output.append(message_item(new_id("msg"), message["content"], logprobs=logprobs))
     for call in message.get("tool_calls") or []:
-        output.append(call_item(call["id"], call["function"]["name"],
-                                call["function"]["arguments"]))
+        arguments = call["function"]["arguments"]
+        output.append(call_item(call["id"], call["function"]["name"], arguments,
+                                call_status(arguments)))
     usage = chat.get("usage") or {}
     return envelope(body, resp_id, output, created, choice.get("finish_reason"),
-                    usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+                    usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
+                    (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(item_id: str, text: str, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"id": item_id, "type": "message", "status": status, "role": "assistant",
-            "content": [text_part(text)] if status == "completed" else []}
+            "content": [text_part(text, logprobs)] if status == "completed" else []}
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An ``output_text`` part; ``logprobs`` (``include``'s) as the chat route's
+    ``logprobs.content``: token, logprob, bytes, top_logprobs."""
+    return {"type": "output_text", "text": text, "annotations": [],
+            "logprobs": logprobs or []}
+
+
+def call_status(arguments: str) -> str:
+    """A call's item status: ``incomplete`` when it was cut (its arguments not whole)."""
+    return "completed" if whole_arguments(arguments) else "incomplete"
 
 
 def call_item(call_id: str, name: str, arguments: str,
@@ -174,8 +228,9 @@ def call_item(call_id: str, name: str, arguments: str,
 
 def envelope(body: dict[str, Any], resp_id: str, output: list[dict[str, Any]],
              created: float | None, finish: str | None, prompt: int,
-             completion: int) -> dict[str, Any]:
-    """The Response object around ``output``; ``finish`` None: still in progress."""
+             completion: int, cached: int = 0) -> dict[str, Any]:
+    """The Response object around ``output``; ``finish`` None: still in progress.
+    ``cached``: the prompt tokens the prefix cache served (the caller's own)."""
     status = "in_progress" if finish is None else \
         "incomplete" if finish == "length" else "completed"
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) \
@@ -195,6 +250,6 @@ def envelope(body: dict[str, Any], resp_id: str, output: list[dict[str, Any]],
         "usage": None if finish is None else {
             "input_tokens": prompt, "output_tokens": completion,
             "total_tokens": prompt + completion,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": cached},
             "output_tokens_details": {"reasoning_tokens": 0}},
     }

@@ -14,6 +14,7 @@ from typing import Any
 
 from gateway.openai_api.responses import (
     call_item,
+    call_status,
     envelope,
     message_item,
     new_id,
@@ -31,6 +32,8 @@ class ResponsesStream:
         self.output: list[dict[str, Any]] = []
         self._text: str | None = None  # the open message item's text so far
         self._call: dict[str, Any] | None = None  # the call being sent
+        self._logprobs: list[dict[str, Any]] = []  # the open text's, sent with its deltas
+        self._pending: list[dict[str, Any]] = []  # tokens' logprobs not yet in a delta
 
     def event(self, kind: str, **fields: Any) -> bytes:
         frame = sse({"type": kind, "sequence_number": self.seq, **fields}, event=kind)
@@ -38,13 +41,19 @@ class ResponsesStream:
         return frame
 
     def _response(self, finish: str | None = None, prompt: int = 0,
-                  completion: int = 0) -> dict[str, Any]:
+                  completion: int = 0, cached: int = 0) -> dict[str, Any]:
         return envelope(self.body, self.id, list(self.output), self.created, finish,
-                        prompt, completion)
+                        prompt, completion, cached)
 
     def opening(self) -> bytes:
         return self.event("response.created", response=self._response()) + \
             self.event("response.in_progress", response=self._response())
+
+    def add_logprobs(self, entries: list[dict[str, Any]]) -> None:
+        """``include``'s logprobs of the tokens just generated: they go out with the next
+        text delta (text held back while it could be a call carries them all at once),
+        and whole with the text's ``done`` events; a call's tokens' are dropped."""
+        self._pending += entries
 
     def feed(self, deltas: list[dict[str, Any]]) -> bytes:
         out = b""
@@ -67,24 +76,31 @@ class ResponsesStream:
                                output_index=len(self.output) - 1, content_index=0,
                                part=text_part(""))
         self._text += text
+        logprobs, self._pending = self._pending, []
+        self._logprobs += logprobs
         return out + self.event("response.output_text.delta", item_id=self.output[-1]["id"],
                                  output_index=len(self.output) - 1, content_index=0,
-                                 delta=text, logprobs=[])
+                                 delta=text, logprobs=logprobs)
 
     def _close_text(self) -> bytes:
         if self._text is None:
             return b""
         index = len(self.output) - 1
-        item = self.output[index] = message_item(self.output[index]["id"], self._text)
+        self._logprobs += self._pending
+        logprobs, self._logprobs, self._pending = self._logprobs, [], []
+        item = self.output[index] = message_item(self.output[index]["id"], self._text,
+                                                 logprobs=logprobs)
         text, self._text = self._text, None
         return self.event("response.output_text.done", item_id=item["id"],
-                           output_index=index, content_index=0, text=text, logprobs=[]) + \
+                           output_index=index, content_index=0, text=text,
+                           logprobs=logprobs) + \
             self.event("response.content_part.done", item_id=item["id"], output_index=index,
-                        content_index=0, part=text_part(text)) + \
+                        content_index=0, part=text_part(text, logprobs)) + \
             self.event("response.output_item.done", output_index=index, item=item)
 
     def _call_delta(self, call: dict[str, Any]) -> bytes:
         out = self._close_text()
+        self._pending = []  # a call's tokens: no text's logprobs
         function = call.get("function") or {}
         if "id" in call:  # a call's first delta: its item opens
             item = call_item(call["id"], function.get("name", ""), "", "in_progress")
@@ -94,7 +110,7 @@ class ResponsesStream:
         index = len(self.output) - 1
         item = self.output[index]
         arguments = function.get("arguments", "")
-        done = call_item(item["call_id"], item["name"], arguments)
+        done = call_item(item["call_id"], item["name"], arguments, call_status(arguments))
         self.output[index] = done
         return out + self.event(
             "response.function_call_arguments.delta", item_id=item["id"], output_index=index,
@@ -103,9 +119,10 @@ class ResponsesStream:
             name=item["name"], arguments=arguments) + self.event(
             "response.output_item.done", output_index=index, item=done)
 
-    def closing(self, finish: str | None, prompt: int, completion: int) -> bytes:
+    def closing(self, finish: str | None, prompt: int, completion: int,
+                cached: int = 0) -> bytes:
         out = self._close_text()
-        final = self._response(finish or "stop", prompt, completion)
+        final = self._response(finish or "stop", prompt, completion, cached)
         kind = "response.incomplete" if final["status"] == "incomplete" \
             else "response.completed"
         return out + self.event(kind, response=final)

@@ -77,6 +77,8 @@ class _OpenAIBase(StructuredFields):  # [structured output] response_format, gui
     allowed_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool | None = None
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
+    # vLLM's prefix-cache salt: checked as the protocol's (protocol/cache_scope.py)
+    cache_salt: str | None = None
     # Ferry extras
     request_id: str | None = Field(default=None, pattern=ID_PATTERN)
     timeout_s: float | None = Field(default=None, gt=0)
@@ -168,7 +170,7 @@ class CompletionRequest(_OpenAIBase):
             prompt=p if isinstance(p, str) else None,
             prompt_token_ids=p if isinstance(p, list) else None, priority=self.priority,
             timeout_s=self.timeout_s, model=self.model, stream=self.stream,
-            echo=self.echo or None, suffix=self.suffix or None,
+            echo=self.echo or None, suffix=self.suffix or None, cache_salt=self.cache_salt,
         ) for i, p in enumerate(prompts)]
         # a truncated prompt's echo is what the worker kept (its prompt_text)
         kept = params.truncate_prompt_tokens is None
@@ -256,6 +258,7 @@ class ChatCompletionRequest(ToolFields, _OpenAIBase):
             add_generation_prompt=not self.continue_final_message
             if generation_prompt is None else generation_prompt,
             chat_template_kwargs=self.chat_template_kwargs or None,
+            cache_salt=self.cache_salt,
         )
         echo = last.content if self.echo and last.role == "assistant" else None
         return [request], self._shape(True, request_id=request.request_id, chat_echo=echo,
@@ -285,6 +288,7 @@ class JobCreate(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     suffix: str | None = None
+    cache_salt: str | None = None
 
     def to_generate_request(self) -> GenerateRequest:
         check_params(self.params)  # [structured output] 400 if the grammar cannot compile

@@ -27,13 +27,15 @@ def call_body(call: Call, call_id: str | None = None) -> dict[str, Any]:
 
 
 def message_fields(text: str, names: tuple[str, ...], cut: bool = False) -> dict[str, Any]:
-    """The assistant message's ``content`` and ``tool_calls`` for a whole output
-    (``cut``: ended by ``max_tokens``: the calls completed before the cut)."""
+    """The assistant message's ``content`` and ``tool_calls`` for a whole output. ``cut``:
+    ended by ``max_tokens`` or a stop string: the calls completed before the cut, then
+    the one being written, with its ``arguments`` as far as they got; call markup never
+    goes into ``content``."""
     parsed = parse_calls(text, set(names), cut) if names else None
     if parsed is None:
         return {"content": text}
     content, calls = parsed
-    return {"content": content, "tool_calls": [call_body(c) for c in calls]}
+    return {"content": content, "tool_calls": [call_body(c) for c in calls] or None}
 
 
 class ToolStream:
@@ -65,11 +67,13 @@ class ToolStream:
         return []
 
     def finish(self, cut: bool = False) -> list[dict[str, Any]]:
-        """At the choice's end: what is left (a whole list of calls, or the text)."""
+        """At the choice's end: what is left (a whole list of calls, or the text).
+        ``cut`` (``max_tokens``, a stop string): the call being written is sent as it
+        got, never as text."""
         parsed = parse_calls(self.buffer, self.names, cut)
         if parsed is not None and self.mode != "text":
             return self._calls(parsed[1])
-        if self.sent:  # calls cut short (max_tokens): the rest as text, nothing lost
+        if self.sent:  # calls already sent: what follows them is no text
             return []
         return self._text()
 

@@ -82,7 +82,7 @@ def batch_object(rec: BatchRecord) -> dict[str, Any]:
         "request_counts": {"total": rec.total, "completed": rec.completed,
                            "failed": rec.failed},
         "usage": {"input_tokens": rec.prompt_tokens,
-                  "input_tokens_details": {"cached_tokens": 0},
+                  "input_tokens_details": {"cached_tokens": rec.cached_tokens},
                   "output_tokens": rec.completion_tokens,
                   "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": rec.prompt_tokens + rec.completion_tokens},

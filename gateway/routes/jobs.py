@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from gateway.admission import require_api_key
 from gateway.body import parse_json, run_sized, validate
-from gateway.errors import APIError, unavailable
+from gateway.errors import APIError, scrub_error, unavailable
 from gateway.openai_api.schemas import JobCreate
 from gateway.queue_client import QueueClient
 from gateway.routes.openai import body_schema, get_queue, get_served
@@ -31,6 +31,7 @@ from gateway.tenancy.principal import job_id as job_id_of
 from gateway.tenancy.principal import scoped, tenant
 from protocol.aclient import AsyncSubscription
 from protocol.codec import ProtocolError
+from protocol.lora import public_name
 from protocol.models import ID_PATTERN, GenerateRequest, JobStatus
 
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)])
@@ -69,8 +70,9 @@ async def create_job(http: Request, queue: QueueClient = Depends(get_queue)) -> 
 
     plain = await run_sized(await http.body(), prepare)
     who = tenant(http)
-    if plain.model is not None:
-        await get_served(http).resolve(plain.model, who)
+    if plain.model is not None:  # an adapter travels as its registry key
+        route = await get_served(http).route(plain.model, who)
+        plain = plain.model_copy(update={"model": route.key})
     [request] = scoped(who, [plain])
     await queue.admit([request], who)
     await queue.enqueue(request)
@@ -83,8 +85,11 @@ async def create_job(http: Request, queue: QueueClient = Depends(get_queue)) -> 
 async def get_job(job_id: str, http: Request,
                   queue: QueueClient = Depends(get_queue)) -> dict[str, Any]:
     status = await _status_or_404(queue, _own(http, job_id), job_id)
-    return {"id": job_id, "object": "job", **status.model_dump(mode="json", exclude=_INTERNAL),
-            "request_id": job_id, "links": _links(job_id)}
+    body = status.model_dump(mode="json", exclude=_INTERNAL)
+    if status.model is not None:  # an adapter's registry key: the caller's name for it
+        body["model"] = public_name(tenant(http).id, status.model)
+    return {"id": job_id, "object": "job", **scrub_error(body), "request_id": job_id,
+            "links": _links(job_id)}
 
 
 @router.delete("/{job_id}", status_code=202)
@@ -176,8 +181,8 @@ async def _events(sub: AsyncSubscription, queue: QueueClient, deadline: float,
             if left <= 0:
                 return
             events = await sub.next_events(min(left, queue.settings.keepalive_s))
-            yield b"".join(sse({**e.model_dump(mode="json", exclude_none=True,
-                                               exclude=_INTERNAL),
+            yield b"".join(sse({**scrub_error(e.model_dump(mode="json", exclude_none=True,
+                                                           exclude=_INTERNAL)),
                                 "request_id": job_id}, event_id=e.seq)
                            for e in events) if events else PING
     except (RedisError, OSError, ProtocolError) as exc:

@@ -78,7 +78,8 @@ async def chat_completions(http: Request, queue: QueueClient = Depends(get_queue
 @router.get("/models")
 async def models(http: Request, served: ServedModels = Depends(get_served)) -> dict[str, Any]:
     """The served model names: the configured one and those live workers advertise, then
-    the LoRA adapters (the ones the caller's tenant may use), each with its ``parent``."""
+    the LoRA adapters the caller's tenant may use (its own and the fleet-wide ones its
+    allowlist admits, by the names it knows them by), each with its ``parent``."""
     return {"object": "list", "data": await _model_cards(served, tenant(http))}
 
 
@@ -99,28 +100,32 @@ async def model(model_id: str, http: Request,
 async def _model_cards(served: ServedModels, who: Tenant, fresh: bool = False
                        ) -> list[dict[str, Any]]:
     """vLLM's cards: a base model's ``root`` is its name and ``parent`` null; an
-    adapter's ``root`` is its path and ``parent`` its base model."""
+    adapter's ``parent`` is its base model and ``root`` its own name (vLLM shows the path
+    there: a server's paths are no caller's business); ``owned_by`` is the caller's tenant
+    for its own adapters."""
     workers = await served.workers(fresh)
     started = {w.model: int(min(x.started_at for x in workers if x.model == w.model))
                for w in workers}
     cards = [{"id": name, "object": "model", "created": started.get(name, 0),
               "owned_by": "ferry", "root": name, "parent": None}
              for name in await served.base_names()]
-    adapters = await served.adapters(fresh, who)
+    adapters = await served.tenant_adapters(who, fresh)
     return cards + [{"id": name, "object": "model", "created": int(record.created),
-                     "owned_by": "ferry", "root": record.path, "parent": record.parent}
+                     "owned_by": "ferry" if record.owner is None else record.owner,
+                     "root": name, "parent": record.parent}
                     for name, record in sorted(adapters.items())]
 
 
 async def start(requests: list[GenerateRequest], http: Request,
                 queue: QueueClient) -> tuple[str, Generations]:
-    """Resolve the model, scope to the tenant, admit and enqueue: (model, the group)."""
+    """Resolve the model, scope to the tenant, admit and enqueue: (the caller's name of the
+    model, the group). The requests carry the model's key (an adapter's registry key)."""
     received_at = time.time()
     who = tenant(http)
-    model = await get_served(http).resolve(requests[0].model, who)
-    requests = scoped(who, [r.model_copy(update={"model": model}) for r in requests])
+    route = await get_served(http).route(requests[0].model, who)
+    requests = scoped(who, [r.model_copy(update={"model": route.key}) for r in requests])
     await queue.admit(requests, who)
-    return model, await Generations.start(queue, requests, received_at)
+    return route.name, await Generations.start(queue, requests, received_at)
 
 
 async def held_or_collected(

@@ -21,8 +21,9 @@ from gateway.body import parse_json, run_sized, validate
 from gateway.errors import APIError, failure, unavailable
 from gateway.generations import Batch, Generations
 from gateway.openai_api.format import Formatter
+from gateway.openai_api.logprobs import chat_content
 from gateway.openai_api.response_shape import ResponseShape
-from gateway.openai_api.responses import new_id, response_body, to_chat_body
+from gateway.openai_api.responses import ChatBody, new_id, response_body, to_chat_body
 from gateway.openai_api.responses_stream import ResponsesStream
 from gateway.openai_api.schemas import ChatCompletionRequest
 from gateway.openai_api.tool_output import ToolStream
@@ -34,7 +35,7 @@ from protocol.models import GenerateRequest
 from protocol.streaming import StreamTimeout
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
-Prepared = tuple[dict[str, Any], list[GenerateRequest], ResponseShape]
+Prepared = tuple[dict[str, Any], ChatBody, list[GenerateRequest], ResponseShape]
 
 
 @router.post("/responses")
@@ -42,19 +43,28 @@ async def responses(http: Request, queue: QueueClient = Depends(get_queue)) -> R
     def prepare(raw: bytes) -> Prepared:
         settings = queue.settings
         body = parse_json(raw)
-        chat = to_chat_body(body)
-        if len(chat["messages"]) > settings.max_messages:
-            raise APIError(400, f"input: {len(chat['messages'])} items exceed the limit of "
+        plan = to_chat_body(body)
+        messages = plan.chat["messages"]
+        if len(messages) > settings.max_messages:
+            raise APIError(400, f"input: {len(messages)} items exceed the limit of "
                            f"{settings.max_messages}", param="input")
-        requests, shape = validate(ChatCompletionRequest, chat).to_generate_requests(settings)
-        return body, requests, shape
+        try:
+            requests, shape = validate(ChatCompletionRequest, plan.chat
+                                       ).to_generate_requests(settings)
+        except APIError as exc:
+            raise plan.translate(exc) from None
+        return body, plan, requests, shape
 
-    body, requests, shape = await run_sized(await http.body(), prepare)
-    model, group = await start(requests, http, queue)
-    body = {**body, "model": model}
-    resp_id = new_id("resp")
-    got = await held_or_collected(group, http, shape.stream,
-                                  lambda held: _stream(group, body, resp_id, shape, held))
+    body, plan, requests, shape = await run_sized(await http.body(), prepare)
+    try:
+        model, group = await start(requests, http, queue)
+        body = {**body, "model": model}
+        resp_id = new_id("resp")
+        got = await held_or_collected(
+            group, http, shape.stream,
+            lambda held: _stream(group, body, resp_id, shape, held, plan.request.logprobs))
+    except APIError as exc:  # a refusal before the first byte: the Responses field
+        raise plan.translate(exc) from None
     if isinstance(got, Response):
         return got
     chat = Formatter(shape.request_id, model, shape).response(got)
@@ -62,7 +72,7 @@ async def responses(http: Request, queue: QueueClient = Depends(get_queue)) -> R
 
 
 async def _stream(group: Generations, body: dict[str, Any], resp_id: str,
-                  shape: ResponseShape, held: Batch) -> AsyncIterator[bytes]:
+                  shape: ResponseShape, held: Batch, logprobs: bool) -> AsyncIterator[bytes]:
     events_out = ResponsesStream(body, resp_id)
     tools = ToolStream(shape.tools)
     settings = group.queue.settings
@@ -75,6 +85,8 @@ async def _stream(group: Generations, body: dict[str, Any], resp_id: str,
             for _, events in batch:
                 for event in events:
                     prompt = event.prompt_tokens or prompt
+                    if logprobs and event.logprobs:
+                        events_out.add_logprobs(chat_content(event.logprobs)["content"])
                     if event.text:
                         out += events_out.feed(tools.feed(event.text))
                     if event.finish_reason is None:
@@ -84,10 +96,12 @@ async def _stream(group: Generations, body: dict[str, Any], resp_id: str,
                         yield out + _error(events_out, error)
                         return
                     usage = event.usage
-                    out += events_out.feed(tools.finish(event.finish_reason == "length"))
+                    cut = event.finish_reason == "length" or event.stop_reason is not None
+                    out += events_out.feed(tools.finish(cut))
                     out += events_out.closing(
                         event.finish_reason, usage.prompt_tokens if usage else prompt,
-                        usage.completion_tokens if usage else 0)
+                        usage.completion_tokens if usage else 0,
+                        (usage.cached_tokens or 0) if usage else 0)
             if out:
                 yield out
             if group.finished:

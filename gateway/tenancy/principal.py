@@ -41,9 +41,10 @@ def key_principal(api_key: str, secret: bytes) -> str:
 
 def scoped(who: Tenant, requests: list[GenerateRequest]) -> list[GenerateRequest]:
     """The requests as ``who``'s: its tenant named, each id moved into its namespace
-    (``protocol.tenancy``); 400 naming ``request_id`` for an id that cannot be."""
+    (``protocol.tenancy``), its prefix-cache group named (``protocol.cache_scope``); 400
+    naming ``request_id`` for an id that cannot be."""
     try:
-        return [r.model_copy(update={"tenant": who.wire,
+        return [r.model_copy(update={"tenant": who.wire, "cache_scope": who.prefix_cache_group,
                                      "request_id": scoped_id(who.id, r.request_id)})
                 for r in requests]
     except ValueError as exc:

@@ -18,7 +18,9 @@ Three ways to configure them, decided once at startup:
       max_concurrent = 64
       tokens_per_minute = 200000
       max_priority = 0
-      lora_adapters = ["support-v2"]   # optional: the only LoRA adapters it may use
+      lora_adapters = ["support-v2"]   # optional: the fleet-wide LoRA adapters it may use
+      max_lora_adapters = 4            # optional: LoRA adapters of its own it may load
+      admin = false                    # true: its keys register fleet-wide adapters
 
 A bad file stops the gateway and ``ferry batcher`` at startup with the tenant and field
 named: weights must be finite and within ``protocol.fair``'s range, names printable
@@ -37,12 +39,12 @@ from typing import Any
 import tomllib
 
 from protocol.fair import check_weight
-from protocol.lora import LORA_NAME_PATTERN
+from protocol.lora import ADAPTER_NAME_PATTERN
 from protocol.tenancy import DEFAULT_TENANT, TENANT_PATTERN
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _FIELDS = {"keys_sha256", "weight", "max_concurrent", "tokens_per_minute", "max_priority",
-           "lora_adapters"}
+           "lora_adapters", "prefix_cache_group", "max_lora_adapters", "admin"}
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,25 @@ class Tenant:
     max_concurrent: int | None = None
     tokens_per_minute: int | None = None
     max_priority: int | None = None  # the lowest ``priority`` value (highest lane) allowed
-    lora_adapters: frozenset[str] | None = None  # the adapters it may use (None: all)
+    lora_adapters: frozenset[str] | None = None  # fleet-wide adapters it may use (None: all)
+    # the prefix-cache space it shares with the group's other tenants (None: its own)
+    prefix_cache_group: str | None = None
+    max_lora_adapters: int | None = None  # adapters of its own (None: see own_adapter_limit)
+    admin: bool = False  # an operator for LoRA: its loads are fleet-wide
 
     def may_use_adapter(self, name: str) -> bool:
-        """Whether this tenant may name LoRA adapter ``name`` (its allowlist, if any)."""
+        """Whether this tenant may use the fleet-wide LoRA adapter ``name`` (its allowlist,
+        if any). Its own adapters need no allowance."""
         return self.lora_adapters is None or name in self.lora_adapters
+
+    def own_adapter_limit(self, default: int) -> int:
+        """How many adapters of its own this tenant may register per served model: its
+        ``max_lora_adapters``, else 0 when it has an allowlist (a load by path reads any
+        adapter under the roots, the allowlisted fleet-wide ones included), else
+        ``default``."""
+        if self.max_lora_adapters is not None:
+            return self.max_lora_adapters
+        return 0 if self.lora_adapters is not None else default
 
     @property
     def wire(self) -> str | None:
@@ -178,8 +194,24 @@ def _parse_tenant(name: str, spec: Any) -> tuple[Tenant, list[str]]:
     priority = spec.get("max_priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise ValueError(f"{where}.max_priority: must be an integer")
+    group = spec.get("prefix_cache_group")
+    if group is not None and not (isinstance(group, str) and re.fullmatch(TENANT_PATTERN, group)):
+        raise ValueError(f"{where}.prefix_cache_group: a group name matching {TENANT_PATTERN}")
+    own, admin = _lora_fields(where, spec)
     return Tenant(name, weight, quotas["max_concurrent"], quotas["tokens_per_minute"],
-                  priority, _adapters(where, spec.get("lora_adapters"))), hashes
+                  priority, _adapters(where, spec.get("lora_adapters")), group, own,
+                  admin), hashes
+
+
+def _lora_fields(where: str, spec: dict[str, Any]) -> tuple[int | None, bool]:
+    """``max_lora_adapters`` (an integer >= 0, or absent) and ``admin`` (a boolean)."""
+    own = spec.get("max_lora_adapters")
+    if own is not None and (isinstance(own, bool) or not isinstance(own, int) or own < 0):
+        raise ValueError(f"{where}.max_lora_adapters: must be an integer >= 0")
+    admin = spec.get("admin", False)
+    if not isinstance(admin, bool):
+        raise ValueError(f"{where}.admin: must be true or false")
+    return own, admin
 
 
 def _adapters(where: str, value: Any) -> frozenset[str] | None:
@@ -187,9 +219,10 @@ def _adapters(where: str, value: Any) -> frozenset[str] | None:
     if value is None:
         return None
     if not isinstance(value, list) or not all(
-            isinstance(n, str) and re.fullmatch(LORA_NAME_PATTERN, n) for n in value):
+            isinstance(n, str) and re.fullmatch(ADAPTER_NAME_PATTERN, n) and "::" not in n
+            for n in value):
         raise ValueError(f"{where}.lora_adapters: a list of adapter names matching "
-                         f"{LORA_NAME_PATTERN}")
+                         f"{ADAPTER_NAME_PATTERN} (without '::')")
     return frozenset(value)
 
 

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from ops.bench.spec_decode import continuation_jobs, repeat_jobs, run_setting  # noqa: E402
+from protocol.tenancy import DEFAULT_TENANT as TENANT  # noqa: E402
 from worker.engine.speculative.backoff import AcceptanceModel  # noqa: E402
 from worker.engine.speculative.config import SpeculativeConfig  # noqa: E402
 from worker.engine.speculative.suffix_proposer import SuffixProposer  # noqa: E402
@@ -46,14 +47,14 @@ def replay(pairs: list[tuple[list[int], list[int]]], proposer: SuffixProposer,
     steps = drafted = accepted = 0
     for i, (prompt, out) in enumerate(pairs):
         rid = f"{tag}{i}"
-        proposer.start(rid, prompt + out[:1])  # the prefill step samples the first token
+        proposer.start(rid, prompt + out[:1], TENANT)  # the prefill step samples the first
         steps, n = steps + 1, 1
         while n < len(out):
             limit = len(out) - n - 1
             draft = proposer.propose(rid, limit) if limit > 0 else None
             k = 0
             if draft is not None and draft.tokens:
-                k = model.draft_length(rid, draft.source, draft.match_length,
+                k = model.draft_length(rid, TENANT, draft.source, draft.match_length,
                                        len(draft.tokens), 1)
             tokens = draft.tokens[:k] if draft is not None else []
             a = 0
@@ -61,7 +62,7 @@ def replay(pairs: list[tuple[list[int], list[int]]], proposer: SuffixProposer,
                 a += 1
             if tokens:
                 assert draft is not None
-                model.record(rid, draft.source, draft.match_length, len(tokens), a)
+                model.record(rid, TENANT, draft.source, draft.match_length, len(tokens), a)
                 drafted, accepted = drafted + len(tokens), accepted + a
                 kinds["accepted" if a else "rejected"] += 1
             elif draft is not None and draft.tokens:

@@ -23,6 +23,11 @@ def test_modules_enable_lora_and_reach_the_engine_config() -> None:
     assert config.lora_modules == (("sql", "/lora/sql"), ("chat", "/lora/chat"))
 
 
+def test_roots_reach_the_workers_and_the_gateway() -> None:
+    env = lora_env(None, True, None, None, ["/lora", "/srv/adapters"])
+    assert env["FERRY_LORA_ROOTS"] == "/lora,/srv/adapters"
+
+
 def test_no_flags_set_nothing_and_enable_alone_turns_it_on() -> None:
     assert lora_env(None, False, None, None) == {}  # the workers' own FERRY_* stay
     assert lora_env(None, True, None, None) == {"FERRY_ENABLE_LORA": "1"}

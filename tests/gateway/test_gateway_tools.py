@@ -121,6 +121,11 @@ class _Served:
     async def resolve(self, name: str | None, tenant: object = None) -> str:
         return "m"
 
+    async def route(self, name: str | None, tenant: object = None) -> object:
+        from gateway.served_models import Route
+
+        return Route("m", "m", "m")
+
     def tenant_of(self, owner: str) -> None:
         return None
 

@@ -32,7 +32,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for sub in ("adapters/sql-v1", "adapters/chat-v2", "resolver/auto-a", "resolver/bad-b"):
         (root / sub).mkdir(parents=True)
     (root / "resolver/bad-b" / CORRUPT).write_text("x")
-    return {"adapters": root / "adapters", "resolver": root / "resolver"}
+    return {"adapters": root / "adapters", "resolver": root / "resolver", "root": root}
 
 
 @pytest.fixture
@@ -47,7 +47,8 @@ def fleet(redis_server: RedisServer, redis_client: redis.Redis
 @pytest.fixture(scope="module")
 def gateway(redis_server: RedisServer, dirs: dict[str, Path]) -> Iterator[GatewayServer]:
     settings = GatewaySettings(redis_url=redis_server.url, served_model_name=BASE,
-                               tokenizer_timeout_s=3, lora_dir=str(dirs["resolver"]))
+                               tokenizer_timeout_s=3, lora_dir=str(dirs["resolver"]),
+                               lora_roots=(str(dirs["root"]),))
     with GatewayServer(settings) as server:
         yield server
 
@@ -77,13 +78,14 @@ def test_load_list_serve_unload(gateway: GatewayServer, dirs: dict[str, Path],
     reply = _post(gateway, "/v1/load_lora_adapter", {"lora_name": "sql-v1", "lora_path": path})
     assert reply.status_code == 200, reply.text
     assert reply.json()["message"] == "Success: LoRA adapter 'sql-v1' added successfully."
+    assert path not in reply.text  # no answer shows a server path
     assert ("sql-v1", path) in checker.asked
     record = read_adapters(redis_client, KEYS, BASE)["sql-v1"]
     assert (record.path, record.parent) == (path, BASE)
 
     cards = _cards(gateway)
     assert cards[BASE]["parent"] is None and cards[BASE]["root"] == BASE
-    assert cards["sql-v1"]["parent"] == BASE and cards["sql-v1"]["root"] == path
+    assert cards["sql-v1"]["parent"] == BASE and cards["sql-v1"]["root"] == "sql-v1"
     assert list(cards)[0] == BASE
     one = httpx.get(f"{gateway.url}/v1/models/sql-v1").json()
     assert one == cards["sql-v1"]
@@ -184,7 +186,7 @@ def test_lora_dir_resolver(gateway: GatewayServer, dirs: dict[str, Path],
     assert worker.seen[-1].model == "auto-a"
     path = str(dirs["resolver"] / "auto-a")
     assert read_adapters(redis_client, KEYS, BASE)["auto-a"].path == path
-    assert _cards(gateway)["auto-a"]["root"] == path
+    assert _cards(gateway)["auto-a"]["root"] == "auto-a"
     assert _complete(gateway, "auto-a").status_code == 200
     assert checker.asked.count(("auto-a", path)) == 1  # loaded once, then served
 

@@ -1,6 +1,8 @@
-"""A tenants file's ``lora_adapters`` allowlist: a tenant sees, uses, loads and unloads only
-the adapters it lists (others are 404 ``model_not_found``, as if they did not exist; a load
-of another name 403); a tenant without the field may use every adapter."""
+"""A tenants file's ``lora_adapters`` allowlist: a tenant sees and uses only the fleet-wide
+adapters it lists (others are 404 ``model_not_found``, as if they did not exist, also on
+unload); a tenant without the field may use every fleet-wide adapter. A tenant with an
+allowlist loads adapters of its own only when the file gives it ``max_lora_adapters``
+(a load by path could read any adapter under the roots)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ KEYS = Keys()
 BASE = "base-model"
 ALPHA = {"Authorization": "Bearer key-alpha"}  # lora_adapters = ["shared-a", "own-a"]
 BETA = {"Authorization": "Bearer key-beta"}  # no allowlist
+GAMMA = {"Authorization": "Bearer key-gamma"}  # ["shared-a"], max_lora_adapters = 1
 
 
 def _sha(key: str) -> str:
@@ -46,7 +49,9 @@ def gateway(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
     tenants.write_text(
         f'[tenants.alpha]\nkeys_sha256 = ["{_sha("key-alpha")}"]\n'
         'lora_adapters = ["shared-a", "own-a"]\n'
-        f'[tenants.beta]\nkeys_sha256 = ["{_sha("key-beta")}"]\n')
+        f'[tenants.beta]\nkeys_sha256 = ["{_sha("key-beta")}"]\n'
+        f'[tenants.gamma]\nkeys_sha256 = ["{_sha("key-gamma")}"]\n'
+        'lora_adapters = ["shared-a"]\nmax_lora_adapters = 1\n')
     settings = GatewaySettings(redis_url=redis_server.url, served_model_name=BASE,
                                tenants_file=str(tenants), tokenizer_timeout_s=3)
     with GatewayServer(settings) as server:
@@ -98,12 +103,17 @@ def test_allowlist_limits_load_and_unload(gateway: GatewayServer, fleet: FakeWor
     reply = _post(gateway, "/v1/unload_lora_adapter", {"lora_name": "secret-b"}, ALPHA)
     assert reply.status_code == 404, reply.text
     load = {"lora_name": "other-c", "lora_path": str(adapter_dir)}
-    reply = _post(gateway, "/v1/load_lora_adapter", load, ALPHA)
-    assert reply.status_code == 403 and reply.json()["error"]["param"] == "lora_name"
-    own = {"lora_name": "own-a", "lora_path": str(adapter_dir)}
-    assert _post(gateway, "/v1/load_lora_adapter", own, ALPHA).status_code == 200
-    assert _listed(gateway, ALPHA) == [BASE, "own-a", "shared-a"]
-    assert _post(gateway, "/v1/unload_lora_adapter", {"lora_name": "own-a"}, ALPHA
+    for name in ("other-c", "own-a", "shared-a"):  # an allowlist and no max_lora_adapters
+        reply = _post(gateway, "/v1/load_lora_adapter", load | {"lora_name": name}, ALPHA)
+        assert reply.status_code == 403 and reply.json()["error"]["param"] == "lora_name"
+    own = {"lora_name": "own-g", "lora_path": str(adapter_dir)}
+    assert _post(gateway, "/v1/load_lora_adapter", own, GAMMA).status_code == 200
+    assert _listed(gateway, GAMMA) == [BASE, "own-g", "shared-a"]
+    assert "own-g" not in _listed(gateway, BETA)
+    reply = _post(gateway, "/v1/load_lora_adapter", load, GAMMA)  # its one is taken
+    assert reply.status_code == 403, reply.text
+    assert reply.json()["error"]["code"] == "lora_adapter_limit"
+    assert _post(gateway, "/v1/unload_lora_adapter", {"lora_name": "own-g"}, GAMMA
                  ).status_code == 200
     assert _post(gateway, "/v1/load_lora_adapter", load, BETA).status_code == 200
     assert httpx.post(f"{gateway.url}/v1/load_lora_adapter", json=load).status_code == 401

@@ -1,6 +1,7 @@
 """ServedModels with LoRA adapters, on a stub client (no Redis): adapters are served names
 read once per TTL, a miss is re-read before the 404, the resolver is the last chance, a
-failed read keeps the last one (base models go on), and a tenant's allowlist filters."""
+failed read keeps the last one (base models go on), a tenant's allowlist filters the
+fleet-wide ones, and a tenant's own adapters are its alone, under their plain names."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.errors import APIError
 from gateway.served_models import ServedModels
-from gateway.tenancy.tenants import Tenant
+from gateway.tenancy.tenants import DEFAULT, Tenant
 from protocol.keys import Keys
 from protocol.lora import LoraRecord
 from protocol.models import WorkerHeartbeat
@@ -41,10 +42,11 @@ class _Client:
         now = time.time()
         return [WorkerHeartbeat(worker_id="w1", model="base", started_at=now, updated_at=now)]
 
-    def register(self, name: str) -> None:
-        record = LoraRecord(name=name, path=f"/lora/{name}", parent="base")
+    def register(self, name: str, owner: str | None = None) -> None:
+        key = name if owner is None else f"{owner}::{name}"
+        record = LoraRecord(name=key, path=f"/lora/{name}", parent="base", owner=owner)
         self.redis.hashes.setdefault(self.keys.lora_adapters("base"), {})[
-            name.encode()] = record.encode().encode()
+            key.encode()] = record.encode().encode()
 
 
 def _served(ttl_s: float = 60.0) -> tuple[ServedModels, _Client]:
@@ -58,7 +60,8 @@ def test_adapters_are_served_names_read_once_per_ttl() -> None:
         client.register("a1")
         assert await served.names() == ["base", "a1"]
         assert await served.resolve("a1") == "a1" and await served.resolve(None) == "base"
-        assert await served.base_of("a1") == "base" and await served.base_of("base") == "base"
+        assert (await served.route("a1")).base == "base"
+        assert (await served.route("base")).base == "base"
         reads = client.redis.reads
         for _ in range(5):
             await served.resolve("a1")
@@ -96,16 +99,47 @@ def test_tenant_allowlist_and_resolver() -> None:
         with pytest.raises(APIError) as caught:
             await served.resolve("b1", only_a)
         assert "b1" not in caught.value.message.split("served:")[1]
+        assert caught.value.message.split("served:")[1] == " base)"  # no adapter listed
         asked: list[tuple[str, Any]] = []
 
         async def resolver(name: str, tenant: Tenant | None) -> bool:
             asked.append((name, tenant))
+            if name == "c1":
+                client.register(name)  # loaded from FERRY_LORA_DIR: fleet-wide
             return name == "c1"
 
         served.resolver = resolver
         assert await served.resolve("c1", only_a) == "c1"
         with pytest.raises(APIError):
             await served.resolve("d1")
-        assert asked == [("c1", only_a), ("d1", None)]
+        assert asked == [("c1", only_a), ("d1", DEFAULT)]
+
+    asyncio.run(run())
+
+
+def test_own_adapters_are_their_tenants_alone() -> None:
+    """Two tenants' ``sql`` are two adapters; each sees and routes to its own under the
+    plain name, the other's key is not a name anyone can ask for, and an own adapter hides
+    a fleet-wide one of the same name."""
+    async def run() -> None:
+        served, client = _served()
+        client.register("sql", owner="alpha")
+        client.register("sql", owner="beta")
+        client.register("shared")
+        alpha, beta, none = Tenant("alpha"), Tenant("beta"), Tenant("gamma")
+        assert await served.names(tenant=alpha) == ["base", "shared", "sql"]
+        assert await served.names(tenant=none) == ["base", "shared"]
+        assert (await served.route("sql", alpha)).key == "alpha::sql"
+        assert (await served.route("sql", beta)).key == "beta::sql"
+        route = await served.route("sql", alpha)
+        assert (route.name, route.base) == ("sql", "base")
+        for who, name in ((none, "sql"), (beta, "alpha::sql"), (DEFAULT, "beta::sql")):
+            with pytest.raises(APIError) as caught:
+                await served.route(name, who)
+            assert caught.value.status == 404 and caught.value.code == "model_not_found"
+        client.register("shared", owner="alpha")
+        served.forget_adapters()
+        assert (await served.route("shared", alpha)).key == "alpha::shared"
+        assert (await served.route("shared", beta)).key == "shared"
 
     asyncio.run(run())

@@ -165,6 +165,41 @@ def test_worker_recovery_commands_and_dead_letters(server: AclRedis) -> None:
     pipe.execute()
 
 
+async def _gateway_lora(url: str) -> tuple[str, str, list[str], bool]:
+    from protocol.lora import (
+        LoraRecord,
+        aread_adapter_models,
+        aread_adapters,
+        aregister_adapter,
+        aunregister_adapter,
+    )
+
+    r = aredis.Redis.from_url(url)
+    try:
+        record = LoraRecord(name="t::sql", path="/lora/sql", parent="m", owner="t")
+        added = await aregister_adapter(r, KEYS, record, limit=2)
+        replaced = await aregister_adapter(r, KEYS, record, limit=2, replace=True)
+        assert set(await aread_adapters(r, KEYS, "m")) == {"t::sql"}
+        models = await aread_adapter_models(r, KEYS)
+        return added, replaced, models, await aunregister_adapter(r, KEYS, "m", "t::sql")
+    finally:
+        await r.aclose()
+
+
+def test_gateway_and_worker_keep_the_lora_registry(server: AclRedis) -> None:
+    """The gateway registers through its script (count, add or replace) and the models'
+    set; the worker publishes the adapters it starts with and reads the registry."""
+    from protocol.lora import LoraRecord, read_adapters, register_adapter
+
+    assert asyncio.run(_gateway_lora(server.url("ferry-gateway"))) == (
+        "added", "replaced", ["m"], True)
+    worker = server.client("ferry-worker")
+    assert register_adapter(worker, KEYS, LoraRecord(name="sql", path="/lora/sql",
+                                                     parent="m", source="modules"))
+    assert set(read_adapters(worker, KEYS, "m")) == {"sql"}
+    _denied(worker.hdel, KEYS.lora_adapters("m"), "sql")  # a worker unloads nothing
+
+
 def test_worker_is_refused_what_it_must_not_do(server: AclRedis) -> None:
     r = server.client("ferry-worker")
     # (it XADDs to the lanes now: the fair pull, run by the worker, moves entries in)

@@ -73,7 +73,7 @@ def test_request_round_trip(request_: GenerateRequest) -> None:
 def test_request_defaults() -> None:
     a, b = GenerateRequest(prompt="x"), GenerateRequest(prompt="x")
     assert a.request_id != b.request_id and len(a.request_id) == 32
-    assert a.version == PROTOCOL_VERSION == 6 and a.tenant is None
+    assert a.version == PROTOCOL_VERSION == 7 and a.tenant is None
     assert a.created_at > 1.6e9 and a.priority == 0
 
 
@@ -144,7 +144,7 @@ def test_job_hash_round_trip_is_plain_strings() -> None:
         (b"", "GenerateRequest"),
         (msgpack.packb([1, 2]), "GenerateRequest"),
         (msgpack.packb({"prompt": "x"}), "version"),
-        (msgpack.packb({"version": 7, "prompt": "x"}), "version"),
+        (msgpack.packb({"version": 8, "prompt": "x"}), "version"),
         (msgpack.packb({"version": "1", "prompt": "x"}), "version"),
         (_raw(), "prompt"),
         (_raw(prompt="x", messages=[{"role": "user", "content": "y"}]), "prompt"),

@@ -100,6 +100,33 @@ def test_close_objects() -> None:
     assert out["properties"]["b"]["additionalProperties"] is True
 
 
+def test_objects_that_list_their_properties_are_closed_by_default() -> None:
+    """vLLM's default backend's rule: an object schema that lists its properties and says
+    nothing of other keys admits no other key (pydantic's ``model_json_schema()``, nested
+    models in ``$defs`` included); ``additionalProperties: true`` or ``x-ferry``
+    ``closed_objects: false`` keeps it open, a bare object stays any object."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                               "at": {"$ref": "#/$defs/Place"}},
+              "required": ["city"],
+              "$defs": {"Place": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                  "required": ["x"]}}}
+    assert _matches(schema, '{"city":"Paris"}')
+    assert not _matches(schema, '{"city":"Paris","country":"FR"}')
+    assert not _matches(schema, '{"city":"Paris","at":{"x":1,"y":2}}')
+    assert _matches({**schema, "additionalProperties": True},
+                    '{"city":"Paris","country":"FR"}')
+    assert _matches({**schema, "x-ferry": {"closed_objects": False}},
+                    '{"city":"Paris","at":{"x":1,"y":2}}')
+    assert _matches({"type": "object"}, '{"anything":1}')
+    out = prepare({"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}],
+                   "properties": {"c": {"type": "object", "properties": {}},
+                                  "d": {"properties": {}, "required": ["e"]}}})
+    assert "additionalProperties" not in out  # its keys are its allOf members'
+    assert all("additionalProperties" not in m for m in out["allOf"])
+    assert out["properties"]["c"]["additionalProperties"] is False  # {} only: no arguments
+    assert "additionalProperties" not in out["properties"]["d"]  # requires what it omits
+
+
 @pytest.mark.parametrize("spec,where", [
     ({"json_schema": {"properties": {"\ud800": {"type": "string"}}}},
      "json_schema.properties.\\ud800 (a key)"),

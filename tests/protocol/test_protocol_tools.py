@@ -93,9 +93,60 @@ def test_parse_round_trip(family: str) -> None:
     assert parse_calls(text, {"noop"}) is None  # an unknown name is not a call
     cut = text[:-len(FAMILIES[family].close) - 4]
     assert parse_calls(cut, {"weather", "noop"}) is None
-    assert parse_calls(cut, {"weather", "noop"}, cut=True) == (
-        None, [("weather", '{"city":"Paris"}')])
+    got = parse_calls(cut, {"weather", "noop"}, cut=True)  # the cut call as written
+    assert got is not None and got[1][0] == ("weather", '{"city":"Paris"}')
+    assert got[1][1] in (("noop", ""), ("noop", "{}"))  # cut in its key, or in its close
     assert complete_calls(cut, {"weather", "noop"}) == [("weather", '{"city":"Paris"}')]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_cut_call_is_a_call_at_every_length(family: str) -> None:
+    """Cut anywhere (max_tokens), a list of calls reads back as calls: the complete ones,
+    then the one being written with its arguments as far as they got; never as text."""
+    names = {"weather", "noop"}
+    text = _calls(family, [("weather", {"city": "Paris"}), ("noop", {})])
+    first_call = len(FAMILIES[family].opener) + len('{"name":"weather"')
+    for k in range(1, len(text)):
+        parsed = parse_calls(text[:k], names, cut=True)
+        assert parsed is not None and parsed[0] is None, (k, text[:k])
+        got = parsed[1]
+        assert got[:1] == [] or got[0][0] in ("", "weather"), (k, got)
+        if k >= first_call:  # the name is written: it is the call's, arguments follow it
+            assert got[0][0] == "weather" and '{"city":"Paris"}'.startswith(got[0][1])
+        assert all(n in names or n == "" for n, _ in got), (k, got)
+    cut = _calls(family, [("weather", {"city": "Paris"})])
+    cut = cut[:cut.index("Par") + 3]
+    assert parse_calls(cut, names, cut=True) == (None, [("weather", '{"city":"Par')])
+
+
+def test_a_cut_name_is_completed_only_when_one_function_begins_so() -> None:
+    names = {"get_weather", "get_time"}
+    assert parse_calls('<tool_call>\n{"name":"get_w', names, True) == (
+        None, [("get_weather", "")])
+    assert parse_calls('<tool_call>\n{"name":"get_', names, True) == (None, [("get_", "")])
+    assert parse_calls('<tool_call>\n{"na', {"only"}, True) == (None, [("only", "")])
+    # a family's opener begun is no text, even where nothing can be read back
+    assert parse_calls('<tool_call>\n{"name":"other"', names, True) == (None, [])
+    # text before a hermes call stays text; a JSON answer is not a llama3 call
+    assert parse_calls('Let me check.\n<tool_call>\n{"name":"get_t', names, True) == (
+        "Let me check.", [("get_time", "")])
+    assert parse_calls('{"answer": "sun', names, True) is None
+    assert parse_calls("Sunny in Par", names, True) is None
+
+
+def test_allowed_tools_limit_what_a_call_may_name() -> None:
+    """OpenAI's allowed_tools: every tool is in the prompt, only these may be called."""
+    family = "hermes"
+    spec = ToolCalls(tools=TOOLS, mode="required", allowed=["noop"])
+    assert _accepts(spec, family, _calls(family, [("noop", {})]))
+    assert not _accepts(spec, family, _calls(family, [("weather", {"city": "Paris"})]))
+    auto = ToolCalls(tools=TOOLS, allowed=["weather"])
+    assert _accepts(auto, family, "Sunny.")
+    assert not _accepts(auto, family, _calls(family, [("noop", {})]))
+    with pytest.raises(ValueError, match="not one of the tools"):
+        ToolCalls(tools=TOOLS, allowed=["other"])
+    with pytest.raises(ValueError, match="not with mode 'named'"):
+        ToolCalls(tools=TOOLS, mode="named", name="noop", allowed=["noop"])
 
 
 def test_plain_text_is_not_calls() -> None:

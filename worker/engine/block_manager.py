@@ -8,7 +8,9 @@ scheduler turns into waiting or preemption — never an exception.
 
 Prefix caching (after vLLM v1's ``KVCacheManager``, written anew): a *full* block is
 identified by a hash chained over (parent block's hash, its token ids), rooted in a salt
-naming whatever else changes the KV (model, cache dtype, block size). Once a request has
+naming whatever else changes the KV (model, cache dtype, block size) and the request's
+partition (``_root_of``: cache scope, LoRA adapter): no lookup crosses partitions, so one
+tenant's blocks time nothing of another's prompts (``docs/tenants.md``). Once a request has
 allocated a block that becomes full this step, the block is registered under its hash. A
 request reaching a block boundary with only cached blocks ahead (a new request, a
 recomputed one after preemption, one resumed after a crash) takes the longest cached
@@ -139,12 +141,17 @@ class BlockManager(StepRegistrations, PartialBlocks):
         return hashes
 
     def _root_of(self, request: Request) -> bytes:
-        """The hash chain's root: a LoRA adapter's blocks match only the same adapter's
-        (its ``cache_key``: name, path and registration), never the base model's."""
-        if request.lora is None:
-            return self._root
+        """The hash chain's root, which every key of the request's blocks (full, kept
+        partial, host-tier copies) descends from: they match only the same cache scope's
+        (a tenant, a sharing group, a salt) and the same LoRA adapter's (its
+        ``cache_key``), never the base model's. Both None: the shared default space."""
+        root = self._root
         # ASCII after the root: never the bytes of a block (token ids' high bytes are 0)
-        return hashlib.sha256(self._root + b"lora|" + request.lora.cache_key.encode()).digest()
+        if request.cache_scope is not None:
+            root = hashlib.sha256(root + b"scope|" + request.cache_scope.encode()).digest()
+        if request.lora is not None:
+            root = hashlib.sha256(root + b"lora|" + request.lora.cache_key.encode()).digest()
+        return root
 
     def cached_prefix(self, request: Request) -> list[int | bytes | PartialHit]:
         """Cached blocks that continue the request's table from where it has computed, up

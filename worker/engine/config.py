@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from worker.engine.lora.config import LoraConfig
-from worker.engine.speculative.config import SpeculativeConfig
+from worker.engine.speculative.config import SpeculativeConfig, store_ttl_setting
 
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
 
@@ -181,6 +181,7 @@ class EngineConfig:
             num_speculative_tokens=_int("FERRY_NUM_SPECULATIVE_TOKENS"),
             spec_max_batch=_int("FERRY_SPEC_MAX_BATCH"),
             store_tokens=_int("FERRY_SPEC_STORE_TOKENS"),
+            store_ttl_s=store_ttl_setting(env.get("FERRY_SPEC_STORE_TTL_S")),
         )
         return cfg
 

@@ -82,10 +82,12 @@ class Engine(RequestEnds):
         params: SamplingParams | dict[str, Any] | None = None, *,
         messages: list[dict[str, Any]] | None = None, priority: int = 0,
         prior_output_ids: list[int] | None = None, options: PromptOptions | None = None,
-        lora_name: str | None = None,
+        lora_name: str | None = None, cache_scope: str | None = None,
     ) -> Request:
         """Tokenize, validate and queue a request; raises ValueError naming the problem
         (``UnknownAdapter``, a ValueError, for a ``lora_name`` not loaded).
+        ``cache_scope``: the prefix-cache partition it may share blocks with (None: the
+        default one), ``Request.cache_scope``.
 
         ``prior_output_ids`` resumes a request whose first tokens were already produced
         (and sent) elsewhere: generation continues after them.
@@ -99,13 +101,15 @@ class Engine(RequestEnds):
             options=options,
         )
         return self.add_tokens(request_id, ids, params, priority=priority,
-                               prior_output_ids=prior_output_ids, lora=lora)
+                               prior_output_ids=prior_output_ids, lora=lora,
+                               cache_scope=cache_scope)
 
     def add_tokens(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         priority: int = 0, prior_output_ids: list[int] | None = None,
         prior_by_choice: dict[int, list[int]] | None = None,
         skip_choices: frozenset[int] = frozenset(), lora: Any = None,
+        cache_scope: str | None = None,
     ) -> Request:
         """Queue a prompt that ``self.prompts.build`` already tokenized and validated (on
         any thread): the engine loop's cost no longer depends on the prompt's text size.
@@ -125,7 +129,7 @@ class Engine(RequestEnds):
             request = self._add_one(
                 candidate_id(request_id, index, count), prompt_token_ids,
                 candidate_params(params, index) if count > 1 else params, priority,
-                list(priors.get(index, [])), lora,
+                list(priors.get(index, [])), lora, cache_scope,
             )
             if count > 1:
                 request.parent_id, request.index = request_id, index
@@ -139,13 +143,13 @@ class Engine(RequestEnds):
 
     def _add_one(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        priority: int, prior: list[int], lora: Any = None,
+        priority: int, prior: list[int], lora: Any = None, cache_scope: str | None = None,
     ) -> Request:
         request = Request(
             request_id, prompt_token_ids, params,
             eos_token_ids=self.runner.loaded.eos_token_ids, priority=priority,
             output_token_ids=prior, bad_words_ids=self.prompts.bad_words_ids(params),
-            lora=lora,
+            lora=lora, cache_scope=cache_scope,
         )
         self.structured.attach(request)  # [structured output] compile starts off the loop
         self.scoring.add(request)
@@ -164,6 +168,7 @@ class Engine(RequestEnds):
             if self.spec is not None:
                 self.spec.propose()  # drafts: the scheduler gives them their tokens
             sched = self.scheduler.schedule()
+            outputs.cached = self.streams.cached_of(self.scheduler.take_first_scheduled())
         if sched.is_empty:
             if self._inflight is not None:
                 outputs = self._read_back(outputs)

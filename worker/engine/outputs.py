@@ -28,6 +28,9 @@ class StepOutput:
     # On a request's first output, if it asked: every prompt token's (id, logprob or None
     # for the first, top-k), worker/engine/prompt_logprobs.py.
     prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] | None = None
+    # On a finished output: its prompt tokens served from the prefix cache at its first
+    # scheduling (either KV tier), vLLM's num_cached_tokens
+    num_cached_tokens: int = 0
 
 
 @dataclass

@@ -91,6 +91,12 @@ class Request:
     lora: Any = None
     # the request's sampling_row.SamplingRow, made at its first sampling step and kept
     sampling_row: Any = None
+    # The prefix-cache partition it may match (worker/engine/block_manager.py): requests
+    # of different scopes never share a block; None, the shared default space.
+    cache_scope: str | None = None
+    # Prompt tokens served from the prefix cache (either KV tier) at its first scheduling
+    # (vLLM's num_cached_tokens); -1 until then.
+    num_cached_tokens: int = -1
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids

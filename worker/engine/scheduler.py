@@ -52,6 +52,9 @@ class Scheduler(StepUpdates):
         # Speculative decoding: drafts for running decode rows, set before ``schedule``
         # (which takes them: a drafted row is scheduled as 1 + len(draft) tokens)
         self.drafts: dict[str, list[int]] = {}
+        # Requests scheduled for the first time since ``take_first_scheduled``: their
+        # ``num_cached_tokens`` is now known (the usage a caller is shown)
+        self.first_scheduled: list[Request] = []
 
     # -- membership --------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -116,6 +119,11 @@ class Scheduler(StepUpdates):
             self.drafts = {}
         return out
 
+    def take_first_scheduled(self) -> list[Request]:
+        """The requests scheduled for the first time since the last call."""
+        first, self.first_scheduled = self.first_scheduled, []
+        return first
+
     def rows_of_running(self) -> np.ndarray:
         """The running requests' rows, in ``running`` (priority) order."""
         if self._running_rows is None:
@@ -147,6 +155,9 @@ class Scheduler(StepUpdates):
         if request.num_computed_tokens == 0 and bm.enable_caching:
             bm.stats.queries += request.num_tokens
         bm.stats.hits += hit_tokens
+        if request.num_cached_tokens < 0:  # its first scheduling: what the cache served
+            request.num_cached_tokens = min(hit_tokens, request.num_prompt_tokens)
+            self.first_scheduled.append(request)
         request.num_computed_tokens = start
         # only known tokens are ever hashed: a draft never enters a registered block
         bm.cache_full_blocks(request, min(start + num_new, request.num_tokens))

@@ -70,13 +70,16 @@ class StepBatch:
     logprobs: list[TokenLogprob | None] | None = None  # [rows] when any row asked
     prompt_logprobs: dict[int, list[Any]] = field(default_factory=dict)  # on a first row
     ends: list[EngineEnd] = field(default_factory=list)
+    # Streams first scheduled in this step -> their prompt tokens served from the prefix
+    # cache (``Request.num_cached_tokens``): the usage their terminal output reports
+    cached: dict[int, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.streams)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.opened or self.streams or self.ends)
+        return not (self.opened or self.streams or self.ends or self.cached)
 
     def add_row(self, stream: int, token: int, lp: TokenLogprob | None) -> int:
         if lp is not None and self.logprobs is None:
@@ -116,6 +119,12 @@ class StreamRegistry:
         stream = self.by_request.pop(request.request_id)
         del self.requests[stream]
         return stream
+
+    def cached_of(self, requests: list[Request]) -> dict[int, int]:
+        """Each open stream's ``num_cached_tokens``, for requests just first scheduled."""
+        by_request = self.by_request
+        return {by_request[r.request_id]: r.num_cached_tokens for r in requests
+                if r.request_id in by_request}
 
     def take_opened(self) -> list[StreamOpen]:
         opened, self._opened = self._opened, []

@@ -20,19 +20,22 @@ from typing import Any
 
 import torch
 
+from worker.engine.call_budget import CallBudget
 from worker.engine.grammar_compiler import GrammarCompiler
 from worker.engine.request import FinishReason, Request
 
 
 class RequestGrammar:
-    """One request's matcher, kept in step with the request's output tokens."""
+    """One request's matcher, kept in step with the request's output tokens (and, for a
+    list of parallel calls, where its calls ended: ``call_budget.py``)."""
 
-    def __init__(self, future: cf.Future[Any]) -> None:
+    def __init__(self, future: cf.Future[Any], budget: CallBudget | None = None) -> None:
         self.future = future
         self._pristine: Any = None
         self.matcher: Any = None
         self.consumed = 0  # output tokens the matcher has accepted
         self.error: str | None = None
+        self.budget = budget
 
     @property
     def ready(self) -> bool:
@@ -63,28 +66,51 @@ class RequestGrammar:
             return
         if len(output_ids) < self.consumed:
             back = self.consumed - len(output_ids)
-            if not self.matcher.rollback(back):
+            if self.budget is not None or not self.matcher.rollback(back):
                 self.matcher, self.consumed = self._pristine.deep_copy(), 0
+                self.budget = self.budget.fresh() if self.budget is not None else None
             else:
                 self.consumed -= back
         new = output_ids[self.consumed:]
-        if new and not self.matcher.consume_tokens(new):
+        if new and not self._consume(new):
             self.error = "the grammar does not accept the output: " + " ".join(
                 self.matcher.get_error().split())[:300]
         self.consumed = len(output_ids)
+
+    def _consume(self, tokens: list[int]) -> bool:
+        if self.budget is None:
+            return bool(self.matcher.consume_tokens(tokens))
+        for i, token in enumerate(tokens, self.consumed + 1):  # where each call ends
+            if not self.matcher.consume_token(token):
+                return False
+            self.budget.step(i, bool(self.matcher.is_accepting()))
+        return True
 
     def fill_masks(self, draft: list[int], ptr: int, row_bytes: int) -> None:
         """On a filler thread: the mask before each draft token and the one after the
         last, in consecutive rows from ``ptr``; then back to the state it began in (the
         verified tokens are consumed later by ``sync``, the rejected ones never)."""
         matcher = self.matcher
+        budget = self.budget.copy() if self.budget is not None else None
         ok = True
         for j, token in enumerate(draft):
-            matcher.unsafe_compute_mask_ptr(ptr + j * row_bytes, row_bytes)
+            self._mask(ptr + j * row_bytes, row_bytes, budget, self.consumed + j)
             ok = ok and matcher.consume_token(token)  # valid: ``valid_draft`` cut it
-        matcher.unsafe_compute_mask_ptr(ptr + len(draft) * row_bytes, row_bytes)
+            if budget is not None:
+                budget.step(self.consumed + j + 1, bool(matcher.is_accepting()))
+        self._mask(ptr + len(draft) * row_bytes, row_bytes, budget,
+                   self.consumed + len(draft))
         if draft and not (ok and matcher.rollback(len(draft))):
             self.matcher, self.consumed = self._pristine.deep_copy(), 0  # sync catches up
+            self.budget = self.budget.fresh() if self.budget is not None else None
+
+    def _mask(self, ptr: int, row_bytes: int, budget: CallBudget | None,
+              length: int) -> None:
+        """The mask after ``length`` output tokens: the grammar's, or EOS alone where a
+        list of calls must end (``CallBudget.must_end``)."""
+        self.matcher.unsafe_compute_mask_ptr(ptr, row_bytes)
+        if budget is not None and budget.must_end(length):
+            budget.end_only(ptr, row_bytes)
 
     @property
     def stopped(self) -> bool:
@@ -98,6 +124,7 @@ class StructuredOutputs:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
                  mask_threads: int = 2) -> None:
         self.vocab_size = vocab_size
+        self._eos = eos_token_ids
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self._pending: list[Request] = []
         # Masks are filled on these threads while the forward runs (llguidance drops the
@@ -110,7 +137,8 @@ class StructuredOutputs:
         spec = request.params.structured_output
         if spec is None:
             return
-        request.grammar = RequestGrammar(self.compiler.compile(spec))
+        request.grammar = RequestGrammar(self.compiler.compile(spec),
+                                         CallBudget.of(request.params, self._eos))
         self._pending.append(request)
 
     @property

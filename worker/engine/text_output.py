@@ -30,6 +30,7 @@ class _Stream:
     open: StreamOpen
     detok: Any
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (StepBatch.cached)
 
 
 # Called when a stop string ends a stream: (stream, stop string) -> the engine's end, if
@@ -61,6 +62,9 @@ class StreamTexts:
         that came without a token. Rows of a stream already ended here (a stop string
         found a step before the engine heard of it) are dropped: never published."""
         self.open(batch.opened)
+        for stream, cached in batch.cached.items():
+            if stream in self.streams:
+                self.streams[stream].num_cached_tokens = cached
         at_row = {end.row: end for end in batch.ends if end.row >= 0}
         outputs: list[StepOutput] = []
         append, streams, lps = outputs.append, self.streams, batch.logprobs
@@ -120,7 +124,7 @@ class StreamTexts:
             num_prompt_tokens=end.num_prompt_tokens, num_output_tokens=end.num_output_tokens,
             logprobs=[lp] if lp is not None else None, error_kind=end.error_kind,
             index=s.open.index, cumulative_logprob=end.cumulative_logprob,
-            prompt_logprobs=end.prompt_logprobs,
+            prompt_logprobs=end.prompt_logprobs, num_cached_tokens=s.num_cached_tokens,
         )
 
 

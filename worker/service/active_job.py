@@ -117,6 +117,8 @@ class ActiveJob:
         # On a refusal: OpenAI's error code and the field at fault, for the terminal event.
         self.error_code: str | None = None
         self.error_param: str | None = None
+        # Per candidate that ended here: its prompt tokens served from the prefix cache
+        self.cached_tokens: dict[int, int] = {}
 
     @property
     def multi(self) -> bool:
@@ -136,6 +138,8 @@ class ActiveJob:
             self.prompt_fields["prompt_logprobs"] = convert_prompt_logprobs(
                 out.prompt_logprobs, token_text)
         lp = convert_logprobs(out.logprobs, out.new_token_ids, token_text)
+        if out.finished:
+            self.cached_tokens[out.index] = out.num_cached_tokens
         self.choices[out.index].add(out, lp, self._hold)
         return lp
 
@@ -215,8 +219,10 @@ class ActiveJob:
     ) -> Outgoing:
         now, created = time.time(), self.request.created_at
         completion = sum(len(c.token_ids) for c in self.choices)
+        # n > 1: the prompt counts once, and so do the tokens every candidate was served
         usage = Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
-                      total_tokens=self.num_prompt_tokens + completion)
+                      total_tokens=self.num_prompt_tokens + completion,
+                      cached_tokens=min(self.cached_tokens.values(), default=0))
         timings = Timings(
             queued_s=max(0.0, self.started_at - created),
             ttft_s=None if self.first_token_at is None else max(0.0, self.first_token_at - created),

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from protocol.cache_scope import cache_partition
 from protocol.models import ErrorKind, FinishReason
 from worker.engine.engine import Engine
 from worker.engine.lora.engine_hooks import UnknownAdapter
@@ -140,13 +141,17 @@ class JobTable:
         elif admission.prompt_text is not None:
             job.prompt_fields["prompt_text"] = admission.prompt_text
         try:
-            lora = self.adapters.adapter_for(request.model) if self.adapters else None
+            lora = self.adapters.adapter_for(request.model, request.tenant) \
+                if self.adapters else None
             self.engine.add_tokens(
                 rid, admission.prompt_token_ids, params, priority=request.priority,
                 prior_by_choice=admission.prior,
                 skip_choices=frozenset(admission.finished_choices), lora=lora,
+                cache_scope=cache_partition(request.tenant, request.cache_scope,
+                                            request.cache_salt),
             )
-        except UnknownAdapter as exc:  # registered, but it cannot run here
+        except UnknownAdapter as exc:  # not the tenant's, or it cannot run here
+            job.error_code, job.error_param = exc.code, "model"
             self._finish_now(job, "error", str(exc), "invalid_request")
             return
         except Exception as exc:  # a bug must fail the request, not the worker

@@ -84,16 +84,16 @@ class FrameReader:
 def pack_batch(batch: StepBatch) -> list[Any]:
     return [BATCH, [list(_open_fields(o)) for o in batch.opened], batch.streams,
             batch.token_ids, batch.logprobs, batch.prompt_logprobs,
-            [pack_end(e) for e in batch.ends]]
+            [pack_end(e) for e in batch.ends], batch.cached]
 
 
 def unpack_batch(message: list[Any]) -> StepBatch:
-    _, opened, streams, tokens, lps, prompt_lps, ends = message
+    _, opened, streams, tokens, lps, prompt_lps, ends, cached = message
     return StepBatch(
         opened=[StreamOpen(*o) for o in opened], streams=streams, token_ids=tokens,
         logprobs=None if lps is None else [_lp(x) for x in lps],
         prompt_logprobs={int(k): v for k, v in prompt_lps.items()},
-        ends=[unpack_end(e) for e in ends],
+        ends=[unpack_end(e) for e in ends], cached={int(k): v for k, v in cached.items()},
     )
 
 

@@ -89,6 +89,9 @@ class WorkerSettings:
     # #28: text, events and their fenced writes in a second process (output_service.py),
     # off the engine loop's GIL; False: the engine loop makes them (one process)
     output_process: bool = True
+    # Directories runtime LoRA loads may read (FERRY_LORA_ROOTS, else FERRY_LORA_DIR; none:
+    # only the worker's own --lora adapters load): protocol/lora_paths.py
+    lora_roots: tuple[str, ...] = ()
     # An output process whose main loop answers nothing for this long (stopped, deadlocked)
     # is killed and the worker exits 71, as when it dies (worker/service/output_link.py)
     output_hang_s: float = 5.0

@@ -103,7 +103,7 @@ class WorkerService:
             dead_lettered=self.dead.count,
             outbox_depth=self.outbox.depth + self.table.outbox_depth,
             draining=self.draining, metrics_port=self.metrics_port,
-        )) | ({"lora_adapters": self.lora.names} if self.lora.manager is not None else {}) \
+        )) | self.lora.heartbeat \
             | ({"spec_fleet_published": self.drafts.published,
                 "spec_fleet_received": self.drafts.received} if self.drafts else {})
 
@@ -280,11 +280,13 @@ def _job_table(service: WorkerService, engine: Engine, settings: WorkerSettings)
 
 
 def _draft_feed(engine: Engine, settings: WorkerSettings) -> DraftFeed | None:
-    """The fleet's draft store, when speculating with ``spec_fleet`` on: what the engine
-    stores on finishing a request is also appended to the model's stream."""
-    if engine.spec is None or not settings.spec_fleet:
+    """The fleet's draft store, when speculating with ``spec_fleet`` on and a store that
+    keeps texts: what the engine stores on finishing a request is also appended to the
+    model's stream, with its tenant, for the store's TTL."""
+    if engine.spec is None or not settings.spec_fleet or not engine.spec.config.keeps_outputs:
         return None
-    feed = DraftFeed(settings, settings.worker_id, max_entries=settings.spec_fleet_entries)
+    feed = DraftFeed(settings, settings.worker_id, engine.spec.config.store_ttl_s,
+                     max_entries=settings.spec_fleet_entries)
     engine.spec.on_stored = feed.publish
     return feed
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
+
+from protocol.lora_paths import AdapterPathError, confine, scrub
 from protocol.tokenizer import TokenizerReply, TokenizerRequest
 from worker.engine.lora.adapter import LoraError
 from worker.engine.lora.manager import LoraManager
@@ -23,6 +26,7 @@ _PRIVATE_CONFIG = frozenset({
 """Config entries that name files or directories of the worker's machine: not the
 caller's business (vLLM drops the file paths too)."""
 _INT64 = 2**63  # msgpack's integers end here
+log = structlog.get_logger("ferry.worker.tokenizer")
 
 
 def answer(request: TokenizerRequest, prompts: PromptBuilder, tokenizer: Any,
@@ -102,14 +106,26 @@ def _plain(value: Any) -> Any:
 
 def check_lora(request: TokenizerRequest, lora: LoraManager | None) -> TokenizerReply:
     """Load the adapter at ``lora_path`` against this worker's base model without
-    registering it (the gateway registers it fleet-wide when this says 200)."""
+    registering it (the gateway registers it fleet-wide when this says 200). The path is
+    resolved and must lie inside the worker's adapter roots (``lora.roots``); every path
+    refusal is the same sentence, and no answer holds a path."""
     if lora is None:
         return TokenizerReply(status=400, param="lora_name", error=(
             "LoRA is not enabled on this model's workers (FERRY_ENABLE_LORA=1 or "
             "FERRY_LORA_MODULES)"))
+    given = request.lora_path or ""
     try:
-        adapter = lora.load(request.lora_name or "adapter", request.lora_path or "")
-    except LoraError as exc:
+        real = confine(given, lora.roots)
+    except AdapterPathError as exc:
         return TokenizerReply(status=400, error=str(exc), param="lora_path")
+    try:
+        adapter = lora.load(request.lora_name or "adapter", real)
+    except LoraError as exc:
+        return TokenizerReply(status=400, error=scrub(str(exc), given, real),
+                              param="lora_path")
+    except Exception as exc:  # anything else a hostile file provokes: the request's 400
+        log.warning("check_lora_failed", error=type(exc).__name__)
+        return TokenizerReply(status=400, param="lora_path", error=(
+            "lora_path: the adapter's files cannot be read as a LoRA adapter"))
     return TokenizerReply(status=200, body={"name": adapter.name, "rank": adapter.rank,
                                             "modules": sorted(adapter.weights)})

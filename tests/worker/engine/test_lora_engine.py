@@ -157,30 +157,67 @@ def test_unloaded_while_running_finishes_and_new_requests_are_refused(setup) -> 
     engine = _engine(path, adapters)
     assert engine.lora is not None
     jobs = _jobs(engine.runner.shape.vocab_size, ["all8", "all8", None], seed=9)
+    results = _start(engine, jobs)
+    engine.lora.remove_adapter("all8")
+    with pytest.raises(UnknownAdapter):
+        engine.add_request("late", [1, 2, 3], lora_name="all8")
+    _finish(engine, results)
+    _check(path, adapters, results, jobs)
+    assert engine.lora.slots.pins == [0, 0] and "all8" not in engine.lora.adapters()
+    assert not any(n and n.startswith("all8|") for n in engine.lora.slots.names)  # freed
+
+
+def test_a_name_registered_again_serves_new_requests_at_once(setup) -> None:
+    """``all8`` registered again with other weights (``attn16``'s files) while two rows run
+    on it: those finish on the old weights, a request added right after runs on the new
+    ones (no wait for the old rows), each version in a slot of its own; the old version's
+    slot is freed with its last row."""
+    path, adapters = setup
+    engine = _engine(path, adapters)
+    assert engine.lora is not None
+    jobs = _jobs(engine.runner.shape.vocab_size, ["all8", "all8", None], seed=9)
+    results = _start(engine, jobs)
+    old_key = engine.lora.cache.keys["all8"]
+    engine.lora.remove_adapter("all8")
+    engine.lora.add_adapter("all8", adapters["attn16"][0])  # at once, rows still running
+    new_key = engine.lora.cache.keys["all8"]
+    prompt = jobs[0][2]
+    engine.add_request("renewed", prompt, SamplingParams(temperature=0, max_tokens=10,
+                                                         ignore_eos=True), lora_name="all8")
+    results["renewed"] = []
+    _finish(engine, results)
+    _check(path, adapters, results, jobs)  # the old rows: the old weights
+    want, gaps = reference_greedy(_merged(path, adapters["attn16"]), prompt, 10)
+    assert_matches(results["renewed"], want, gaps, "renewed (all8 registered again)")
+    assert results["renewed"] != results[jobs[0][0]]  # the weights did change
+    assert engine.lora.slots.pins == [0, 0]
+    assert engine.lora.slots.slot_of(old_key) is None and old_key != new_key
+
+
+def _start(engine: Engine, jobs: list[tuple[str, str | None, list[int]]]
+           ) -> dict[str, list[int]]:
+    """Add ``jobs`` and run one step (each is admitted: its adapter's slot is pinned)."""
     for rid, name, prompt in jobs:
         engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=10,
                                                        ignore_eos=True), lora_name=name)
     results: dict[str, list[int]] = {rid: [] for rid, _, _ in jobs}
-    for out in TextOutputs.of(engine).step():  # admitted: the slot is pinned
+    for out in TextOutputs.of(engine).step():
         results[out.request_id] += out.new_token_ids
-    engine.lora.remove_adapter("all8")
-    with pytest.raises(UnknownAdapter):
-        engine.add_request("late", [1, 2, 3], lora_name="all8")
-    with pytest.raises(LoraError, match="still serves running requests"):
-        engine.lora.add_adapter("all8", adapters["all8"][0])
+    return results
+
+
+def _finish(engine: Engine, results: dict[str, list[int]]) -> None:
     while engine.has_unfinished_requests():
         for out in TextOutputs.of(engine).step():
             results[out.request_id] += out.new_token_ids
-    _check(path, adapters, results, jobs)
-    assert engine.lora.slots.pins == [0, 0] and "all8" not in engine.lora.adapters()
-    engine.lora.add_adapter("all8", adapters["all8"][0])  # free again: loads
+        engine.scheduler.check_invariants()
 
 
 def test_bad_module_spec_and_bad_adapter_at_start(setup, tmp_path: Path) -> None:
     path, adapters = setup
     with pytest.raises(ValueError, match="NAME=PATH"):
         EngineConfig.create(path, lora_modules="all8")
-    with pytest.raises(LoraError, match="not a directory"):
+    with pytest.raises(LoraError, match="adapter files are missing or unreadable"):
         _engine(path, {"ghost": (str(tmp_path / "missing"), 1.0)})
 
 

@@ -3,7 +3,13 @@ and what is learnt moves the estimate; outputs stay exact (test_spec_decode.py).
 
 from __future__ import annotations
 
-from worker.engine.speculative.backoff import AcceptanceModel, bucket, draft_cost, prior
+from worker.engine.speculative.backoff import (
+    MAX_TENANTS,
+    AcceptanceModel,
+    bucket,
+    draft_cost,
+    prior,
+)
 from worker.engine.speculative.config import SpeculativeConfig
 
 COSTS = SpeculativeConfig("suffix").costs
@@ -35,19 +41,40 @@ def test_step_cost_alone_can_stop_a_draft() -> None:
 
 def test_estimates_learn_from_verification() -> None:
     model = AcceptanceModel(COSTS)
-    assert model.estimate("a", "store", 32) == prior(32)
-    before = model.draft_length("a", "store", 32, 16, 16)
+    assert model.estimate("a", "t", "store", 32) == prior(32)
+    before = model.draft_length("a", "t", "store", 32, 16, 16)
     for _ in range(10):  # the store's long matches keep failing at the first token
-        model.record("a", "store", 32, 16, 0)
-    assert model.estimate("a", "store", 32) < 0.2
-    assert model.draft_length("a", "store", 32, 16, 16) == 0 < before
+        model.record("a", "t", "store", 32, 16, 0)
+    assert model.estimate("a", "t", "store", 32) < 0.2
+    assert model.draft_length("a", "t", "store", 32, 16, 16) == 0 < before
     # a fresh request starts from the bucket's record, another bucket is untouched
-    assert model.estimate("b", "store", 32) < 0.3
-    assert model.draft_length("b", "store", 32, 16, 16) == 0
-    assert model.estimate("b", "store", 4) == prior(4)
+    assert model.estimate("b", "t", "store", 32) < 0.3
+    assert model.draft_length("b", "t", "store", 32, 16, 16) == 0
+    assert model.estimate("b", "t", "store", 4) == prior(4)
     assert bucket(4) != bucket(32)
     for _ in range(50):  # it recovers when the drafts are accepted again
-        model.record("c", "store", 32, 16, 16)
-    assert model.estimate("c", "store", 32) > 0.9
+        model.record("c", "t", "store", 32, 16, 16)
+    assert model.estimate("c", "t", "store", 32) > 0.9
     model.forget("c")
-    assert model.estimate("c", "store", 32) > 0.7
+    assert model.estimate("c", "t", "store", 32) > 0.7
+
+
+def test_one_tenants_drafts_never_move_anothers_estimates() -> None:
+    """Tenant a's rejected store drafts leave tenant b's rows drafting as before: no tenant
+    can slow another's speculation, or read another's acceptance from its own timing."""
+    model = AcceptanceModel(COSTS)
+    before = model.draft_length("b1", "b", "store", 32, 16, 16)
+    for _ in range(20):
+        model.record("a1", "a", "store", 32, 16, 0)
+    assert model.draft_length("a2", "a", "store", 32, 16, 16) == 0 < before
+    assert model.estimate("b1", "b", "store", 32) == prior(32)
+    assert model.draft_length("b1", "b", "store", 32, 16, 16) == before
+
+
+def test_estimates_of_at_most_max_tenants_are_kept() -> None:
+    model = AcceptanceModel(COSTS)
+    for i in range(MAX_TENANTS + 10):
+        model.record(f"r{i}", f"t{i}", "own", 8, 4, 4)
+    assert len(model._tenants) == MAX_TENANTS
+    assert model.estimate("x", "t0", "own", 8) == prior(8)  # gone: back to the prior
+    assert model.estimate("x", f"t{MAX_TENANTS + 9}", "own", 8) > prior(8)

@@ -21,6 +21,7 @@ import torch
 
 from protocol.sampling import SamplingParams
 from protocol.structured import StructuredOutput
+from protocol.tenancy import DEFAULT_TENANT
 from tests.worker.engine.test_structured import SCHEMA
 from worker.engine.request import Request
 from worker.engine.structured import StructuredOutputs
@@ -85,7 +86,8 @@ def test_draft_cut_at_a_token_the_grammar_rejects(engines: tuple[Any, Any],
         cut = len(out.token_ids) * 2 // 3
         bad[i] = next(t for t in candidates  # one the schema forbids after the cut
                       if pristine.deep_copy().validate_tokens(out.token_ids[:cut] + [t]) == cut)
-        on.engine.spec.proposer.store.add(prompt_ids + out.token_ids[:cut] + [bad[i]])
+        on.engine.spec.proposer.store.add(prompt_ids + out.token_ids[:cut] + [bad[i]],
+                                          DEFAULT_TENANT)
     seen: list[tuple[list[int], int]] = []
     valid_draft = on.engine.structured.valid_draft
 

@@ -1,5 +1,7 @@
 """Suffix decoding's index and proposer (#29): longest matches checked against brute force,
-the own match's latest earlier occurrence and its loop, the bounded store, draft lengths."""
+the own match's latest earlier occurrence and its loop, the bounded store, draft lengths;
+the store per tenant (no text offered across tenants, a flood evicts its own first) and
+its TTL (nothing offered past it, expired segments dropped)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from worker.engine.speculative.config import SpeculativeConfig
 from worker.engine.speculative.draft_store import DraftStore, StoreCursor
 from worker.engine.speculative.suffix_automaton import SEPARATOR, SuffixAutomaton
 from worker.engine.speculative.suffix_proposer import RequestDrafter, SuffixProposer, periodic
+
+T = "t1"  # the tenant of these requests and texts
 
 
 def brute_longest(text: list[int], context: list[int]) -> int:
@@ -47,7 +51,7 @@ def test_running_match_points_at_an_earlier_occurrence() -> None:
     rng = random.Random(5)
     for _ in range(40):
         text = [rng.randrange(3) for _ in range(rng.randrange(2, 80))]
-        drafter = RequestDrafter(text[:1], StoreCursor(DraftStore(0)))
+        drafter = RequestDrafter(text[:1], StoreCursor(DraftStore(0), T))
         for i in range(1, len(text)):
             drafter.observe([text[i]])
             length, follow = drafter.own_match(4)
@@ -89,7 +93,7 @@ def test_own_drafts_run_on_around_a_loop() -> None:
     assert periodic([7, 1, 2, 3], 1, 1) == [2]
     proposer = SuffixProposer(SpeculativeConfig(method="suffix", store_tokens=0,
                                                 draft_per_matched=4))
-    proposer.start("r", [9, 8, 1, 2, 3, 1, 2, 3, 1, 2])
+    proposer.start("r", [9, 8, 1, 2, 3, 1, 2, 3, 1, 2], T)
     draft = proposer.propose("r", limit=10)
     assert draft.source == "own" and draft.match_length == 5
     assert draft.tokens == [3, 1, 2, 3, 1, 2, 3, 1, 2, 3]
@@ -99,7 +103,7 @@ def test_repeated_span_is_drafted_from_the_request_itself() -> None:
     proposer = SuffixProposer(SpeculativeConfig(method="suffix", num_speculative_tokens=8,
                                                 store_tokens=0))
     span = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
-    proposer.start("r", [1, 2] + span + [3, 4])
+    proposer.start("r", [1, 2] + span + [3, 4], T)
     proposer.observe("r", [11, 12, 13])  # the output starts repeating the prompt's span
     draft = proposer.propose("r", limit=8)
     assert draft.source == "own" and draft.tokens == [14, 15, 16]  # 3 matched -> 3
@@ -112,7 +116,7 @@ def test_repeated_span_is_drafted_from_the_request_itself() -> None:
 def test_weak_match_drafts_nothing() -> None:
     proposer = SuffixProposer(SpeculativeConfig(method="suffix", min_match_tokens=3,
                                                 store_tokens=0))
-    proposer.start("r", [1, 2, 3, 9, 2, 3])
+    proposer.start("r", [1, 2, 3, 9, 2, 3], T)
     assert proposer.propose("r", limit=16).tokens == []  # "2 3" matched: 2 < 3
     proposer.observe("r", [4])
     assert proposer.propose("r", limit=16).tokens == []  # nothing matches "... 4"
@@ -122,11 +126,11 @@ def test_a_retry_is_drafted_from_the_store() -> None:
     config = SpeculativeConfig(method="suffix", num_speculative_tokens=16)
     proposer = SuffixProposer(config)
     prompt, output = list(range(100, 140)), [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
-    proposer.start("first", prompt)
+    proposer.start("first", prompt, T)
     proposer.observe("first", output)
     stored = proposer.finish("first", len(prompt))
     assert stored == prompt[-config.stored_prompt_tail:] + output
-    proposer.start("retry", prompt)
+    proposer.start("retry", prompt, T)
     draft = proposer.propose("retry", limit=16)
     assert draft.source == "store" and draft.tokens == output
     proposer.observe("retry", output[:4])
@@ -136,28 +140,28 @@ def test_a_retry_is_drafted_from_the_store() -> None:
 def test_store_is_bounded_and_drops_the_oldest() -> None:
     store = DraftStore(capacity_tokens=300, segment_tokens=100)
     for i in range(20):
-        store.add([1000 + i] * 5 + list(range(i * 50, i * 50 + 40)))
+        store.add([1000 + i] * 5 + list(range(i * 50, i * 50 + 40)), T)
         assert store.num_tokens <= 300 + 100
     assert store.num_segments <= 4
-    assert store.longest_match([1019, 1019, 1019, 1019, 1019], 3).continuation == \
+    assert store.longest_match([1019, 1019, 1019, 1019, 1019], 3, T).continuation == \
         [950, 951, 952]
-    assert store.longest_match([1000] * 5, 3).length <= 1  # long gone
+    assert store.longest_match([1000] * 5, 3, T).length <= 1  # long gone
     assert store.texts_added == 20
 
 
 def test_no_match_across_a_seam() -> None:
     store = DraftStore(capacity_tokens=1000)
-    store.add([1, 2, 3])
-    store.add([4, 5, 6])
-    match = store.longest_match([2, 3], 4)
+    store.add([1, 2, 3], T)
+    store.add([4, 5, 6], T)
+    match = store.longest_match([2, 3], 4, T)
     assert match.length == 2 and match.continuation == []  # [-1] seam stops it
-    assert store.longest_match([3, 4], 4).length == 1
+    assert store.longest_match([3, 4], 4, T).length == 1
 
 
 def test_zero_capacity_store_keeps_nothing() -> None:
     store = DraftStore(capacity_tokens=0)
-    store.add([1, 2, 3])
-    assert store.num_tokens == 0 and store.longest_match([1, 2], 2).length == 0
+    store.add([1, 2, 3], T)
+    assert store.num_tokens == 0 and store.longest_match([1, 2], 2, T).length == 0
 
 
 @pytest.mark.parametrize("kwargs", [dict(method="ngram"), dict(num_speculative_tokens=0),
@@ -176,12 +180,12 @@ def test_store_cursor_follows_the_store_as_it_grows() -> None:
     store = DraftStore(capacity_tokens=120, segment_tokens=40)
     proposer = SuffixProposer(SpeculativeConfig(method="suffix", store_tokens=120), store)
     context = [rng.randrange(4) for _ in range(10)]
-    proposer.start("r", context)
+    proposer.start("r", context, T)
     for _ in range(60):
-        store.add([rng.randrange(4) for _ in range(rng.randrange(1, 12))])
+        store.add([rng.randrange(4) for _ in range(rng.randrange(1, 12))], T)
         token = rng.randrange(4)
         context.append(token)
         proposer.observe("r", [token])
         cursor_best = proposer._requests["r"].cursor.best(4)
-        fresh = store.longest_match(context, 4)
+        fresh = store.longest_match(context, 4, T)
         assert cursor_best.length == fresh.length, (cursor_best, fresh)

@@ -117,7 +117,8 @@ def _load_and_serve(http: httpx.Client, adapters: dict[str, str], want: dict[str
     assert reply.status_code == 200, reply.text
     assert reply.json()["message"] == "Success: LoRA adapter 'sql' added successfully."
     cards = _models(http)
-    assert cards["sql"]["parent"] == BASE and cards["sql"]["root"] == adapters["sql"]
+    assert cards["sql"]["parent"] == BASE and cards["sql"]["root"] == "sql"
+    assert adapters["sql"] not in reply.text and adapters["sql"] not in str(cards)
     assert cards["support"]["parent"] == BASE
     assert _complete(http, "sql") == want["sql"]
     assert _complete(http, "support") == want["support"]
@@ -131,6 +132,7 @@ def _refuse_bad_adapters(http: httpx.Client, adapters: dict[str, str], want: dic
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert reason in error["message"] and error["param"] == "lora_path", error
+        assert adapters[name] not in reply.text  # the reason, never the path
     assert not set(BAD) & set(_models(http))  # nothing of them registered
     assert _complete(http, BASE) == want["base"]
     assert _complete(http, "sql") == want["sql"]
@@ -162,11 +164,12 @@ def test_lora_adapters_through_the_gateway_and_real_workers(
         redis_server: Any, redis_client: Any, checkpoint: str, log_dir: Path,
         adapters: dict[str, str], want: dict[str, str]) -> None:
     port = free_port()
+    roots = {"FERRY_LORA_ROOTS": str(Path(adapters["sql"]).parent)}
     first = WorkerProcess(checkpoint, redis_server.url, "lora-a", log_dir,
                           "--lora", f"support={adapters['support']}",
-                          env={"FERRY_MAX_LORA_RANK": "16"})
+                          env={"FERRY_MAX_LORA_RANK": "16", **roots})
     later = WorkerProcess(checkpoint, redis_server.url, "lora-b", log_dir,
-                          env={"FERRY_ENABLE_LORA": "1", "FERRY_MAX_LORA_RANK": "16"})
+                          env={"FERRY_ENABLE_LORA": "1", "FERRY_MAX_LORA_RANK": "16", **roots})
     try:
         with GatewayProcess(redis_server.url, port) as gw, \
                 httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
@@ -194,7 +197,8 @@ def test_ferry_up_lora_serves_the_adapter(redis_server: Any, redis_client: Any,
     port = free_port()
     up = UpProcess("--model", checkpoint, "--redis-url", redis_server.url, "--port",
                    str(port), "--batchers", "0", "--metrics-port", "0", "--lora",
-                   f"sql={adapters['sql']}", "--max-lora-rank", "16", log=log_dir / "up.log")
+                   f"sql={adapters['sql']}", "--max-lora-rank", "16", "--lora-root",
+                   str(Path(adapters["sql"]).parent), log=log_dir / "up.log")
     try:
         up.wait_for(r"Ferry is up", timeout=120)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:

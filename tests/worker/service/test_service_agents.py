@@ -121,3 +121,75 @@ def test_langchain_bind_tools_and_structured_output(openai_stack: Any) -> None:
     got = model.with_structured_output(Weather, method="function_calling",
                                        include_raw=True).invoke("Weather in Paris?")
     assert isinstance(got["parsed"], Weather), got
+
+
+class City(BaseModel):
+    """The weather in a city, for some days."""
+
+    city: str = Field(max_length=12)
+    days: int = Field(ge=1, le=7)
+
+
+def _without_closed(node: Any) -> Any:
+    """What LiteLLM's ``hosted_vllm/`` provider sends: every ``additionalProperties:
+    false`` and ``strict`` deleted."""
+    if isinstance(node, dict):
+        return {k: _without_closed(v) for k, v in node.items()
+                if k != "strict" and not (k == "additionalProperties" and v is False)}
+    return [_without_closed(v) for v in node] if isinstance(node, list) else node
+
+
+def _open_tools() -> dict[str, Any]:
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
+    return {
+        "langchain bind_tools": convert_to_openai_tool(City),
+        "litellm hosted_vllm": _without_closed(openai.pydantic_function_tool(City)),
+        "pydantic model_json_schema": {"type": "function", "function": {
+            "name": "City", "description": "The weather.",
+            "parameters": City.model_json_schema()}},
+    }
+
+
+def test_open_schemas_give_exactly_the_declared_keys(openai_stack: Any) -> None:
+    """Tools sent with open object schemas are closed as vLLM's default backend closes
+    them: 20 seeds per client shape, every call has exactly the declared keys."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tools = _open_tools()
+    assert all("additionalProperties" not in t["function"]["parameters"]
+               for t in tools.values())
+
+    def keys(job: tuple[str, int]) -> tuple[str, int, Any]:
+        shape, seed = job
+        out = openai_stack.client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=[tools[shape]], tool_choice="required", parallel_tool_calls=False,
+            temperature=1.0, seed=seed, max_tokens=80)
+        choice = out.choices[0]
+        got = [sorted(json.loads(c.function.arguments)) for c in choice.message.tool_calls
+               or []] if choice.finish_reason == "tool_calls" else choice
+        return shape, seed, got
+
+    with ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(keys, [(s, seed) for s in tools for seed in range(20)]))
+    bad = [r for r in results if r[2] != [["city", "days"]]]
+    assert not bad, bad
+
+
+def test_a_cut_call_is_a_call(openai_stack: Any) -> None:
+    """max_tokens cuts the first call under tool_choice required: a call, not text."""
+    out = openai_stack.client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[openai.pydantic_function_tool(City)], tool_choice="required", max_tokens=12)
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    [call] = choice.message.tool_calls or []
+    assert call.function.name == "City" and call.id.startswith("call_")
+    reply = openai_stack.client.responses.create(
+        model="default", input="Weather in Paris?", max_output_tokens=12,
+        tools=[{"type": "function", "name": "City", "parameters": City.model_json_schema()}],
+        tool_choice="required")
+    assert reply.status == "incomplete" and [i.type for i in reply.output] == [
+        "function_call"]
+    assert reply.output[0].status == "incomplete"  # type: ignore[union-attr]

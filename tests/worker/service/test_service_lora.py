@@ -21,6 +21,7 @@ from protocol.client import FerryClient
 from protocol.codec import decode_heartbeat
 from protocol.keys import Keys
 from protocol.lora import LoraRecord, read_adapters, register_adapter
+from protocol.lora_paths import NOT_ALLOWED
 from protocol.models import GenerateRequest
 from protocol.sampling import SamplingParams
 from protocol.tokenizer import TokenizerRequest, decode_tokenizer_reply, encode_tokenizer_message
@@ -62,6 +63,11 @@ def _engine(checkpoint: str, adapters: dict[str, str], modules: tuple[str, ...])
                        lora_modules=[f"{n}={adapters[n]}" for n in modules])
 
 
+def _worker(engine: Any, url: str, adapters: dict[str, str]) -> Running:
+    """A worker whose adapter root is the directory the test's adapters are in."""
+    return Running(engine, url, lora_roots=(str(Path(adapters["sql"]).parent),))
+
+
 def _tokens(client: FerryClient, model: str | None) -> list[int]:
     request = GenerateRequest(prompt="def add(a, b):", params=PARAMS, model=model)
     with client.subscribe(request.request_id) as sub:
@@ -94,7 +100,7 @@ def test_the_fleet_registry_decides_what_every_worker_serves(
         clean: FerryClient, redis_server: Any, checkpoint: str, adapters: dict[str, str],
         want: dict[str | None, list[int]]) -> None:
     client = clean
-    first = Running(_engine(checkpoint, adapters, ("sql",)), redis_server.url)
+    first = _worker(_engine(checkpoint, adapters, ("sql",)), redis_server.url, adapters)
     with first:
         worker = first.service.settings.worker_id
         _wait(lambda: "sql" in read_adapters(client.redis, KEYS, MODEL))  # published
@@ -109,7 +115,7 @@ def test_the_fleet_registry_decides_what_every_worker_serves(
                                                         parent=MODEL))
         _wait(lambda: "big" in _heartbeat_adapters(client, worker))  # the sync thread
     # a worker started afterwards, with no modules of its own, serves all three
-    with Running(_engine(checkpoint, adapters, ()), redis_server.url) as later:
+    with _worker(_engine(checkpoint, adapters, ()), redis_server.url, adapters) as later:
         late_id = later.service.settings.worker_id
         _wait(lambda: _heartbeat_adapters(client, late_id) == "big,sql,support")
         assert _tokens(client, "big") == want["big"]
@@ -125,7 +131,8 @@ def test_a_bad_registry_entry_is_skipped_and_logged_not_fatal(
     register_adapter(client.redis, KEYS, LoraRecord(name="ghost", path="/nonexistent",
                                                     parent=MODEL))
     client.redis.hset(KEYS.lora_adapters(MODEL), "junk", b"not json")
-    with Running(_engine(checkpoint, adapters, ("sql",)), redis_server.url) as running:
+    with _worker(_engine(checkpoint, adapters, ("sql",)), redis_server.url,
+                 adapters) as running:
         worker = running.service.settings.worker_id
         _wait(lambda: _heartbeat_adapters(client, worker) == "sql")
         assert _tokens(client, "sql") == want["sql"]
@@ -149,12 +156,12 @@ def _check_lora(client: FerryClient, name: str, path: str) -> Any:
 def test_check_lora_answers_from_a_worker(clean: FerryClient, redis_server: Any,
                                           checkpoint: str, adapters: dict[str, str],
                                           tmp_path: Path) -> None:
-    with Running(_engine(checkpoint, adapters, ()), redis_server.url):
+    with _worker(_engine(checkpoint, adapters, ()), redis_server.url, adapters):
         ok = _check_lora(clean, "sql", adapters["sql"])
         assert ok.status == 200 and ok.body["rank"] == 8 and ok.body["modules"]
         big = _check_lora(clean, "too-big", adapters["too-big"])
         assert big.status == 400 and "max_lora_rank=16" in big.error
         assert big.param == "lora_path"
-        missing = _check_lora(clean, "x", str(tmp_path / "nothing"))
-        assert missing.status == 400 and "not a directory" in missing.error
+        missing = _check_lora(clean, "x", str(Path(adapters["sql"]).parent / "nothing"))
+        assert missing.status == 400 and missing.error == NOT_ALLOWED
         assert read_adapters(clean.redis, KEYS, MODEL) == {}  # a check registers nothing

@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from protocol.tool_syntax import parse_calls
+from protocol.tool_syntax import parse_calls, whole_arguments
 
 WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -62,13 +62,18 @@ def test_required_and_named_calls_validate(openai_stack: Any) -> None:
 
 def test_parallel_calls_are_bounded(openai_stack: Any) -> None:
     """Parallel calls: at most MAX_CALLS (8) of them; cut by max_tokens, the complete
-    ones are returned, with finish_reason length."""
+    ones are returned, then the one being written (its arguments as far as they got),
+    with finish_reason length."""
     out = openai_stack.client.chat.completions.create(
         model="default", messages=MESSAGES, tools=TOOLS, tool_choice="required",
         temperature=1.0, seed=0, max_tokens=100)
     choice = out.choices[0]
-    assert choice.finish_reason in ("tool_calls", "length")
-    assert 1 <= len(_valid(choice.message.tool_calls)) <= 8
+    calls = choice.message.tool_calls or []
+    assert choice.finish_reason in ("tool_calls", "length") and 1 <= len(calls) <= 8
+    cut = choice.finish_reason == "length" and not whole_arguments(
+        calls[-1].function.arguments)
+    assert len(_valid(calls[:-1] if cut else calls)) == len(calls) - cut
+    assert choice.message.content is None
 
 
 def test_auto_is_text_or_valid_calls(openai_stack: Any) -> None:

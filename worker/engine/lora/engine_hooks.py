@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from worker.engine.lora.adapter import LoraAdapter
+from worker.engine.lora.adapter import LoraAdapter, LoraError
 from worker.engine.lora.gate import AdapterGate
 
 if TYPE_CHECKING:
@@ -21,7 +21,13 @@ if TYPE_CHECKING:
 
 
 class UnknownAdapter(ValueError):
-    """A request named an adapter that is not loaded (the gateway answers 404)."""
+    """A request named an adapter that cannot run: not loaded, not its tenant's, or its
+    files unreadable. ``code`` is the error code its terminal event carries; the message
+    never holds a path."""
+
+    def __init__(self, message: str, code: str = "model_not_found") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def enable_lora(runner: ModelRunner, scheduler: Scheduler,
@@ -46,6 +52,12 @@ def adapter_for(manager: LoraManager | None, name: str | None) -> LoraAdapter | 
                              "(FERRY_ENABLE_LORA=1 or FERRY_LORA_MODULES)")
     try:
         return manager.adapter(name)
+    except LoraError as exc:  # pushed out of the host cache, and its files changed since
+        raise UnknownAdapter(f"LoRA adapter {name!r} cannot be read again: {exc}",
+                             "adapter_unavailable") from None
     except KeyError:
+        loaded = manager.adapters()
+        shown = ", ".join(loaded[:8]) + (f", … ({len(loaded)} in all)" if len(loaded) > 8
+                                         else "")
         raise UnknownAdapter(f"LoRA adapter {name!r} is not loaded "
-                             f"(loaded: {', '.join(manager.adapters()) or 'none'})") from None
+                             f"(loaded: {shown or 'none'})") from None

@@ -4,6 +4,13 @@ Registering loads and checks the adapter at once, so a bad adapter is refused wh
 is registered (a clear ``LoraError``) and never at a request's first step. The host copy
 is what a device slot is filled from; an adapter pushed out of this cache is read from
 its path again when next needed.
+
+Each installation is a new version with a prefix-cache key of its own (name, path and a
+registration number), also when the name was installed before: KV computed under one
+version is never reused by another, and the device slots hold versions apart
+(``slots.py``). ``registrations`` remembers which fleet registration each name was
+installed from (``protocol/lora.py``'s ``LoraRecord.version``), so the LoRA sync installs
+each registration once.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ class AdapterCache:
         self.cfg = cfg
         self.paths: dict[str, str] = {}  # every registered adapter
         self.keys: dict[str, str] = {}  # its prefix-cache key (LoraAdapter.cache_key)
+        self.registrations: dict[str, str] = {}  # the fleet registration it came from
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._registrations = itertools.count(1)
 
@@ -37,20 +45,28 @@ class AdapterCache:
             raise LoraError("a LoRA adapter needs a name")
         return load_adapter(name, path, self.targets, self.cfg.max_lora_rank)
 
-    def install(self, adapter: LoraAdapter) -> LoraAdapter:
-        """Register an adapter ``load`` returned; it gets its prefix-cache key here."""
+    def install(self, adapter: LoraAdapter, registration: str = "") -> LoraAdapter:
+        """Register an adapter ``load`` returned (a new version of its name, replacing any
+        installed one); it gets its prefix-cache key here."""
         name, path = adapter.name, adapter.path
         key = f"{name}|{path}|{next(self._registrations)}"
         adapter = dataclasses.replace(adapter, cache_key=key)
         self.paths[name] = path
         self.keys[name] = key
+        self.registrations[name] = registration
+        self._loaded.pop(name, None)
         self._keep(adapter)
         return adapter
 
     def unregister(self, name: str) -> None:
         self.paths.pop(name, None)
         self.keys.pop(name, None)
+        self.registrations.pop(name, None)
         self._loaded.pop(name, None)
+
+    def is_current(self, key: str) -> bool:
+        """Whether version ``key`` (a prefix-cache key) is the installed one of its name."""
+        return self.keys.get(key.partition("|")[0]) == key
 
     def get(self, name: str) -> LoraAdapter:
         """The loaded adapter ``name`` (read again from its path if it was pushed out)."""

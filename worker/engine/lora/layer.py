@@ -29,6 +29,8 @@ class LoraLinear(nn.Module):
         self._a_flat = slots.a_flat[module]  # [S*R, in]
         self._b_flat = slots.b_flat[module]  # [out, S*R]
         self._scale = slots.scale  # [S] fp32
+        self._max_rank = slots.max_rank
+        self._finite = slots.finite  # [S] host, the pool's own list: current at every step
         self._step = step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
@@ -39,11 +41,10 @@ class LoraLinear(nn.Module):
         flat_x = x.reshape(-1, x.shape[-1])  # [T, in]
         flat_y = y.view(-1, y.shape[-1])  # [T, out], written in place
         if meta.wide is not None and flat_x.dtype == torch.float32:
-            # every slot in use at once: [T, n*R] = x A_flatᵀ, each token's own slot's
-            # columns scaled and the rest zeroed, then y += that @ B_flatᵀ
             cols = meta.wide_cols
-            t = torch.mm(flat_x, self._a_flat[cols].T).mul_(meta.wide)
-            flat_y.addmm_(t, self._b_flat[:, cols].T)
+            finite = all(self._finite[cols.start // self._max_rank:
+                                      cols.stop // self._max_rank])
+            _apply_wide(flat_x, flat_y, self._a_flat, self._b_flat, meta, finite)
         elif meta.groups is not None and flat_x.dtype == torch.float32:
             _apply_groups(flat_x, flat_y, self._a, self._b, meta)
         elif meta.groups is not None:
@@ -53,6 +54,29 @@ class LoraLinear(nn.Module):
         else:
             _apply_triton(flat_x, flat_y, self._a, self._b, self._scale, meta)
         return y  # type: ignore[no-any-return]
+
+
+def _apply_wide(x: torch.Tensor, y: torch.Tensor, a_flat: torch.Tensor,
+                b_flat: torch.Tensor, meta: LoraMetadata, finite: bool) -> None:
+    """Small fp32 CPU steps, every slot in use at once: ``t = x A_flatᵀ`` [T, n·R], each
+    token keeps its own slot's columns (scaled) and the rest are set to 0, then
+    ``y += t B_flatᵀ``.
+
+    Isolation: the other slots' columns of ``t`` are *selected away* (``where``), never
+    multiplied by a 0 (0·NaN is NaN: a NaN or Inf an adapter put there, or that a finite
+    one overflowed to, would reach every row). In the expand a row's exact 0s meet the
+    other slots' B; that adds exact 0s when those B are finite, so where a slot in range
+    holds a non-finite number (``finite`` False: an adapter installed past the load
+    check, or left in a freed slot) that range of B is read through a copy with those
+    numbers set to 0, which changes nothing but that slot's own rows."""
+    assert meta.wide is not None and meta.wide_own is not None
+    cols = meta.wide_cols
+    t = torch.mm(x, a_flat[cols].T)  # [T, n*R]
+    t = torch.where(meta.wide_own, t, 0.0).mul_(meta.wide)
+    b = b_flat[:, cols]  # [out, n*R]
+    if not finite:
+        b = torch.nan_to_num(b, nan=0.0, posinf=0.0, neginf=0.0)
+    y.addmm_(t, b.T)
 
 
 def _apply_groups(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

@@ -5,6 +5,10 @@ cache), the device slots and the one ``LoraStep`` the projections read; the engi
 it which adapter each request uses (``attach`` pins a slot for as long as the request
 runs, ``detach`` unpins), and the runner calls ``begin_step`` with the step's rows before
 each forward and ``end_step`` after it.
+
+A name installed again (new weights) is a new version beside the old one: requests added
+from then on run the new version, the ones already running keep the old one's slot, and
+that slot is freed when the last of them detaches.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.host_cache import AdapterCache
 from worker.engine.lora.layer import wrap_projections
 from worker.engine.lora.metadata import LoraMetadata, LoraStep, build_metadata
-from worker.engine.lora.slots import LoraSlots
+from worker.engine.lora.slots import LoraSlots, slot_key
 from worker.engine.lora.targets import base_targets
 
 
@@ -34,14 +38,17 @@ class LoraManager:
         self.slots = LoraSlots(targets, cfg, device, dtype)
         self.step = LoraStep()
         self.wrapped = wrap_projections(model, self.slots, self.step)
-        self._adapter_of: dict[str, str] = {}  # request id -> adapter name
+        # the directories runtime loads may read (protocol/lora_paths.py); the service sets
+        # them from its settings (LoraSync), the offline API loads what it is given
+        self.roots: tuple[str, ...] = ()
+        self._adapter_of: dict[str, str] = {}  # request id -> its version (slot_key)
         self._slot_of: dict[str, int] = {}  # request id -> its pinned slot
 
     def add_adapter(self, name: str, path: str) -> LoraAdapter:
         """Register ``name``; a bad adapter raises ``LoraError`` and changes nothing. A
-        name already registered, or whose earlier weights still serve running rows, is
-        refused: unload it first, and let its rows finish."""
-        self._check_free(name)
+        name already registered is refused (``install`` replaces one)."""
+        if name in self.cache.paths:
+            raise LoraError(f"LoRA adapter {name!r} is already loaded")
         return self.cache.register(name, path)
 
     def load(self, name: str, path: str) -> LoraAdapter:
@@ -49,17 +56,15 @@ class LoraManager:
         slow part of ``add_adapter``, for a sync thread or a load check)."""
         return self.cache.load(name, path)
 
-    def install(self, adapter: LoraAdapter) -> LoraAdapter:
-        """Register what ``load`` returned (the engine loop; cheap)."""
-        self._check_free(adapter.name)
-        return self.cache.install(adapter)
-
-    def _check_free(self, name: str) -> None:
-        if name in self.cache.paths:
-            raise LoraError(f"LoRA adapter {name!r} is already loaded")
-        if self.slots.pinned(name):
-            raise LoraError(f"LoRA adapter {name!r} was unloaded but still serves running "
-                            "requests; load it again when they have finished")
+    def install(self, adapter: LoraAdapter, registration: str = "") -> LoraAdapter:
+        """Register what ``load`` returned (the engine loop; cheap): a new version of its
+        name, which new requests get at once; an older version's running rows keep its
+        slot until they finish."""
+        previous = self.cache.keys.get(adapter.name)
+        installed = self.cache.install(adapter, registration)
+        if previous is not None:
+            self.slots.evict(previous)  # now, unless rows still run on it
+        return installed
 
     def adapter(self, name: str) -> LoraAdapter:
         """The registered adapter ``name`` (its host weights); ``KeyError`` if unknown."""
@@ -68,8 +73,10 @@ class LoraManager:
     def remove_adapter(self, name: str) -> None:
         """Unregister ``name``: new requests cannot attach it; rows already running keep
         their slot until they detach (then the slot is the first reused)."""
+        key = self.cache.keys.get(name)
         self.cache.unregister(name)
-        self.slots.evict(name)
+        if key is not None:
+            self.slots.evict(key)
 
     def adapters(self) -> list[str]:
         return sorted(self.cache.paths)
@@ -84,19 +91,20 @@ class LoraManager:
         if request_id in self._adapter_of:
             raise RuntimeError(f"request {request_id!r} already has a LoRA adapter")
         slot = self.slots.acquire(adapter)
-        self._adapter_of[request_id] = adapter.name
+        self._adapter_of[request_id] = slot_key(adapter)
         self._slot_of[request_id] = slot
         return slot
 
     def detach(self, request_id: str) -> None:
-        """The request finished (or was preempted): unpin its adapter's slot."""
-        name = self._adapter_of.pop(request_id, None)
-        if name is None:
+        """The request finished (or was preempted): unpin its adapter's slot; a version
+        unloaded or replaced while it ran leaves its slot with its last row."""
+        key = self._adapter_of.pop(request_id, None)
+        if key is None:
             return
         del self._slot_of[request_id]
-        self.slots.release(name)
-        if name not in self.cache.paths:  # unloaded while this request ran
-            self.slots.evict(name)
+        self.slots.release(key)
+        if not self.cache.is_current(key):
+            self.slots.evict(key)
 
     def row_slots(self, request_ids: Sequence[str]) -> np.ndarray:
         """Each request's pinned slot (-1: the base model), for a one-token-per-row step."""

@@ -7,7 +7,8 @@ the token indices sorted by slot, computed on the device (``kernels.lora.lora_se
 On a CPU it holds each slot's tokens (a slice when they are contiguous, as a prefill
 chunk's are: no gather) and, for a step of at most ``WIDE_MAX_TOKENS`` tokens, the
 ``wide`` scale matrix: ``[T, n·R]`` over the slots from the lowest to the highest in use,
-each token's own slot's first ``rank`` columns holding its scale and every other entry 0.
+each token's own slot's first ``rank`` columns holding its scale and every other entry 0,
+with ``wide_own`` marking those columns (the layer selects them: ``layer._apply_wide``).
 A projection then costs three ops whatever the mix of adapters (``layer.py``): per-group
 gathers and matmuls cost ~10 small torch calls per adapter, which on a decode step of 16
 rows over 4 adapters more than doubled a projection's time.
@@ -33,6 +34,7 @@ class LoraMetadata:
     ranks: list[int]  # [S] host: each slot's rank (the CPU path multiplies only that)
     scales: list[float] = field(default_factory=list)  # [S] host: each slot's scale (CPU)
     wide: torch.Tensor | None = None  # CPU, small steps: [T, n*R] fp32 (module docstring)
+    wide_own: torch.Tensor | None = None  # [T, n*R] bool: each token's own slot's columns
     # the columns of the flat [.., S*R] views that ``wide`` covers
     wide_cols: slice = field(default_factory=lambda: slice(0))
     sorted_tokens: torch.Tensor | None = None  # [T] int32, CUDA: tokens sorted by slot
@@ -61,8 +63,9 @@ def cpu_groups(token_slots: np.ndarray) -> LoraGroups:
 
 
 def wide_scales(token_slots: np.ndarray, ranks: list[int], scales: list[float],
-                max_rank: int) -> tuple[torch.Tensor, slice]:
-    """([T, n*R] fp32, the flat columns it covers): slots lo..hi-1 are those in use."""
+                max_rank: int) -> tuple[torch.Tensor, torch.Tensor, slice]:
+    """([T, n*R] fp32 scales, [T, n*R] bool own columns, the flat columns they cover):
+    slots lo..hi-1 are those in use."""
     used = token_slots[token_slots >= 0]
     lo, hi = int(used.min()), int(used.max()) + 1
     cols = np.arange((hi - lo) * max_rank)  # [n*R]
@@ -71,7 +74,8 @@ def wide_scales(token_slots: np.ndarray, ranks: list[int], scales: list[float],
     own = (col_slot[None, :] == token_slots[:, None]) & \
         (col_r[None, :] < np.asarray(ranks)[safe])  # [T, n*R]
     wide = np.where(own, np.asarray(scales, dtype=np.float32)[safe], np.float32(0))
-    return torch.from_numpy(wide.astype(np.float32)), slice(lo * max_rank, hi * max_rank)
+    return (torch.from_numpy(wide.astype(np.float32)), torch.from_numpy(own),
+            slice(lo * max_rank, hi * max_rank))
 
 
 def build_metadata(token_slots: np.ndarray, ranks: list[int], scales: list[float],
@@ -82,10 +86,10 @@ def build_metadata(token_slots: np.ndarray, ranks: list[int], scales: list[float
         return None
     slots = torch.from_numpy(token_slots.astype(np.int32))
     if device.type != "cuda":
-        wide, cols = (wide_scales(token_slots, ranks, scales, max_rank)
-                      if len(token_slots) <= WIDE_MAX_TOKENS else (None, slice(0)))
+        wide, own, cols = (wide_scales(token_slots, ranks, scales, max_rank)
+                           if len(token_slots) <= WIDE_MAX_TOKENS else (None, None, slice(0)))
         return LoraMetadata(slots, cpu_groups(token_slots), list(ranks), list(scales), wide,
-                            cols)
+                            own, cols)
     from kernels.lora import lora_segments
 
     slots = host_to_device(slots, device)

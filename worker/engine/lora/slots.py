@@ -9,6 +9,10 @@ written into the top-left corner and the rest is zero, which adds exact zeros.
 Slots are recycled least-recently-used first, but a slot with running rows (its pin count
 is above zero) is never evicted: when every slot is pinned, ``acquire`` raises
 ``LoraSlotsFull`` and the request must wait for a slot (the scheduler's job).
+
+A slot holds one *version* of an adapter (``slot_key``: its prefix-cache key, name, path
+and registration): a name registered again with new weights gets a slot of its own, so the
+old version finishes its running rows while new requests run on the new one at once.
 """
 
 from __future__ import annotations
@@ -17,13 +21,19 @@ from collections import OrderedDict
 
 import torch
 
-from worker.engine.lora.adapter import LoraAdapter
+from worker.engine.lora.adapter import LoraAdapter, all_finite
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.targets import BaseTargets
 
 
 class LoraSlotsFull(RuntimeError):
     """Every device slot holds an adapter with running rows."""
+
+
+def slot_key(adapter: LoraAdapter) -> str:
+    """What a slot holds: one registration of an adapter (its prefix-cache key), or its
+    name for an adapter that was never registered (tests build such ones)."""
+    return adapter.cache_key or adapter.name
 
 
 class LoraSlots:
@@ -44,18 +54,22 @@ class LoraSlots:
         self.scale = torch.zeros(n, device=device, dtype=torch.float32)  # [S]
         self.scales = [0.0] * n  # host copy of ``scale``
         self.ranks = [0] * n  # host copy: the CPU path multiplies only the used rank
-        self.names: list[str | None] = [None] * n
+        self.names: list[str | None] = [None] * n  # each slot's ``slot_key``
+        # whether each slot's rows hold finite numbers only: the CPU's every-slot product
+        # reads them for other slots' tokens too (layer.py); on CUDA, where the kernels
+        # read a token's own slot alone, they are not checked
+        self.finite = [True] * n
         self.pins = [0] * n
         self._recent: OrderedDict[int, None] = OrderedDict((s, None) for s in range(n))
         self._slot_of: dict[str, int] = {}
 
-    def slot_of(self, name: str) -> int | None:
-        return self._slot_of.get(name)
+    def slot_of(self, key: str) -> int | None:
+        return self._slot_of.get(key)
 
     def acquire(self, adapter: LoraAdapter) -> int:
         """The adapter's slot, written there first if it is not resident; pinned once more
         (``release`` undoes one ``acquire``)."""
-        slot = self._slot_of.get(adapter.name)
+        slot = self._slot_of.get(slot_key(adapter))
         if slot is None:
             slot = self._victim()
             self._write(slot, adapter)
@@ -63,24 +77,25 @@ class LoraSlots:
         self._recent.move_to_end(slot)
         return slot
 
-    def release(self, name: str) -> None:
-        slot = self._slot_of.get(name)
+    def release(self, key: str) -> None:
+        """Unpin one ``acquire`` of the version ``key`` (a ``slot_key``)."""
+        slot = self._slot_of.get(key)
         if slot is None or self.pins[slot] == 0:
-            raise RuntimeError(f"LoRA adapter {name!r} released more often than acquired")
+            raise RuntimeError(f"LoRA adapter {key!r} released more often than acquired")
         self.pins[slot] -= 1
 
-    def pinned(self, name: str) -> bool:
-        """Whether ``name`` is resident with running rows."""
-        slot = self._slot_of.get(name)
+    def pinned(self, key: str) -> bool:
+        """Whether version ``key`` is resident with running rows."""
+        slot = self._slot_of.get(key)
         return slot is not None and self.pins[slot] > 0
 
-    def evict(self, name: str) -> bool:
-        """Forget ``name``'s slot now if no row uses it (an unloaded adapter); False if
-        it is pinned (its rows finish first) or not resident."""
-        slot = self._slot_of.get(name)
+    def evict(self, key: str) -> bool:
+        """Forget version ``key``'s slot now if no row uses it (an unloaded or replaced
+        adapter); False if it is pinned (its rows finish first) or not resident."""
+        slot = self._slot_of.get(key)
         if slot is None or self.pins[slot]:
             return False
-        del self._slot_of[name]
+        del self._slot_of[key]
         self.names[slot] = None
         self._recent.move_to_end(slot, last=False)  # reused first
         return True
@@ -113,5 +128,9 @@ class LoraSlots:
         self.scale[slot] = adapter.scale
         self.scales[slot] = adapter.scale
         self.ranks[slot] = r
-        self.names[slot] = adapter.name
-        self._slot_of[adapter.name] = slot
+        if self.scale.device.type != "cuda":
+            self.finite[slot] = all(all_finite(t[slot]) for t in (*self.a.values(),
+                                                                   *self.b.values()))
+        key = slot_key(adapter)
+        self.names[slot] = key
+        self._slot_of[key] = slot

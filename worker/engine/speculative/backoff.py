@@ -11,10 +11,14 @@ longest prefix whose last token still pays (``p ** j * gain >= token_cost``), an
 unless the whole draft pays its share of the step too. A retry (``p`` near 1) drafts in
 full at batch 16; a weak match drafts little at batch 1 and nothing in a big batch.
 
-``p`` is learnt online, per draft source and match-length bucket (a longer match is a
-stronger hint), from a prior that grows with the match length and evidence that decays
-(recent behaviour counts), then blended with the row's own record. Only the number of
-draft tokens changes: verification keeps every output exact whatever is drafted.
+``p`` is learnt online, per tenant, draft source and match-length bucket (a longer match
+is a stronger hint), from a prior that grows with the match length and evidence that
+decays (recent behaviour counts), then blended with the row's own record. Per tenant, so
+one tenant's drafts (accepted or rejected) never change how much another's rows draft: no
+tenant can slow another's speculation down or read its acceptance from its own timing; the
+estimates of at most ``MAX_TENANTS`` tenants are kept (the least recently drafted go back
+to the prior). Only the number of draft tokens changes: verification keeps every output
+exact whatever is drafted.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ _BUCKETS = 5  # match lengths 2-3, 4-7, 8-15, 16-31, 32+
 _PRIOR_WEIGHT = 4.0  # pseudo-observations behind a bucket's prior
 _ROW_WEIGHT = 2.0  # pseudo-observations of the bucket's estimate behind a row's record
 _DECAY = 0.99  # a bucket's evidence fades per drafted row-step (about 100 remembered)
+MAX_TENANTS = 256  # tenants whose estimates are kept
 
 
 def bucket(match_length: int) -> int:
@@ -55,33 +60,43 @@ def draft_cost(p: float, limit: int, batch_rows: int, costs: tuple[float, float,
 
 
 class AcceptanceModel:
-    """Per-token acceptance estimates: per (source, bucket) and per running request."""
+    """Per-token acceptance estimates: per (tenant, source, bucket) and per running
+    request."""
 
     def __init__(self, costs: tuple[float, float, float]) -> None:
         self.costs = costs  # (overhead_rows, token_cost, step_cost): see draft_cost
-        # (source, bucket) -> [accepted tokens, rejections], both decayed
-        self._buckets: dict[tuple[str, int], list[float]] = {}
+        # tenant -> (source, bucket) -> [accepted tokens, rejections], both decayed; the
+        # least recently drafted tenant first
+        self._tenants: dict[str, dict[tuple[str, int], list[float]]] = {}
         self._rows: dict[str, list[float]] = {}  # request id -> [accepted, rejections]
 
-    def estimate(self, request_id: str, source: str, match_length: int) -> float:
+    def estimate(self, request_id: str, tenant: str, source: str, match_length: int
+                 ) -> float:
         """The chance the next draft token of this row is accepted."""
-        a, r = self._buckets.get((source, bucket(match_length)), (0.0, 0.0))
+        table = self._tenants.get(tenant)
+        a, r = table.get((source, bucket(match_length)), (0.0, 0.0)) if table else (0.0, 0.0)
         w = _PRIOR_WEIGHT
         p = (a + w * prior(match_length)) / (a + r + w)
         ra, rr = self._rows.get(request_id, (0.0, 0.0))
         return (ra + _ROW_WEIGHT * p) / (ra + rr + _ROW_WEIGHT)
 
-    def draft_length(self, request_id: str, source: str, match_length: int, limit: int,
-                     batch_rows: int) -> int:
+    def draft_length(self, request_id: str, tenant: str, source: str, match_length: int,
+                     limit: int, batch_rows: int) -> int:
         """Draft tokens worth verifying for this row at ``batch_rows`` running rows."""
-        p = self.estimate(request_id, source, match_length)
+        p = self.estimate(request_id, tenant, source, match_length)
         return draft_cost(p, limit, batch_rows, self.costs)
 
-    def record(self, request_id: str, source: str, match_length: int, drafted: int,
-               accepted: int) -> None:
+    def record(self, request_id: str, tenant: str, source: str, match_length: int,
+               drafted: int, accepted: int) -> None:
         """A verified draft: ``accepted`` of ``drafted`` tokens (a rejection if fewer)."""
         rejected = 1.0 if accepted < drafted else 0.0
-        stats = self._buckets.setdefault((source, bucket(match_length)), [0.0, 0.0])
+        table = self._tenants.pop(tenant, None)
+        if table is None:
+            table = {}
+            if len(self._tenants) >= MAX_TENANTS:  # the least recently drafted goes
+                del self._tenants[next(iter(self._tenants))]
+        self._tenants[tenant] = table  # now the most recent
+        stats = table.setdefault((source, bucket(match_length)), [0.0, 0.0])
         stats[0] = stats[0] * _DECAY + accepted
         stats[1] = stats[1] * _DECAY + rejected
         row = self._rows.setdefault(request_id, [0.0, 0.0])

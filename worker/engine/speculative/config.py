@@ -1,13 +1,39 @@
 """Speculative decoding settings (suffix decoding, #29): ``EngineConfig.speculative``,
 ``FERRY_SPECULATIVE`` / ``FERRY_NUM_SPECULATIVE_TOKENS`` / ``FERRY_SPEC_MAX_BATCH`` /
-``FERRY_SPEC_STORE_TOKENS``."""
+``FERRY_SPEC_STORE_TOKENS`` / ``FERRY_SPEC_STORE_TTL_S``."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 SpeculativeMethod = Literal["off", "suffix"]
+
+DEFAULT_STORE_TTL_S = 6 * 3600.0
+"""How long a stored text may be drafted from (data retention: docs/engine.md)."""
+MAX_STORE_TTL_S = 30 * 86400.0
+"""The longest retention accepted: the store never keeps anything for good."""
+
+
+def store_ttl_setting(raw: str | None) -> float | None:
+    """``FERRY_SPEC_STORE_TTL_S`` as seconds (None: unset, the default); ValueError naming
+    the variable for anything but a number from 0 to ``MAX_STORE_TTL_S``."""
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"FERRY_SPEC_STORE_TTL_S must be a number of seconds, got {raw!r}"
+                         ) from None
+    check_store_ttl(value)
+    return value
+
+
+def check_store_ttl(value: float) -> None:
+    if not (math.isfinite(value) and 0 <= value <= MAX_STORE_TTL_S):
+        raise ValueError(f"store_ttl_s (FERRY_SPEC_STORE_TTL_S) must be from 0 to "
+                         f"{MAX_STORE_TTL_S:.0f} seconds, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -21,8 +47,12 @@ class SpeculativeConfig:
     min_match_tokens: int = 2
     # Draft length grows with the match: at most ``draft_per_matched`` per matched token.
     draft_per_matched: float = 1.0
-    # Store of recent outputs (worker-local; fed by the fleet's stream when it is on).
+    # Store of recent outputs, per tenant (worker-local; fed by the fleet's stream when it
+    # is on): at most this many tokens over all tenants...
     store_tokens: int = 262_144
+    # ...each text for at most this many seconds, here and in the fleet's stream (0: the
+    # store keeps nothing and nothing is shared).
+    store_ttl_s: float = DEFAULT_STORE_TTL_S
     # How many of a finished request's prompt tokens are stored before its output.
     stored_prompt_tail: int = 64
     # Context tokens a store query walks (the longest match it can find).
@@ -52,6 +82,7 @@ class SpeculativeConfig:
         if self.store_tokens < 0 or self.stored_prompt_tail < 0 or self.match_window < 1:
             raise ValueError("store_tokens and stored_prompt_tail must be >= 0, "
                              "match_window >= 1")
+        check_store_ttl(self.store_ttl_s)
 
     @property
     def costs(self) -> tuple[float, float, float]:
@@ -60,3 +91,8 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "off"
+
+    @property
+    def keeps_outputs(self) -> bool:
+        """Whether finished texts are stored (and shared with the fleet) at all."""
+        return self.enabled and self.store_tokens > 0 and self.store_ttl_s > 0

@@ -21,6 +21,11 @@ and position j of the row samples under the mask of the state after the drafts b
 (``StructuredOutputs.start_bitmask``), so each is exactly the plain step's mask whenever
 the drafts before it are accepted; the matcher advances over the accepted tokens only.
 
+Tenants: a request drafts from its own text and its own tenant's stored texts only (the
+tenant read off its scoped id, ``protocol.tenancy``, which the protocol checks against the
+request's ``tenant``); what it stores on finishing is filed under that tenant, here and
+in the fleet's stream, and the back-off's estimates are per tenant too.
+
 Only with overlap off (the tokens must be known to draft from them): ``Engine`` turns
 overlap off when speculation is asked for and ``async_scheduling`` is left unset, and turns
 speculation off (logged) when both are asked for.
@@ -36,6 +41,7 @@ import numpy as np
 import structlog
 import torch
 
+from protocol.tenancy import tenant_of_id
 from worker.engine.request import FinishReason, Request
 from worker.engine.sampler import SamplingRow
 from worker.engine.schedule_output import ScheduledRequest, SchedulerOutput
@@ -47,6 +53,12 @@ from worker.engine.speculative.suffix_proposer import SuffixProposer
 from worker.engine.step_batch import StepBatch
 
 _log = structlog.get_logger("ferry.worker.spec")
+
+
+def tenant_of(request: Request) -> str:
+    """The tenant a request's drafts and stored text belong to (its scoped id's; an
+    ``n > 1`` candidate's id extends its parent's, so it is the same)."""
+    return tenant_of_id(request.request_id)
 
 
 def eligible(request: Request) -> bool:
@@ -70,19 +82,21 @@ class SpecDecoding:
         self.config = config
         self.engine = engine  # an Engine (typed loosely: engine.py imports this module)
         self.proposer = SuffixProposer(config)
-        self._seen: dict[str, int] = {}  # tokens each request's drafter has observed
+        # tokens each request's drafter has observed, and the request's tenant
+        self._seen: dict[str, tuple[int, str]] = {}
         self.drafted_tokens = 0
         self.accepted_tokens = 0
         self.draft_rows = 0  # row-steps that carried drafts
         self.store_rows = 0  # ... of which drafted from the store (past outputs)
         self.grammar_cut_tokens = 0  # draft tokens dropped: a grammar rejected them
         self._from_store: set[str] = set()  # this step's rows drafted from the store
-        # The back-off's acceptance estimates, and this step's drafts' (source, match length)
+        # The back-off's estimates, and this step's drafts' (tenant, source, match length)
         self.acceptance = AcceptanceModel(config.costs)
-        self._matches: dict[str, tuple[str, int]] = {}
+        self._matches: dict[str, tuple[str, str, int]] = {}
         self.backoff_cut_tokens = 0  # draft tokens the back-off dropped (not worth verifying)
-        # Called with each text stored (the service shares it with the fleet, #29.2)
-        self.on_stored: Callable[[list[int]], None] | None = None
+        # Called with each text stored and its tenant (the service shares it with the
+        # fleet, #29.2)
+        self.on_stored: Callable[[list[int], str], None] | None = None
 
     @property
     def store(self) -> DraftStore:
@@ -113,6 +127,7 @@ class SpecDecoding:
         drafts: dict[str, list[int]] = {}
         self._from_store.clear()
         self._matches.clear()
+        self.proposer.store.expire()  # nothing past the TTL is offered
         for request in scheduler.running:
             if not eligible(request):
                 continue
@@ -120,9 +135,9 @@ class SpecDecoding:
                         engine.max_model_len - request.num_tokens) - 1
             if limit <= 0:
                 continue
-            self._observe(request)
+            tenant = self._observe(request)
             draft = self.proposer.propose(request.request_id, limit)
-            worth = self.acceptance.draft_length(request.request_id, draft.source,
+            worth = self.acceptance.draft_length(request.request_id, tenant, draft.source,
                                                  draft.match_length, len(draft.tokens), rows)
             self.backoff_cut_tokens += len(draft.tokens) - worth
             tokens = draft.tokens[:worth]
@@ -130,35 +145,45 @@ class SpecDecoding:
             self.grammar_cut_tokens += len(tokens) - valid
             if valid:
                 drafts[request.request_id] = tokens[:valid]
-                self._matches[request.request_id] = (draft.source, draft.match_length)
+                self._matches[request.request_id] = (tenant, draft.source,
+                                                     draft.match_length)
                 if draft.source == "store":
                     self._from_store.add(request.request_id)
         scheduler.drafts = drafts
 
-    def _observe(self, request: Request) -> None:
+    def _observe(self, request: Request) -> str:
+        """Feed the request's new tokens to its drafter; returns its tenant."""
         rid, tokens = request.request_id, request.all_token_ids
-        if rid not in self.proposer:
-            self.proposer.start(rid, list(tokens))
-        elif self._seen[rid] < len(tokens):
-            self.proposer.observe(rid, tokens[self._seen[rid]:])
-        self._seen[rid] = len(tokens)
+        seen = self._seen.get(rid)
+        if seen is None or rid not in self.proposer:
+            tenant = tenant_of(request)
+            self.proposer.start(rid, list(tokens), tenant)
+        else:
+            count, tenant = seen
+            if count < len(tokens):
+                self.proposer.observe(rid, tokens[count:])
+        self._seen[rid] = (len(tokens), tenant)
+        return tenant
 
     def finished(self, request: Request) -> None:
-        """A request ended: drop its drafter; a completed output goes into the store (and
-        to ``on_stored``: a hook that must not block, it runs on the engine thread). An
-        adapter's output is not stored: the store drafts for the base model's rows (LoRA
-        rows never draft), and the fleet's stream is the base model's."""
+        """A request ended: drop its drafter; a completed output goes into its tenant's
+        store (and to ``on_stored``: a hook that must not block, it runs on the engine
+        thread), unless the store keeps nothing (``store_tokens`` or ``store_ttl_s`` 0).
+        An adapter's output is not stored: the store drafts for the base model's rows
+        (LoRA rows never draft), and the fleet's stream is the base model's."""
         self._seen.pop(request.request_id, None)
         self.proposer.forget(request.request_id)
         self.acceptance.forget(request.request_id)
         if request.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) \
-                and request.output_token_ids and request.lora is None:
+                and request.output_token_ids and request.lora is None \
+                and self.config.keeps_outputs:
             tail = self.config.stored_prompt_tail
             prompt = request.prompt_token_ids[-tail:] if tail else []
             text = prompt + request.output_token_ids
-            self.proposer.store.add(text)
+            tenant = tenant_of(request)
+            self.proposer.store.add(text, tenant)
             if self.on_stored is not None:
-                self.on_stored(text)
+                self.on_stored(text, tenant)
 
     # -- the step ----------------------------------------------------------------------
     def run(self, sched: SchedulerOutput, outputs: StepBatch) -> None:
@@ -233,7 +258,7 @@ class SpecDecoding:
             self.accepted_tokens += a
             self.draft_rows += 1
             self.store_rows += request.request_id in self._from_store
-            source, length = self._matches[request.request_id]
-            self.acceptance.record(request.request_id, source, length, k, a)
+            tenant, source, length = self._matches[request.request_id]
+            self.acceptance.record(request.request_id, tenant, source, length, k, a)
             out.append(sampled[:a + 1])
         return out

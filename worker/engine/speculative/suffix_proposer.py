@@ -6,10 +6,11 @@ earlier is the automaton's last state's suffix link; the draft is what followed 
 *latest* earlier occurrence (``SuffixAutomaton.recent_match``), read as a loop: when the
 text runs out, the span after that occurrence repeats (``periodic``), since a model that
 repeats a span tends to keep repeating it. The store of past outputs is followed with one
-running match per store segment (``StoreCursor``: retries, repeated batch lines, the
-fleet's outputs). The longer match wins (the request's own on a tie), and the draft grows
-with it: nothing under ``min_match_tokens``, then ``draft_per_matched`` tokens per
-matched token up to the limit; the back-off cuts it to what is worth verifying.
+running match per segment of the request's own tenant (``StoreCursor``: its retries,
+repeated batch lines, the fleet's outputs of the same tenant). The longer match wins (the
+request's own on a tie), and the draft grows with it: nothing under ``min_match_tokens``,
+then ``draft_per_matched`` tokens per matched token up to the limit; the back-off cuts it
+to what is worth verifying.
 
 Only tokens a request is known to have produced are observed: drafts never enter the
 index, so a rejected draft leaves nothing behind.
@@ -82,14 +83,16 @@ class SuffixProposer:
 
     def __init__(self, config: SpeculativeConfig, store: DraftStore | None = None) -> None:
         self.config = config
-        self.store = store if store is not None else DraftStore(config.store_tokens)
+        self.store = store if store is not None else DraftStore(
+            config.store_tokens, ttl_s=config.store_ttl_s)
         self._requests: dict[str, RequestDrafter] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def start(self, request_id: str, prompt: list[int]) -> None:
-        cursor = StoreCursor(self.store, self.config.match_window)
+    def start(self, request_id: str, prompt: list[int], tenant: str) -> None:
+        """Follow a new request; ``tenant``'s stored texts are the only ones it drafts from."""
+        cursor = StoreCursor(self.store, tenant, self.config.match_window)
         self._requests[request_id] = RequestDrafter(prompt, cursor)
 
     def observe(self, request_id: str, tokens: list[int]) -> None:
@@ -124,11 +127,11 @@ class SuffixProposer:
 
     def finish(self, request_id: str, prompt_len: int) -> list[int]:
         """Forget the request; returns the text to store (its prompt's tail and output),
-        already added to the local store."""
+        already added to the local store under the request's tenant."""
         drafter = self._requests.pop(request_id, None)
         if drafter is None:
             return []
         tail = max(0, prompt_len - self.config.stored_prompt_tail)
         text = drafter.tokens[tail:]
-        self.store.add(text)
+        self.store.add(text, drafter.cursor.tenant)
         return text
