@@ -27,7 +27,7 @@ from protocol.aclient import AsyncFerryClient, AsyncSubscription
 from protocol.models import GenerateRequest, TokenEvent
 from protocol.store import DuplicateRequestError
 from protocol.streaming import StreamTimeout
-from protocol.tenancy import public_id
+from protocol.tenants.ids import public_id
 
 log = structlog.get_logger("ferry.gateway")
 

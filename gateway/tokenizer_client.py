@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from gateway.errors import APIError
-from gateway.served_models import ServedModels
+from gateway.served.models import ServedModels
 from gateway.settings import GatewaySettings
 from gateway.tenancy.tenants import DEFAULT, Tenant
 from protocol.aclient import AsyncFerryClient

@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 from gateway.admission import require_metrics_key
 from gateway.queue_client import QueueClient
 from protocol.aclient import AsyncFerryClient
-from protocol.shard_health import ShardDownError
+from protocol.cluster.shard_health import ShardDownError
 
 router = APIRouter()
 log = structlog.get_logger("ferry.gateway")

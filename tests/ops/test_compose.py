@@ -17,7 +17,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from tests.ops import deploy_files as files
-from worker.service.metrics import WorkerMetrics
+from worker.service.metrics.prometheus import WorkerMetrics
 
 SERVICES: dict[str, Any] = files.compose()["services"]
 
