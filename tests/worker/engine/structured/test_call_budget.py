@@ -19,7 +19,7 @@ from protocol.sampling import SamplingParams
 from protocol.structured.constraint import StructuredOutput
 from protocol.structured.tool_syntax import parse_calls, whole_arguments
 from protocol.structured.tools import FunctionTool, ToolCalls
-from worker.engine.structured.decoding import call_budget
+from worker.engine.structured import call_budget
 
 TOOLS = [
     FunctionTool(name="add", parameters={"type": "object", "properties": {
