@@ -40,7 +40,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.queue = QueueClient(client, settings, metrics, app.state.tenants)
         app.state.served = ServedModels(client, settings.served_model_name)
         app.state.served.tenants = app.state.tenants
-        app.state.tokenizer = TokenizerClient(client, app.state.served, settings)
+        app.state.tokenizer = TokenizerClient(client, app.state.served, settings, metrics)
         app.state.lora = LoraAdapters(client, app.state.served, app.state.tokenizer, settings)
         if settings.lora_dir is not None:
             app.state.served.resolver = app.state.lora.from_dir
@@ -131,7 +131,10 @@ async def _not_served(request: Request, exc: Exception) -> Response:
 def _install_fallback_handlers(app: FastAPI, retry_after_s: int) -> None:
     """Whatever escapes the specific handlers still gets an OpenAI-style JSON body: any
     Redis error (an unexpected reply such as LOADING or OOM) a 503, anything else a 500,
-    never Starlette's plain-text "Internal Server Error"."""
+    never Starlette's plain-text "Internal Server Error". The 500 says ``Connection:
+    close``: Starlette re-raises the error after it (for the server's log) and uvicorn then
+    closes the connection, so a client that reused it for its next request had that one
+    reset instead of answered."""
 
     async def on_redis(_: Request, exc: Exception) -> JSONResponse:
         log.warning("redis_error", error=f"{type(exc).__name__}: {exc}")
@@ -139,8 +142,8 @@ def _install_fallback_handlers(app: FastAPI, retry_after_s: int) -> None:
 
     async def on_anything(_: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled_error", error=f"{type(exc).__name__}: {exc}")
-        return APIError(500, f"internal error: {type(exc).__name__}", type_="server_error"
-                        ).response()
+        return APIError(500, f"internal error: {type(exc).__name__}", type_="server_error",
+                        headers={"Connection": "close"}).response()
 
     app.add_exception_handler(RedisError, on_redis)
     app.add_exception_handler(Exception, on_anything)

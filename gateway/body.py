@@ -19,13 +19,18 @@ returns. A body nested more than ``MAX_DEPTH`` levels is a 400 (``check_depth``)
 without parsing or recursing.
 
 Errors are 400s naming the field; malformed JSON names no field (``param`` is null, as
-OpenAI answers), and its message says where the JSON breaks.
+OpenAI answers), and its message says where the JSON breaks. An integer literal of more
+than 4,300 digits is one too: ``json.loads`` refuses to convert it with a plain
+``ValueError`` (Python's limit on integer-string conversion), which every route's body
+then answered with a 500. Smaller integers out of a field's range are the field's 400
+(``protocol/values.py``: what msgpack cannot carry).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import sys
 import typing
 from collections.abc import Callable
 from itertools import accumulate
@@ -109,6 +114,9 @@ def parse_json(raw: bytes, max_messages: int | None = None,
     except json.JSONDecodeError as exc:
         raise APIError(400, f"body: not valid JSON ({exc.msg} at line {exc.lineno} column "
                        f"{exc.colno})") from None
+    except ValueError:  # an integer of more digits than Python converts (4,300)
+        raise APIError(400, f"body: a number has more than {sys.get_int_max_str_digits()} "
+                       "digits") from None
     if not isinstance(obj, dict):
         raise APIError(400, f"body: must be a JSON object, got {type(obj).__name__}")
     messages = obj.get("messages")

@@ -108,6 +108,10 @@ class GatewaySettings(BaseModel):
     tokenizer_timeout_s: float = Field(
         default=10.0, gt=0, le=300, description="How long /tokenize, /detokenize and "
         "/tokenizer_info wait for a worker's answer before a 503.")
+    tokenizer_max_inflight: int = Field(
+        default=4, ge=1, le=10_000, description="Tokenizer calls (/tokenize, /detokenize, "
+        "/tokenizer_info) one tenant may have in flight across every gateway (or its "
+        "max_concurrent, if lower); past it, 429.")
     served_model_name: str | None = Field(
         default=None, max_length=256,
         description="The model name this gateway answers to (besides the names live workers "

@@ -2,10 +2,17 @@
 the model's tokenizer (``/tokenize``, ``/detokenize``, ``/tokenizer_info``), and its answer.
 
 The gateway has no tokenizer (it may run on another machine than the model), so it pushes
-a msgpack ``TokenizerRequest`` onto the model's list (``Keys.tokenizer_requests``) and
-BLPOPs the reply key its ``reply_id`` names (``Keys.tokenizer_reply``); any live worker
-serving that model pops the request, answers on the reply key and gives it a short TTL.
-Both keys carry the model's hash tag, so on a Redis Cluster they share one slot.
+a msgpack ``TokenizerRequest`` onto its tenant's list for the model
+(``protocol/tokenizer_queue.py``: one list per tenant, served round robin) and BLPOPs the
+reply key its ``reply_id`` names (``Keys.tokenizer_reply``); any live worker serving that
+model pops the request, answers on the reply key and gives it a TTL that ends shortly
+after the caller's deadline. Every key carries the model's hash tag, so on a Redis
+Cluster they share one slot.
+
+Both messages are bounded: a request of at most ``MAX_REQUEST_BYTES`` (the gateway's body
+limit is smaller), a reply of at most ``MAX_REPLY_BYTES`` (a worker refuses to send a
+larger one: 400 naming the input). A request holds only what msgpack and UTF-8 carry:
+token ids in ``[0, 2**63)``, text without lone surrogates (``protocol/values.py``).
 
 A reply carries an HTTP status: 200 with the response ``body`` (vLLM's shapes), or an
 error ``status`` (400: a bad token id, a model without a chat template) with ``error``
@@ -19,14 +26,21 @@ from typing import Any, Literal, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, describe_validation_error
+from protocol.codec import ProtocolError, describe_validation_error
 from protocol.models import ID_PATTERN, ChatMessage
+from protocol.values import first_path, unencodable
 
 TOKENIZER_VERSION = 1
 REQUEST_TTL_S = 60
 """The request list's TTL, refreshed by every push: requests that no worker took vanish."""
 REPLY_TTL_S = 60
-"""A reply nobody popped (the gateway gave up) vanishes after this long."""
+"""The longest a reply nobody popped (the gateway gave up) stays: a worker gives it until
+shortly after the caller's deadline, never more than this."""
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+MAX_REPLY_BYTES = 16 * 1024 * 1024
+"""A reply's msgpack size at most: the ids (and ``token_strs``) of a text of the gateway's
+``max_prompt_chars`` fit many times over; a larger one is a 400, never written."""
+TOKEN_ID_LIMIT = 2**63
 
 TokenizerOp = Literal["tokenize", "detokenize", "info", "check_lora"]
 """``check_lora``: a worker loads the adapter at ``lora_path`` against its base model and
@@ -72,7 +86,26 @@ class TokenizerRequest(_Message):
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("continue_final_message: cannot be combined with "
                              "add_generation_prompt")
+        bad = bad_token(self.tokens or [])
+        if bad is not None:
+            raise ValueError(bad)
+        messages = [m.model_dump() for m in self.messages or []]
+        broken = first_path({"prompt": self.prompt, "messages": messages, "lora_name":
+                             self.lora_name, "lora_path": self.lora_path}, unencodable)
+        if broken:
+            raise ValueError(f"{broken}: not valid Unicode text (a lone surrogate?)")
         return self
+
+
+def bad_token(tokens: list[int]) -> str | None:
+    """Why ``tokens`` cannot be sent (``"tokens.3: ..."``), or None: every id must be in
+    ``[0, 2**63)``. An id out of that range is not written out: it may have thousands of
+    digits (and past 4,300 ``str`` refuses to write it)."""
+    for i, token in enumerate(tokens):
+        if not 0 <= token < TOKEN_ID_LIMIT:
+            return (f"tokens.{i}: token id out of range (a token id is an integer from 0 "
+                    "to 2**63 - 1)")
+    return None
 
 
 class TokenizerReply(_Message):
@@ -103,8 +136,9 @@ def _decode(cls: type[_M], data: Any) -> _M:
     what = cls.__name__
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"{what}: expected msgpack bytes, got {type(data).__name__}")
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"{what}: message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    limit = MAX_REQUEST_BYTES if cls is TokenizerRequest else MAX_REPLY_BYTES
+    if len(data) > limit:
+        raise ProtocolError(f"{what}: message of {len(data)} bytes exceeds {limit}")
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises many unrelated types on garbage

@@ -91,6 +91,9 @@ OutputProc = Annotated[bool, _opt(
     "FERRY_OUTPUT_PROCESS", "Detokenize, build events and write them to Redis in a second "
     "process, off the engine's GIL (default); --no-output-process: in the engine's own.",
     "--output-process/--no-output-process")]
+OutputHangS = Annotated[float, _opt(
+    "FERRY_OUTPUT_HANG_S", "An output process that answers nothing for this long (stopped, "
+    "deadlocked) is killed and the worker exits 71, as when it dies.")]
 
 
 def _name_for(model: str) -> str:
@@ -117,6 +120,7 @@ def worker(
     lora: Lora = None, lora_roots: LoraRoots = None, lora_dir: LoraDir = None,
     speculative: Speculative = None, spec_fleet: SpecFleet = True,
     spec_fleet_entries: SpecFleetEntries = 4096, output_process: OutputProc = True,
+    output_hang_s: OutputHangS = 5.0,
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
     from protocol.cluster.nodes import Replication
@@ -146,6 +150,7 @@ def worker(
             metrics_host=metrics_host, spec_fleet=spec_fleet,
             spec_fleet_entries=spec_fleet_entries, output_process=output_process,
             lora_roots=adapter_roots(parse_roots(lora_roots), lora_dir),
+            output_hang_s=output_hang_s,
             dead_letters=DeadLetterBounds(dead_letter_max_len, dead_letter_max_age_s,
                                           dead_letter_max_payload_bytes),
         )

@@ -8,8 +8,13 @@ generation; ``add_generation_prompt`` default true, ``continue_final_message``,
 ``token_strs`` with ``return_token_strs``); ``/detokenize`` takes ``tokens`` and answers
 ``{prompt}``; ``/tokenizer_info`` answers the tokenizer's config with its
 ``chat_template``. A worker of the model answers (``gateway/tokenizer_client.py``); the
-bodies are bounded by the same caps as generation's prompts, and the tenant's key is
-required as on ``/v1``.
+bodies are bounded by the same caps as generation's prompts, the tenant's key is required
+as on ``/v1``, and a tenant has at most ``tokenizer_max_inflight`` calls in flight.
+
+Every input is checked before a worker is asked, each refusal a 400 naming the field:
+wrong types (strict), a token id out of ``[0, 2**63)`` (a worker then checks the model's
+vocabulary), text that is not valid Unicode (a lone surrogate such as ``"\\ud800"``),
+more tokens than ``max_prompt_tokens``, more characters than ``max_prompt_chars``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.admission import require_api_key
@@ -26,7 +32,8 @@ from gateway.openai_api.schemas import ChatMessageIn
 from gateway.routes.openai import body_schema
 from gateway.settings import GatewaySettings
 from gateway.tenancy.principal import tenant
-from gateway.tokenizer_client import TokenizerClient
+from gateway.tokenizer_client import TokenizerClient, reply_response
+from protocol.tokenizer import TokenizerRequest, bad_token
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -86,10 +93,9 @@ class DetokenizeBody(BaseModel):
         if len(self.tokens) > settings.max_prompt_tokens:
             raise APIError(400, f"tokens: {len(self.tokens)} tokens exceed the limit of "
                            f"{settings.max_prompt_tokens}", param="tokens")
-        bad = next((i for i, t in enumerate(self.tokens) if t < 0), None)
+        bad = bad_token(self.tokens)
         if bad is not None:
-            raise APIError(400, f"tokens.{bad}: token id {self.tokens[bad]} is negative",
-                           param="tokens")
+            raise APIError(400, bad, param="tokens")
         return {"tokens": self.tokens}
 
 
@@ -99,28 +105,28 @@ def get_tokenizer(request: Request) -> TokenizerClient:
 
 
 @router.post("/tokenize", openapi_extra=body_schema(TokenizeBody))
-async def tokenize(http: Request, tok: TokenizerClient = Depends(get_tokenizer)
-                   ) -> dict[str, Any]:
+async def tokenize(http: Request, tok: TokenizerClient = Depends(get_tokenizer)) -> Response:
     settings = tok.settings
 
-    def prepare(raw: bytes) -> tuple[str | None, dict[str, Any]]:
+    def prepare(raw: bytes) -> tuple[str | None, TokenizerRequest]:
         body = validate(TokenizeBody, parse_json(raw, settings.max_messages,
                                                  settings.max_prompt_chars))
-        return body.model, body.fields(settings)
+        return body.model, tok.request("tokenize", **body.fields(settings))
 
-    model, fields = await run_sized(await http.body(), prepare)
-    return await tok.ask(model, "tokenize", tenant(http), **fields)
+    async with tok.call(tenant(http)) as call:  # 429 before the body is read
+        model, request = await run_sized(await http.body(), prepare)
+        return await reply_response(await tok.send(model, request, call))
 
 
 @router.post("/detokenize", openapi_extra=body_schema(DetokenizeBody))
-async def detokenize(http: Request, tok: TokenizerClient = Depends(get_tokenizer)
-                     ) -> dict[str, Any]:
-    def prepare(raw: bytes) -> tuple[str | None, dict[str, Any]]:
+async def detokenize(http: Request, tok: TokenizerClient = Depends(get_tokenizer)) -> Response:
+    def prepare(raw: bytes) -> tuple[str | None, TokenizerRequest]:
         body = validate(DetokenizeBody, parse_json(raw))
-        return body.model, body.fields(tok.settings)
+        return body.model, tok.request("detokenize", **body.fields(tok.settings))
 
-    model, fields = await run_sized(await http.body(), prepare)
-    return await tok.ask(model, "detokenize", tenant(http), **fields)
+    async with tok.call(tenant(http)) as call:
+        model, request = await run_sized(await http.body(), prepare)
+        return await reply_response(await tok.send(model, request, call))
 
 
 @router.get("/tokenizer_info")
@@ -129,5 +135,6 @@ async def tokenizer_info(
     model: str | None = Query(default=None, max_length=256,
                               description="The served model (default: the only one)."),
     tok: TokenizerClient = Depends(get_tokenizer),
-) -> dict[str, Any]:
-    return await tok.ask(model, "info", tenant(http))
+) -> Response:
+    async with tok.call(tenant(http)) as call:
+        return await reply_response(await tok.send(model, tok.request("info"), call))

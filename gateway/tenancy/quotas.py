@@ -16,6 +16,14 @@ is enqueued after admission): it counts until ``ENQUEUE_GRACE_S`` after its admi
 (dropping it as "expired" let 40 simultaneous requests through a limit of 3 in 12), and
 the script drops a member only if its score is still the one read (re-admitted: kept).
 
+Tokenizer calls (``/tokenize``, ``/detokenize``, ``/tokenizer_info``) have a quota of their
+own, ``tokenizer_max_inflight`` (a gateway setting; a tenant's ``max_concurrent`` if lower):
+the calls of one tenant in flight, fleet-wide, in a ZSET per tenant scored by each call's
+deadline (``TOKENIZER_LUA``: clean, count, add), released when the call ends, so a gateway
+that dies mid-call frees its slots at their deadlines. It bounds how many of a tenant's
+calls Redis holds (its list of waiting calls and their replies) and how many the workers'
+responders answer for it at once; past it, a 429.
+
 A request that exceeds a quota by itself (a ``priority`` the tenant may not use, more
 prompts than ``max_concurrent``, a budget over ``tokens_per_minute``) can never be
 admitted: 403 ``permission_error`` naming the parameter, never retried by SDKs. A
@@ -68,6 +76,25 @@ return -1
 """
 
 
+# KEYS: the tenant's tokenizer ZSET. ARGV: now, limit, the call's id, its deadline. Returns
+# the calls in flight, or -1 when this one was added.
+TOKENIZER_LUA = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local n = redis.call('ZCARD', KEYS[1])
+if n >= tonumber(ARGV[2]) then return n end
+redis.call('ZADD', KEYS[1], ARGV[4], ARGV[3])
+local ttl = math.ceil(tonumber(ARGV[4]) - tonumber(ARGV[1])) + 1
+redis.call('EXPIRE', KEYS[1], ttl, 'NX')
+redis.call('EXPIRE', KEYS[1], ttl, 'GT')
+return -1
+"""
+
+
+def tokenizer_key(keys: Keys, tenant: str) -> str:
+    """ZSET: the tenant's tokenizer calls in flight (reply ids), scored by their deadline."""
+    return f"{keys.prefix}:tenant:{{{tenant}}}:tokenizer"
+
+
 def inflight_key(keys: Keys, tenant: str) -> str:
     """ZSET: the tenant's admitted request ids (scoped), scored by their latest expiry."""
     return f"{keys.prefix}:tenant:{{{tenant}}}:inflight"
@@ -112,6 +139,22 @@ class Quotas:
         """Give back the concurrency of requests that were admitted but not enqueued."""
         if tenant.max_concurrent is not None and request_ids:
             await self.client.redis.zrem(inflight_key(self.keys, tenant.id), *request_ids)
+
+    async def admit_tokenizer(self, tenant: Tenant, call_id: str, deadline: float,
+                              limit: int) -> None:
+        """Count one tokenizer call of ``tenant`` as in flight until ``deadline`` (unix
+        time) or ``release_tokenizer``; 429 when ``limit`` (or the tenant's
+        ``max_concurrent``, if lower) are in flight already."""
+        if tenant.max_concurrent is not None:
+            limit = min(limit, tenant.max_concurrent)
+        found = int(await self._eval(TOKENIZER_LUA, [tokenizer_key(self.keys, tenant.id)],
+                                     [repr(time.time()), limit, call_id, repr(deadline)]))
+        if found >= 0:
+            raise _over("tokenizer_inflight", f"{found} tokenizer calls of this tenant are "
+                        f"in flight (limit {limit})", self.retry_after_s)
+
+    async def release_tokenizer(self, tenant: Tenant, call_id: str) -> None:
+        await self.client.redis.zrem(tokenizer_key(self.keys, tenant.id), call_id)
 
     async def _tokens(self, tenant: Tenant, cost: int) -> None:
         now = time.time()

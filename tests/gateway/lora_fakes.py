@@ -16,6 +16,7 @@ from protocol.tokenizer import (
     decode_tokenizer_request,
     encode_tokenizer_message,
 )
+from protocol.tokenizer_queue import BELL, POP_LUA, payload_of, pop_args
 
 REFUSAL = "lora_path: the adapter's base model is not this worker's model"
 CORRUPT = "CORRUPT"
@@ -23,7 +24,8 @@ CORRUPT = "CORRUPT"
 
 
 class LoraChecker(threading.Thread):
-    """BLPOPs ``Keys.tokenizer_requests(model)`` until ``stop()``; ``asked`` records the
+    """BLPOPs ``Keys.tokenizer_requests(model)``'s bells and pops the calls until
+    ``stop()``, as the worker's responder does; ``asked`` records the
     (name, path) of every check."""
 
     def __init__(self, url: str, model: str, keys: Keys | None = None) -> None:
@@ -49,7 +51,14 @@ class LoraChecker(threading.Thread):
             popped = self.redis.blpop([queue], timeout=0.2)
             if popped is None:
                 continue
-            request = decode_tokenizer_request(popped[1])
+            data = popped[1]
+            if data == BELL:  # the next call of the tenants in turn (tokenizer_queue.py)
+                keys, args = pop_args(queue, small_only=False)
+                raw = self.redis.eval(POP_LUA, len(keys), *keys, *args)
+                if raw is None:
+                    continue
+                data = payload_of(raw)
+            request = decode_tokenizer_request(data)
             if request.op != "check_lora":
                 reply = TokenizerReply(status=400, error=f"op: {request.op} not faked")
             else:

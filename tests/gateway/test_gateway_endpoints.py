@@ -19,6 +19,7 @@ from gateway.settings import GatewaySettings
 from protocol.keys import Keys
 from protocol.models import WorkerHeartbeat
 from protocol.store import Ttls, remove_heartbeat, write_heartbeat
+from protocol.tokenizer_queue import ready_key
 from tests.gateway.server import GatewayServer
 from tests.redis_server import RedisServer
 
@@ -93,7 +94,9 @@ def test_tokenize_nobody_answers_is_503_and_taken_back(
     assert reply.status_code == 503 and "retry-after" in reply.headers
     assert "answered within 0.6s" in str(_error(reply)["message"])
     assert time.monotonic() - started >= 0.6
-    assert redis_client.llen(KEYS.tokenizer_requests("org/tiny-model")) == 0
+    base = KEYS.tokenizer_requests("org/tiny-model")
+    assert list(redis_client.scan_iter(base + ":q:*")) == []  # off its tenant's list
+    assert redis_client.zcard(ready_key(base)) == 0
 
 
 def test_tokenize_bad_bodies_name_the_field(gateway: GatewayServer, beat: None) -> None:

@@ -274,7 +274,7 @@ def _job_table(service: WorkerService, engine: Engine, settings: WorkerSettings)
     link = OutputLink.start({
         "service": True, "settings": pickle.dumps(settings), "log_level": level,
         "tokenizer": engine.config.model.model, "decode_spec": decode_spec(engine.tokenizer),
-    })
+    }, hang_s=settings.output_hang_s)
     service.log.info("output_process_started", pid=link.proc.pid)
     return RemoteJobTable(*args, link=link, mailbox=service.mailbox)
 

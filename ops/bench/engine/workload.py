@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 VOCAB = 8192
-CACHE_DIR = Path(__file__).resolve().parent / ".cache"
+CACHE_DIR = Path(__file__).resolve().parents[1] / ".cache"  # ops/bench/.cache
 
 
 @dataclass(frozen=True)

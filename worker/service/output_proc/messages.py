@@ -12,6 +12,10 @@ whose terminal event is written or whose lease is lost: no longer held), ``LOST`
 fence refused an event: stop the request), ``FINISHED`` (a terminal event's outcome,
 for the stats and the fair ledger), ``GAPS`` (inter-token latencies binned per pass),
 ``STATS`` (its outbox's depth, for the heartbeat).
+Liveness, both modes: the engine sends ``PING`` (a number) every so often; the output
+process's main loop answers ``PONG`` with the latest number it has seen, between two
+messages it handles and while it waits for room in its outbox (``output_link.py``: a
+ping unanswered for ``output_hang_s`` is a hung output process).
 Torch-free: the output process imports this and the engine's ``step_batch`` only.
 """
 
@@ -27,6 +31,7 @@ from worker.engine.output.step_batch import EngineEnd, StepBatch, StreamOpen
 
 CONFIG, BATCH, QUIT, READY, STOP, STATS = "C", "B", "Q", "R", "S", "T"
 JOB, END, DROP, DISCARD, LOST, FINISHED, GAPS = "J", "E", "D", "X", "L", "F", "G"
+PING, PONG = "P", "O"
 _LEN = struct.Struct("<I")
 PIPE_BYTES = 1 << 20  # pipes raised to 1 MiB where the kernel allows (F_SETPIPE_SZ)
 

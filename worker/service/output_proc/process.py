@@ -36,22 +36,38 @@ _STATS_EVERY_S = 0.5
 
 
 class _Inbox:
-    """Frames read off the pipe by a thread of their own; ``take`` empties it at once."""
+    """Frames read off the pipe by a thread of their own; ``take`` empties it at once.
+
+    A ``PING`` is not queued: the reader notes its number and wakes the main loop, which
+    answers it (``answer``) between the messages it handles, so an answer says the main
+    loop itself runs, however many messages wait before it."""
 
     def __init__(self, reader: m.FrameReader) -> None:
         self._reader = reader
         self._items: collections.deque[list[Any] | None] = collections.deque()
         self._ready = threading.Condition()
+        self._ping = 0  # the latest PING's number read off the pipe
+        self._answered = 0  # the latest answered (main loop only)
         threading.Thread(target=self._run, name="output-reader", daemon=True).start()
 
     def _run(self) -> None:
         while True:
             message = self._reader.read()
             with self._ready:
-                self._items.append(message)
+                if message is not None and message[0] == m.PING:
+                    self._ping = message[1]
+                else:
+                    self._items.append(message)
                 self._ready.notify()
             if message is None or message[0] == m.QUIT:
                 return
+
+    def answer(self, send: Any) -> None:
+        """``PONG`` the latest ``PING`` if it is not answered yet (main loop only)."""
+        ping = self._ping
+        if ping != self._answered:
+            self._answered = ping
+            send([m.PONG, ping])
 
     def take(self, timeout: float) -> list[list[Any] | None]:
         with self._ready:
@@ -112,6 +128,8 @@ class OutputProcess:
                 if message[0] == m.BATCH:
                     self.stats["batches"] += 1
                     outputs += texts.apply(m.unpack_batch(message))
+                inbox.answer(self._send)
+            inbox.answer(self._send)
             for stop in self._stops:
                 self._send(stop)
             self._stops.clear()

@@ -97,6 +97,13 @@ class ServiceOutputs:
             self.outbox.redis.warm()  # knows every node while the URL's answers
         self.outbox.start()
         self._depth_sent = (0, 0.0)  # the outbox depth last reported, and when
+        self.alive: Callable[[], None] = lambda: None  # answers the engine's pings (serve)
+
+    def _still_alive(self) -> bool:
+        """The outbox is full (Redis away): waiting for room is being alive, not hung, so
+        the engine's pings are answered meanwhile; never give the events up."""
+        self.alive()
+        return False
 
     def _on_stop(self, stream: int, stop_str: str) -> EngineEnd | None:
         self.stops.append([m.STOP, stream, stop_str])
@@ -114,7 +121,7 @@ class ServiceOutputs:
         if kind == m.BATCH:
             outputs = self.texts.apply(m.unpack_batch(message))
             items, _ = self.ev.events(outputs, time.monotonic())
-            self.outbox.put(items)
+            self.outbox.put(items, self._still_alive)
         elif kind == m.JOB:
             admitted: ActiveJob = pickle.loads(message[1])  # noqa: S301 - our engine process
             self.ev.jobs[admitted.request_id] = admitted
@@ -124,7 +131,7 @@ class ServiceOutputs:
             job = self.ev.jobs.get(request_id)
             if job is not None:  # else it ended here already (a stop string)
                 out = self.ev.closing_output(job, outs)
-                self.outbox.put([self.ev.end(job, reason, out, error)])
+                self.outbox.put([self.ev.end(job, reason, out, error)], self._still_alive)
         elif kind == m.DROP:  # [DROP, request id, opened, ends]
             self._ends(message[2], message[3])
             self.ev.jobs.pop(message[1], None)
@@ -157,11 +164,13 @@ class ServiceOutputs:
 
 
 def serve(options: dict[str, Any], tokenizer: Any, inbox: Any, send: Send) -> int:
-    """The service mode's loop: every message in order, the stop strings after each pass;
+    """The service mode's loop: every message in order, the stop strings after each pass,
+    the engine's latest ping answered after each message (and while the outbox is full);
     at ``QUIT`` (a clean shutdown) the outbox drains; when the engine process is gone
     (end of file) only briefly, since its entries are handed on by the lease anyway."""
     _log_like_the_worker(options)
     outputs = ServiceOutputs(options, tokenizer, send)
+    outputs.alive = functools.partial(inbox.answer, send)
     while True:
         for message in inbox.take(0.5):
             if message is None or message[0] == m.QUIT:
@@ -169,7 +178,9 @@ def serve(options: dict[str, Any], tokenizer: Any, inbox: Any, send: Send) -> in
                 outputs.close(10.0 if message is not None else 2.0)
                 return 0
             outputs.handle(message)
+            outputs.alive()
         outputs.flush_stops()
+        outputs.alive()
 
 
 def _log_like_the_worker(options: dict[str, Any]) -> None:

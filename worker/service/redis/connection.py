@@ -92,6 +92,9 @@ class WorkerSettings:
     # Directories runtime LoRA loads may read (FERRY_LORA_ROOTS, else FERRY_LORA_DIR; none:
     # only the worker's own --lora adapters load): protocol/lora/paths.py
     lora_roots: tuple[str, ...] = ()
+    # An output process whose main loop answers nothing for this long (stopped, deadlocked)
+    # is killed and the worker exits 71, as when it dies (worker/service/output_proc/link.py)
+    output_hang_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not re.match(ID_PATTERN, self.worker_id):
@@ -107,6 +110,8 @@ class WorkerSettings:
             raise ValueError("prefetch: must be >= 1")
         if self.spec_fleet_entries < 1:
             raise ValueError("spec_fleet_entries: must be >= 1")
+        if not self.output_hang_s > 0:
+            raise ValueError("output_hang_s: must be > 0")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s: must be >= 0")
         if self.ttls.heartbeat_s < 2 * self.heartbeat_interval_s:

@@ -4,13 +4,17 @@ One engine runs its steps with text made in-process (``TextOutputs``), a second 
 its batches sent to ``python -m worker.service.output_proc.process``; every stream's text and
 tokens must be equal, a stop string must end its request a step late without the extra
 token ever reaching Redis, a stalled output process must coalesce batches (not lose
-them), it must never import torch, and its death must surface as ``OutputDied``.
+them), it must never import torch, and its death must surface as ``OutputDied``, as must
+a hang (stopped: its pings unanswered, or a pipe it no longer reads).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -21,6 +25,7 @@ from protocol.sampling import SamplingParams
 from tests.worker.service.conftest import make_engine
 from worker.engine.output.rust_decode import decode_spec
 from worker.engine.output.text_output import TextOutputs
+from worker.service.output_proc import messages as m
 from worker.service.output_proc.link import OutputDied, OutputLink
 
 
@@ -200,3 +205,53 @@ def test_publisher_writes_each_event_to_its_list_ttl_and_channel_in_order(
         assert replay == [e for e in heard if e.request_id == rid]
         assert 0 < redis_client.ttl(keys.events(rid)) <= 120
     assert heard[-1].finish_reason == "stop" and heard[-1].stop_reason == "x"
+
+
+def test_a_stopped_output_process_is_hung_and_killed(checkpoint: str) -> None:
+    """SIGSTOP: nothing answers the link's pings, so after ``hang_s`` the next poll kills
+    the process and raises ``OutputDied``, as for a dead one (not a stall forever)."""
+    engine = make_engine(checkpoint)
+    link = OutputLink.start({"tokenizer": engine.config.model.model, "redis_url": None,
+                             "decode_spec": decode_spec(engine.tokenizer)}, hang_s=1.0)
+    engine.add_request("h", [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True))
+    try:
+        while not link._answered:  # its main loop answered once: the bound is hang_s
+            link.step(engine)
+        os.kill(link.proc.pid, signal.SIGSTOP)
+        with pytest.raises(OutputDied, match="hung"):
+            while True:  # steps while the request runs, then the idle loop's polls
+                link.step(engine) if engine.has_unfinished_requests() else link.poll()
+                time.sleep(0.005)
+        assert link.proc.poll() == -signal.SIGKILL  # killed, not left stopped
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(link.proc.pid, signal.SIGCONT)
+        link.proc.kill()
+
+
+def test_a_full_pipe_to_a_stopped_output_process_is_hung(checkpoint: str) -> None:
+    """The engine's write onto a pipe nobody reads does not block the loop for good: once
+    the pipe took nothing for ``hang_s``, the process is killed and ``OutputDied`` raised."""
+    engine = make_engine(checkpoint)
+    link = OutputLink.start({"tokenizer": engine.config.model.model, "redis_url": None,
+                             "decode_spec": decode_spec(engine.tokenizer)}, hang_s=1.0)
+    os.kill(link.proc.pid, signal.SIGSTOP)
+    raised: list[BaseException] = []
+
+    def flood() -> None:
+        try:
+            for _ in range(64):  # 4 MiB: more than the pipe holds
+                link.send_message([m.STATS, {"pad": "x" * 65536}, None])
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=flood, daemon=True)
+    try:
+        thread.start()
+        thread.join(120)  # generous: only the outcome is checked, never the time
+        assert not thread.is_alive(), "the write blocked on the stopped process for good"
+        assert raised and isinstance(raised[0], OutputDied) and "hung" in str(raised[0])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(link.proc.pid, signal.SIGCONT)
+        link.proc.kill()

@@ -3,12 +3,17 @@ reports back to the engine process besides events."""
 
 from __future__ import annotations
 
+import functools
+import os
 import pickle
+import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
 from worker.service.jobs import Outgoing
 from worker.service.output_proc import messages as m
+from worker.service.output_proc.process import _Inbox
 from worker.service.output_proc.service import ServiceOutputs
 from worker.service.redis.connection import WorkerSettings
 
@@ -48,3 +53,40 @@ def test_a_request_is_held_until_its_terminal_event_is_settled() -> None:
     assert not held.holds_request("r")
     assert [msg for msg in sent if msg[0] == m.DISCARD] == [[m.DISCARD, ["s", "1-0"]]]
     outputs.close(0.2)
+
+
+def test_a_full_outbox_is_waiting_not_hung() -> None:
+    """Redis away and the outbox full: the main loop waits in ``Outbox.put`` for room, and
+    answers the engine's pings meanwhile, so a slow Redis never gets a live output process
+    killed as hung (``output_link``'s liveness check)."""
+    sent: list[list[Any]] = []
+    settings = WorkerSettings(redis_url="redis://127.0.0.1:1/0", worker_id="full",
+                              max_outbox_events=3)
+    outputs = ServiceOutputs({"settings": pickle.dumps(settings)}, None, sent.append)
+    rfd, wfd = os.pipe()
+    inbox = _Inbox(m.FrameReader(rfd))
+    outputs.alive = functools.partial(inbox.answer, sent.append)
+    events = [Outgoing(("s", f"1-{i}"), "r", i, [i], "x") for i in range(7)]
+    outputs.outbox.put(events[:3])
+    deadline = time.monotonic() + 30
+    while not outputs.outbox._inflight:  # its thread is sending them (retrying)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    outputs.outbox.put(events[3:6])  # the buffer is full now
+    more = events[6:]
+    waiting = threading.Thread(target=outputs.outbox.put, args=(more, outputs._still_alive),
+                               daemon=True)
+    waiting.start()
+    try:
+        for ping in (1, 2):
+            m.write_all(wfd, m.frame([m.PING, ping]))
+            deadline = time.monotonic() + 30
+            while [m.PONG, ping] not in sent:
+                assert time.monotonic() < deadline, f"ping {ping} not answered: {sent}"
+                time.sleep(0.01)
+        assert waiting.is_alive()  # still waiting for room: the events are kept
+        assert outputs.outbox.depth == 6
+    finally:
+        os.close(wfd)
+        outputs.close(0.2)
+        os.close(rfd)

@@ -2,10 +2,11 @@
 are made by its output process streams exactly what the in-process path
 (``FERRY_OUTPUT_PROCESS=0``) streams, and a kill -9 of that
 process ends the worker (exit 71) while a restarted worker resumes its requests from the
-replay log with the same final text."""
+replay log with the same final text; so does a SIGSTOP of it (a hung output process)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -193,4 +194,56 @@ def test_kill9_of_the_output_process_ends_the_worker_and_a_restart_resumes(
         assert r.hget(KEYS.job(req.request_id), "state") == b"done"
     assert monitor.duplicates() == {}
     assert any(r.hget(KEYS.job(q.request_id), "worker_id") == b"restarted" for q in requests)
+    assert r.xpending(KEYS.requests, KEYS.group)["pending"] == 0
+
+
+def test_a_stopped_output_process_ends_the_worker_and_a_restart_resumes(
+        server: RedisServer, checkpoint: str, log_dir: Path, reference: Any) -> None:
+    """SIGSTOP of the output process mid-stream: it answers no ping, so the worker kills it
+    and exits 71 (it does not wait for it forever while admitting more), and a restarted
+    worker resumes every stream from the replay log with the tokens of a run alone."""
+    requests = [GenerateRequest(prompt=f"A stopped output process {i}", params=SamplingParams(
+        max_tokens=150, temperature=1.0, seed=200 + i, ignore_eos=True)) for i in range(6)]
+    expected = {r.request_id: reference.run(r.prompt, r.params) for r in requests}
+    victim = WorkerProcess(checkpoint, server.url, "stopped", log_dir, "--lease-s", "2",
+                           env={**OUT, "FERRY_OUTPUT_HANG_S": "2"})
+    restarted = WorkerProcess(checkpoint, server.url, "after-stop", log_dir, "--lease-s", "2",
+                              env=OUT)
+    r = server.client()
+    pid = 0
+    try:
+        victim.start().wait_live()
+        pid = _output_pid(victim)
+        monitor = Monitor(server.url)
+        monitor.start()
+        streams = Streams(server.url, requests).start()
+        deadline = time.monotonic() + 60
+        while not any(r.llen(KEYS.events(q.request_id)) >= 5 for q in requests):
+            assert time.monotonic() < deadline, "no request got going"
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGSTOP)
+        code = victim.wait(90)  # generous: only the outcome is checked, never the time
+        with pytest.raises(ProcessLookupError):  # killed and reaped, not left stopped
+            os.kill(pid, 0)
+        restarted.start().wait_live()
+        results = streams.join()
+        monitor.stop()
+    finally:
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        victim.kill()
+        restarted.kill()
+    assert code == 71, victim.log_tail()
+    assert "output process hung" in victim.log_tail(400)
+    for req in requests:
+        events = results[req.request_id]
+        assert_contiguous(events)
+        ids, text = expected[req.request_id]
+        assert tokens_of(events) == ids
+        assert "".join(e.text for e in events) == text
+        assert r.hget(KEYS.job(req.request_id), "state") == b"done"
+    assert monitor.duplicates() == {}
+    assert any(r.hget(KEYS.job(q.request_id), "worker_id") == b"after-stop" for q in requests)
     assert r.xpending(KEYS.requests, KEYS.group)["pending"] == 0

@@ -124,7 +124,9 @@ def test_entries_past_the_ttl_are_trimmed_and_never_offered(redis_server: Any,
     try:
         store = DraftStore(10_000, ttl_s=ttl)
         _drain_until(reader, store, 1)
-        assert reader.expired == 1 and reader.received == 1
+        # the old entry is skipped as expired, or trimmed first by the feed's own writer
+        # (which trims as it starts): either way it is never received
+        assert reader.expired in (0, 1) and reader.received == 1
         assert store.longest_match([1, 2, 3], 1, "a").length == 0  # never offered
         assert store.longest_match([5, 6, 7], 1, "a").continuation == [8]
         assert store.expire(time.time() + 10.5) == 1  # it was 20 s old when filed

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from gateway.settings import GatewaySettings
 from protocol.keys import Keys
+from protocol.tokenizer_queue import BELL, ready_key
 from tests.gateway.server import GatewayServer
 from tests.redis_server import RedisServer
 from tests.worker.service.procs import WorkerProcess
@@ -145,10 +146,58 @@ def test_refusals_name_the_field(stack: str, redis_server: RedisServer) -> None:
     import redis
 
     r = redis.Redis.from_url(redis_server.url)
-    try:  # every answered request left nothing behind but short-lived replies
+    try:  # every answered request left no call behind, and nothing without a TTL
         names = [k.decode() for k in r.scan_iter("ferry:tokenizer:*")]
-        assert all(":reply:" in n for n in names) and r.llen(Keys().tokenizer_requests(
-            MODEL)) == 0
-        assert all(0 < r.ttl(n) <= 60 for n in names)
+        assert not any(":q:" in n for n in names), names
+        assert r.zcard(ready_key(Keys().tokenizer_requests(MODEL))) == 0
+        for name in names:
+            assert 0 < r.ttl(name) <= 60, name
+            if r.type(name) == b"list":  # bells a pop did not need
+                assert set(r.lrange(name, 0, -1)) <= {BELL}, name
     finally:
         r.close()
+
+
+HUGE = "1" + "0" * 5000  # more digits than int() converts (4,300)
+MANY = ",".join(["1"] * 40_000)  # more ids than max_prompt_tokens
+BAD_INPUTS = [  # (path, raw JSON body, the param named)
+    ("/tokenize", '{"prompt": "a\\ud800b"}', "prompt"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "a\\udfffb"}]}',
+     "messages.0.content"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": [{"type": "text", '
+     '"text": "\\ud83d"}]}]}', "messages.0.content"),
+    ("/detokenize", '{"tokens": [5, 18446744073709551616]}', "tokens"),
+    ("/detokenize", '{"tokens": [1000000000000000000000000000000]}', "tokens"),
+    ("/detokenize", '{"tokens": [9223372036854775808]}', "tokens"),
+    ("/detokenize", '{"tokens": [-1000000000000000000000000000000]}', "tokens"),
+    ("/detokenize", '{"tokens": [-1]}', "tokens"),
+    ("/detokenize", '{"tokens": [8192]}', "tokens"),  # the model's vocabulary: the worker's
+    ("/detokenize", '{"tokens": [4294967296]}', "tokens"),
+    ("/detokenize", '{"tokens": [1.5]}', "tokens.0"),
+    ("/detokenize", '{"tokens": ["7"]}', "tokens.0"),
+    ("/detokenize", '{"tokens": [null]}', "tokens.0"),
+    ("/detokenize", '{"tokens": {"0": 1}}', "tokens"),
+    ("/detokenize", f'{{"tokens": [{MANY}]}}', "tokens"),
+    ("/detokenize", f'{{"tokens": [{HUGE}]}}', None),  # the body's: param null
+    ("/tokenize", '{"prompt": "x", "add_special_tokens": 1000000000000000000000000000000}',
+     "add_special_tokens"),
+    ("/tokenize", '{"prompt": ["x"]}', "prompt"),
+    ("/v1/completions", f'{{"prompt": "x", "max_tokens": {HUGE}}}', None),
+]
+
+
+def test_bad_inputs_are_400s_naming_the_field(stack: str) -> None:
+    """Lone surrogates, token ids msgpack cannot carry, ids over the vocabulary, wrong
+    types, too many ids, integers of thousands of digits: each a 400 naming the field, no
+    traceback or server path in the body, and the connection stays usable (a 500 used to
+    close it, so the next call on it was reset)."""
+    with httpx.Client(base_url=stack, headers=AUTH, timeout=60) as client:
+        for path, body, param in BAD_INPUTS:
+            reply = client.post(path, content=body,
+                                headers={"Content-Type": "application/json"})
+            assert reply.status_code == 400, (path, body[:80], reply.text[:300])
+            error = reply.json()["error"]
+            assert error["param"] == param, (body[:80], error)
+            assert "Traceback" not in reply.text and ".py" not in reply.text
+            assert "/work" not in reply.text and "site-packages" not in reply.text
+        assert client.post("/detokenize", json={"tokens": [5]}).status_code == 200
