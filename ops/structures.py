@@ -34,7 +34,7 @@ SECTIONS = [
     ("worker/service", "the Redis worker process around the engine"),
     ("worker/models", "models shipped as package data"),
     ("kernels", "Triton kernels, the C++ CPU kernel, their pure-torch twins"),
-    ("observability", "logging shared by every process"),
+    ("observability", "logging and vLLM's metric names, shared by every process"),
     ("ferry", "the CLI, on top of everything"),
     ("ferry/commands", "one module per subcommand"),
 ]
