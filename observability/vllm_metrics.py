@@ -179,13 +179,13 @@ class EngineTally:
     def _from(cls, raw: dict[str, Any]) -> EngineTally | None:
         tally = cls()
         gauges, counters, success = raw["g"], raw["c"], raw["s"]
-        if len(gauges) != 3 or len(counters) != len(COUNTERS) or len(success) != len(
-                FINISHED_REASONS):
+        if (len(gauges), len(counters), len(success)) != (3, len(COUNTERS),
+                                                         len(FINISHED_REASONS)):
             return None
-        tally.running, tally.waiting, tally.kv_usage = int(gauges[0]), int(gauges[1]), float(
-            gauges[2])
-        tally.counters = {key: int(n) for (key, _n, _d), n in zip(COUNTERS, counters,
-                                                                  strict=True)}
+        tally.running, tally.waiting = int(gauges[0]), int(gauges[1])
+        tally.kv_usage = float(gauges[2])
+        keys = [key for key, _n, _d in COUNTERS]
+        tally.counters = {key: int(n) for key, n in zip(keys, counters, strict=True)}
         tally.success = {r: int(n) for r, n in zip(FINISHED_REASONS, success, strict=True)}
         for h in HISTOGRAMS:
             values = raw["h"][h.key]
