@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from gateway.admission import BodyLimitMiddleware, require_api_key
 from gateway.errors import APIError, install_error_handlers, unavailable
-from gateway.metrics import Metrics, MetricsMiddleware
+from gateway.metrics.prometheus import Metrics, MetricsMiddleware
 from gateway.queue_client import QueueClient
 from gateway.redis_client import ferry_client
 from gateway.request_id import HEADER as REQUEST_ID_HEADER

@@ -28,6 +28,7 @@ SECTIONS = [
     ("protocol/batch", "the Batch API's records and commands"),
     ("protocol/cluster", "Redis Cluster and pub/sub plumbing"),
     ("gateway", "FastAPI, no torch: the app, its settings and its queue client"),
+    ("gateway/metrics", "Prometheus: the gateway's series and the fleet's vLLM view"),
     ("gateway/served", "the base models and LoRA adapters this gateway serves"),
     ("gateway/openai_api", "OpenAI's request and response shapes"),
     ("gateway/tenancy", "API keys, tenants, quotas"),
@@ -55,7 +56,7 @@ SECTIONS = [
     ("worker/service/metrics", "Prometheus and heartbeat stats"),
     ("worker/models", "models shipped as package data"),
     ("kernels", "Triton kernels, the C++ CPU kernel, their pure-torch twins"),
-    ("observability", "logging shared by every process"),
+    ("observability", "logging and vLLM's metric names, shared by every process"),
     ("ferry", "the CLI, on top of everything"),
     ("ferry/commands", "one module per subcommand"),
 ]

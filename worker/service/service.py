@@ -65,6 +65,7 @@ class WorkerService:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics or WorkerMetrics()
+        self.metrics.bind(settings.model_name, settings.worker_id)  # vllm:* series' labels
         self.log = log.bind(worker_id=settings.worker_id)
         self.mailbox: queue.Queue[Admission | Command] = queue.Queue()
         self.held = HeldEntries()

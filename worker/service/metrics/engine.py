@@ -25,7 +25,8 @@ class Cumulative:
 
     def __init__(self, counter: Counter) -> None:
         self.counter = counter
-        self.seen = 0
+        self.seen = 0  # the engine's total last caught up with
+        self.total = 0  # every increment so far: the counter's value, monotonic
         self.lock = threading.Lock()
 
     def add(self, n: int) -> None:
@@ -34,6 +35,7 @@ class Cumulative:
         with self.lock:
             self.counter.inc(n)
             self.seen += n
+            self.total += n
 
     def sync(self, total: int) -> None:
         with self.lock:
@@ -41,6 +43,7 @@ class Cumulative:
                 self.seen = 0  # a fresh engine restarted its count
             elif total > self.seen:
                 self.counter.inc(total - self.seen)
+                self.total += total - self.seen
                 self.seen = total
 
 
@@ -60,6 +63,13 @@ class EngineMetrics:
                       (Cumulative(self.spec_draft_rows), "spec_draft_rows"),
                       (Cumulative(self.spec_store_rows), "spec_store_rows"),
                       (Cumulative(self.spec_grammar_cut), "spec_grammar_cut_tokens")]
+
+    def totals(self) -> dict[str, int]:
+        """The cumulative counts vLLM's counters show (``observability.vllm_metrics``
+        ``COUNTERS`` keys): these counters' values, monotonic across engine restarts."""
+        return {"generation_tokens": self.tokens.total, "preemptions": self.preempted.total,
+                "prefix_queries": self._prefix_queries.total,
+                "prefix_hits": self._prefix_hits.total}
 
     def _build_gauges(self, reg: CollectorRegistry, p: str) -> None:
         self.running = Gauge(p + "running_requests", "Requests in the running batch.", registry=reg)

@@ -10,6 +10,10 @@ refreshed by ``engine_metrics.EngineMetrics`` (``self.engine``). Counters that t
 also keeps cumulatively (output tokens, preemptions) can be fed either event by event
 (``observe_step``, ``preempted``) or from an ``EngineStats`` snapshot (``set_engine``); both
 paths advance one baseline, so calling both never double counts.
+
+Beside its own names the worker exports vLLM's (``vllm:*``, ``observability.vllm_metrics``)
+from one ``EngineTally`` labelled with its served model and worker id (``bind``); the
+heartbeat carries the same tally (``vllm_heartbeat``) for the gateway's fleet view.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from prometheus_client import (
     start_http_server,
 )
 
+from observability import vllm_metrics as vllm
 from worker.engine.output.outputs import EngineStats  # a plain dataclass: no torch
 from worker.service.metrics.engine import EngineMetrics
 
@@ -40,6 +45,11 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _TOKENS_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_GAP_BOUNDS = tuple(sorted({*_ITL_BUCKETS, *vllm.ITL_BUCKETS}))
+"""Inter-token gaps are binned by both histograms' bounds (``GapBins``): each bin then falls
+in exactly one bucket of either (``_GAP_TO_FERRY``, ``_GAP_TO_VLLM``)."""
+_GAP_TO_FERRY = [bisect.bisect_left(_ITL_BUCKETS, b) for b in (*_GAP_BOUNDS, float("inf"))]
+_GAP_TO_VLLM = [bisect.bisect_left(vllm.ITL_BUCKETS, b) for b in (*_GAP_BOUNDS, float("inf"))]
 
 
 class WorkerMetrics:
@@ -52,6 +62,25 @@ class WorkerMetrics:
         self._build_counters()
         self._build_histograms()
         self._build_tenant_metrics()
+        self.vllm = vllm.EngineTally()
+        self.labels = ("ferry", "0")  # (model_name, engine): see bind
+        self.registry.register(vllm.TallyCollector(self._vllm_engines))
+
+    def bind(self, model_name: str, engine: str) -> None:
+        """The labels of the ``vllm:*`` series: the served model and the worker's id."""
+        self.labels = (model_name, engine)
+
+    def _vllm_engines(self) -> list[vllm.Engine]:
+        self.vllm.counters.update(self.engine.totals())
+        return [(*self.labels, self.vllm)]
+
+    def vllm_heartbeat(self, running: int, waiting: int, kv_usage: float) -> str:
+        """Set vLLM's gauges (``waiting``: taken from the stream and not yet running) and
+        return the tally as the heartbeat's ``vllm`` stat."""
+        tally = self.vllm
+        tally.running, tally.waiting, tally.kv_usage = running, waiting, kv_usage
+        tally.counters.update(self.engine.totals())
+        return tally.encode()
 
     def _build_gauges(self) -> None:
         reg, p = self.registry, PREFIX
@@ -150,8 +179,10 @@ class WorkerMetrics:
         e2e_s: float,
         queued_s: float,
         output_tokens: int,
+        prompt_tokens: int = 0,
     ) -> None:
         """A request reached its terminal event; ``outcome`` is its finish reason."""
+        self.vllm.finished(outcome, ttft_s, e2e_s, queued_s, prompt_tokens, output_tokens)
         self.requests.labels(outcome).inc()
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
@@ -170,15 +201,19 @@ class WorkerMetrics:
     def observe_inter_token(self, seconds: float) -> None:
         """Gap between consecutive tokens of one request (TPOT for streaming clients)."""
         self.inter_token.observe(seconds)
+        self.vllm.bins["itl"].observe(seconds)
 
     def add_inter_token(self, counts: list[int], total: float) -> None:
         """Gaps an output process binned itself (``GapBins``), as ``observe`` would have:
-        per bucket (the first bound at or above the gap; not cumulative), and their sum."""
-        hist = self.inter_token
+        per bin of ``_GAP_BOUNDS`` (the first bound at or above the gap; not cumulative),
+        and their sum; into both this worker's histogram and vLLM's."""
+        hist, bins = self.inter_token, self.vllm.bins["itl"]
         for i, n in enumerate(counts):
             if n:
-                hist._buckets[i].inc(n)  # type: ignore[attr-defined]
+                hist._buckets[_GAP_TO_FERRY[i]].inc(n)  # type: ignore[attr-defined]
+                bins.counts[_GAP_TO_VLLM[i]] += n
         hist._sum.inc(total)  # type: ignore[attr-defined]
+        bins.total += total
 
     def set_engine(self, stats: EngineStats) -> None:
         """Refresh batch/KV gauges and catch counters up with the engine's cumulative totals."""
@@ -207,7 +242,7 @@ class GapBins:
     worker's histogram once per pass (``WorkerMetrics.add_inter_token``)."""
 
     def __init__(self) -> None:
-        self.bounds = [*_ITL_BUCKETS, float("inf")]
+        self.bounds = [*_GAP_BOUNDS, float("inf")]
         self.counts = [0] * len(self.bounds)
         self.total = 0.0
 

@@ -68,7 +68,7 @@ class StatsBook:
                total_s: float, queued_s: float, prompt: int, completion: int,
                charged: int) -> None:
         """A request's outcome (``finished_fields``; the output process sends them)."""
-        self.metrics.request_finished(reason, ttft_s, total_s, queued_s, completion)
+        self.metrics.request_finished(reason, ttft_s, total_s, queued_s, completion, prompt)
         self.metrics.tenant_finished(tenant, prompt, completion, queued_s)
         self.ledger.note(stream, tenant, prompt + completion, charged)
 
@@ -91,15 +91,17 @@ class StatsBook:
                 getattr(metrics, name)(delta)
                 self._reported[name] = total
         used = s.kv_blocks_total - s.kv_blocks_free
+        usage = round(used / s.kv_blocks_total, 4) if s.kv_blocks_total else 0.0
+        queued = max(0, c.slots_held - s.num_running - s.num_waiting)
         return {
             "running": s.num_running,
             "waiting": s.num_waiting,
-            "queued": max(0, c.slots_held - s.num_running - s.num_waiting),
+            "queued": queued,
             "held": c.entries_held,
             "max_num_seqs": c.max_num_seqs,
             "kv_blocks_total": s.kv_blocks_total,
             "kv_blocks_free": s.kv_blocks_free,
-            "kv_usage": round(used / s.kv_blocks_total, 4) if s.kv_blocks_total else 0.0,
+            "kv_usage": usage,
             "tokens_per_s": self._tokens_per_s(s.tokens_generated),
             "tokens_generated": s.tokens_generated,
             "steps": s.steps,
@@ -124,6 +126,9 @@ class StatsBook:
             "spec_store_rows": s.spec_store_rows,
             # comma-separated health.DEGRADED_REASONS; "" when healthy (ferry top marks it)
             "degraded": ",".join(s.degraded),
+            # vLLM's names for this worker (the gateway's fleet view): waiting = taken from
+            # the stream and not yet running (its engine's queue and the entries on their way)
+            "vllm": metrics.vllm_heartbeat(s.num_running, s.num_waiting + queued, usage),
         }
 
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.redis_server import free_port
 from worker.service.metrics.prometheus import WorkerMetrics
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[3]
 
 EXPECTED = {
     "ferry_worker_queue_depth": "gauge",
@@ -233,7 +233,8 @@ def test_metrics_module_imports_without_torch() -> None:
 
 def test_gaps_binned_in_an_output_process_export_like_observed_ones() -> None:
     """``FERRY_OUTPUT_PROCESS``: inter-token gaps are binned there (``GapBins``) and added
-    here once per pass; the histogram reads exactly as if each had been observed."""
+    here once per pass; both histograms (Ferry's and vLLM's, on other bounds) read exactly
+    as if each had been observed."""
     from worker.service.metrics.prometheus import GapBins
 
     gaps = [0.001, 0.002, 0.0021, 0.05, 0.3, 1.0, 7.5, 0.015]
@@ -250,3 +251,46 @@ def test_gaps_binned_in_an_output_process_export_like_observed_ones() -> None:
         return {k: v for k, v in _samples(m).items() if "inter_token" in k and "_created" not in k}
 
     assert itl(binned) == itl(observed) and itl(observed)
+    assert any(k.startswith("vllm:inter_token_latency_seconds_bucket") for k in itl(observed))
+
+
+def test_vllm_names_count_what_the_worker_served() -> None:
+    """vLLM's names beside Ferry's, labelled with the served model and the worker id; the
+    heartbeat's tally reads the same as the port."""
+    from observability.vllm_metrics import EngineTally
+
+    metrics = WorkerMetrics(CollectorRegistry())
+    metrics.bind("tiny", "w1")
+    _one_request(metrics)
+    metrics.request_finished("cancelled", None, e2e_s=2.0, queued_s=2.0, output_tokens=0,
+                             prompt_tokens=5)
+    metrics.request_finished("length", 0.2, e2e_s=1.0, queued_s=0.1, output_tokens=8,
+                             prompt_tokens=12)
+    beat = metrics.vllm_heartbeat(running=3, waiting=6, kv_usage=0.75)
+    s = _samples(metrics)
+    w1 = "engine=w1,model_name=tiny"
+    assert s[f"vllm:prompt_tokens_total{{{w1}}}"] == 17  # _one_request's gave none
+    assert s[f"vllm:generation_tokens_total{{{w1}}}"] == s["ferry_worker_output_tokens_total"]
+    assert s[f"vllm:num_preemptions_total{{{w1}}}"] == 1
+    assert s[f"vllm:prefix_cache_queries_total{{{w1}}}"] == 400
+    assert s[f"vllm:prefix_cache_hits_total{{{w1}}}"] == 300
+    success = "vllm:request_success_total{{engine=w1,finished_reason={},model_name=tiny}}"
+    assert s[success.format("abort")] == 1 and s[success.format("length")] == 1
+    assert s[success.format("stop")] == 1  # _one_request's
+    assert s[f"vllm:num_requests_waiting{{{w1}}}"] == 6
+    assert s[f"vllm:kv_cache_usage_perc{{{w1}}}"] == 0.75
+    assert s[f"vllm:inter_token_latency_seconds_count{{{w1}}}"] == 1
+    decoded = EngineTally.decode(beat)
+    assert decoded is not None and decoded.counters == metrics.vllm.counters
+    assert decoded.success == metrics.vllm.success
+
+
+def test_vllm_counters_stay_monotonic_across_an_engine_restart() -> None:
+    metrics = WorkerMetrics(CollectorRegistry())
+    metrics.set_engine(Stats(tokens_generated=10, prefix_cache_queries=50))
+    metrics.set_engine(Stats(tokens_generated=0, prefix_cache_queries=0))  # a fresh engine
+    metrics.set_engine(Stats(tokens_generated=3, prefix_cache_queries=8))
+    s = _samples(metrics)
+    assert s["vllm:generation_tokens_total{engine=0,model_name=ferry}"] == 13
+    assert s["vllm:prefix_cache_queries_total{engine=0,model_name=ferry}"] == 58
+    assert s["ferry_worker_output_tokens_total"] == 13

@@ -1,5 +1,6 @@
 """Prometheus metrics, one registry per app (tests build many apps in one process); served
-on ``/metrics`` behind ``FERRY_METRICS_KEY`` (``gateway.admission.require_metrics_key``)."""
+on ``/metrics`` behind ``FERRY_METRICS_KEY`` (``gateway.admission.require_metrics_key``),
+followed by the fleet's ``vllm:*`` view (``gateway.metrics.fleet``)."""
 
 from __future__ import annotations
 
