@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.redis_server import free_port
 from worker.service.metrics.prometheus import WorkerMetrics
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 EXPECTED = {
     "ferry_worker_queue_depth": "gauge",
