@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ferry.recovery import RestartRecord, read_restarts
-from protocol import fair
-from protocol.cluster import TRANSIENT_CLUSTER_ERRORS, node_pipeline, raise_moved
+from protocol.cluster.nodes import TRANSIENT_CLUSTER_ERRORS, node_pipeline, raise_moved
+from protocol.cluster.shard_health import ShardHealth, master_name, probe
 from protocol.codec import ProtocolError, decode_heartbeat
 from protocol.keys import Keys
-from protocol.shard_health import ShardHealth, master_name, probe
 from protocol.store import as_str, queue_commands, queue_lags
+from protocol.tenants import fair
 
 HISTORY_LEN = 20
 T = TypeVar("T")
@@ -73,7 +73,7 @@ class ShardView:
 
 @dataclass(frozen=True)
 class TenantView:
-    """One tenant with requests in the fair backlogs (``protocol.fair``), over every lane
+    """One tenant with requests in the fair backlogs (``protocol.tenants.fair``), over every lane
     and shard: how many wait, its weight, and its lowest virtual token counter."""
 
     tenant: str

@@ -2,7 +2,7 @@
 Redis Cluster's nodes) under the supervisor, and the fail-fast ``Stack`` the service
 benchmarks start their parts with.
 
-``ferry up`` and ``ops/bench/service.py`` both need a private Redis started and pinged the
+``ferry up`` and ``ops/bench/service/service.py`` both need a private Redis started and pinged the
 same way; the benchmark wants no restarts (an exit is a failed measurement), so it gets
 the supervisor with restarts off.
 """
@@ -96,7 +96,7 @@ def start_redis_cluster(sup: Supervisor, data: Path, layout: ClusterLayout) -> s
 
 
 class Stack:
-    """Fail-fast processes for the benchmarks (``ops/bench/service.py``): the supervisor
+    """Fail-fast processes for the benchmarks (``ops/bench/service/service.py``): the supervisor
     with restarts off, so any exit raises in ``check_alive``; stops workers, then the
     gateway, then Redis."""
 

@@ -71,7 +71,7 @@ class Recovery:
     def __init__(self, redis_url: str, keys: Keys, launcher: str) -> None:
         import redis
 
-        from protocol.cluster import cluster_client
+        from protocol.cluster.nodes import cluster_client
 
         connect = cluster_client if keys.cluster else redis.Redis.from_url
         self.redis = connect(redis_url, socket_timeout=2, socket_connect_timeout=2)
@@ -95,7 +95,7 @@ class Recovery:
         (None when it owned nothing)."""
         from redis.exceptions import ResponseError
 
-        from worker.service.leases import hand_back_consumer
+        from worker.service.redis.leases import hand_back_consumer
 
         try:
             handed = hand_back_consumer(self.redis, self.keys, worker_id)

@@ -19,8 +19,8 @@ from gateway.errors import APIError, error_body
 from gateway.settings import GatewaySettings
 from gateway.tenancy.tenants import DEFAULT
 from protocol.aclient import AsyncFerryClient
+from protocol.cluster.shard_health import ShardDownError
 from protocol.models import GenerateRequest
-from protocol.shard_health import ShardDownError
 
 
 def check_limits(request: GenerateRequest, settings: GatewaySettings) -> None:
@@ -53,7 +53,7 @@ async def check_queue(client: AsyncFerryClient, settings: GatewaySettings,
     """429 with Retry-After while more than ``max_queue_lag`` requests wait for a worker.
 
     On a Redis Cluster the lag is read shard by shard, each read bounded, and a shard that
-    does not answer is left out and marked lost (``protocol/shard_health.py``): the others
+    does not answer is left out and marked lost (``protocol/cluster/shard_health.py``): the others
     keep admitting, and a request whose id hashes to a lost shard gets its 503 here, at
     once, naming the shard (its master and replicas are away; nothing would serve it)."""
     limit = settings.max_queue_lag

@@ -14,14 +14,14 @@ from redis.exceptions import RedisError
 
 from gateway.admission import BodyLimitMiddleware, require_api_key
 from gateway.errors import APIError, install_error_handlers, unavailable
-from gateway.lora import LoraAdapters
-from gateway.metrics import Metrics, MetricsMiddleware
+from gateway.metrics.prometheus import Metrics, MetricsMiddleware
 from gateway.queue_client import QueueClient
 from gateway.redis_client import ferry_client
 from gateway.request_id import HEADER as REQUEST_ID_HEADER
 from gateway.request_id import RequestIdMiddleware
 from gateway.routes import batches, files, health, jobs, lora, openai, responses, tokenize
-from gateway.served_models import ServedModels
+from gateway.served.lora import LoraAdapters
+from gateway.served.models import ServedModels
 from gateway.settings import GatewaySettings
 from gateway.tenancy.tenants import tenant_directory
 from gateway.tokenizer_client import TokenizerClient

@@ -24,10 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from gateway.field_errors import field_error
-from protocol.cluster import NotReplicatedError
+from protocol.cluster.nodes import NotReplicatedError
+from protocol.cluster.shard_health import ShardDownError
 from protocol.codec import ProtocolError
 from protocol.models import TokenEvent
-from protocol.shard_health import ShardDownError
 
 log = structlog.get_logger("ferry.gateway")
 

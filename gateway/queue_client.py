@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 
 from gateway.admission import check_limits, check_queue
 from gateway.errors import APIError, unavailable
-from gateway.metrics import Metrics
+from gateway.metrics.prometheus import Metrics
 from gateway.settings import GatewaySettings
 from gateway.tenancy.naming import NamedTenants
 from gateway.tenancy.quotas import Quotas
@@ -27,7 +27,7 @@ from protocol.aclient import AsyncFerryClient, AsyncSubscription
 from protocol.models import GenerateRequest, TokenEvent
 from protocol.store import DuplicateRequestError
 from protocol.streaming import StreamTimeout
-from protocol.tenancy import public_id
+from protocol.tenants.ids import public_id
 
 log = structlog.get_logger("ferry.gateway")
 

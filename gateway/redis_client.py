@@ -16,7 +16,7 @@ from redis.backoff import ExponentialBackoff
 
 from gateway.settings import GatewaySettings
 from protocol.aclient import AsyncFerryClient
-from protocol.cluster import async_cluster_client
+from protocol.cluster.nodes import async_cluster_client
 
 
 def redis_for(settings: GatewaySettings) -> Any:
@@ -37,7 +37,7 @@ def redis_for(settings: GatewaySettings) -> Any:
         health_check_interval=30,
         # redis-py's default pool (100) answered "Too many connections" (503) at ~64
         # concurrent streams when each held its own pub/sub connection; now they share one
-        # (protocol/pubsub_hub.py), but a burst of requests still runs commands at once.
+        # (protocol/cluster/pubsub_hub.py), but a burst of requests still runs commands at once.
         max_connections=settings.redis_max_connections,
     )
 

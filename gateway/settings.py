@@ -9,11 +9,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.tenancy.tenants import tenant_directory
-from protocol.cluster import Replication
-from protocol.cluster_keys import keys_for
+from protocol.cluster.keys import keys_for
+from protocol.cluster.nodes import Replication
+from protocol.cluster.shard_slots import DEFAULT_SHARDS, MAX_SHARDS
 from protocol.keys import Keys
-from protocol.lora_paths import adapter_roots
-from protocol.shard_slots import DEFAULT_SHARDS, MAX_SHARDS
+from protocol.lora.paths import adapter_roots
 from protocol.store import Ttls
 
 _NONE_WORDS = frozenset({"", "none", "off", "null"})
@@ -179,7 +179,7 @@ class GatewaySettings(BaseModel):
 
     @property
     def adapter_roots(self) -> tuple[str, ...]:
-        """The directories a ``lora_path`` may name (``protocol/lora_paths.py``)."""
+        """The directories a ``lora_path`` may name (``protocol/lora/paths.py``)."""
         return adapter_roots(self.lora_roots, self.lora_dir)
 
     @model_validator(mode="after")

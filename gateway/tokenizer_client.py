@@ -35,8 +35,8 @@ from pydantic import ValidationError
 
 from gateway.body import OFFLOAD_BYTES, validation_error
 from gateway.errors import APIError
-from gateway.metrics import Metrics
-from gateway.served_models import ServedModels
+from gateway.metrics.prometheus import Metrics
+from gateway.served.models import ServedModels
 from gateway.settings import GatewaySettings
 from gateway.tenancy.quotas import Quotas
 from gateway.tenancy.tenants import DEFAULT, Tenant

@@ -5,7 +5,7 @@ place, exactly up to its own length (no gathered copy, no padding to the batch's
 sequence), prefetching the next page from the block table, and keeps the online softmax
 in fp32. Measured on the 2-core dev machine (32 sequences of 400-720 tokens, GQA 8:4,
 head dim 64, fp32 cache, one layer, 2 threads): 2.2 ms (17 GB/s of K/V), against 9.9 ms
-for gather + SDPA and 44 ms for the reference (``ops/bench/cpu_ops.py``).
+for gather + SDPA and 44 ms for the reference (``ops/bench/engine/cpu_ops.py``).
 
 Equal to ``kernels.reference.paged_decode_attention`` within fp32 rounding, sliding
 window and logit soft cap included. The cache may be float32 or bfloat16; queries of any

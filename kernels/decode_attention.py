@@ -23,7 +23,7 @@ caller's ``max_seq_len`` hint, else from the block table's capacity, never from
 
 That rule is for launches inside a CUDA graph (the engine's decode steps), where stage 2
 costs a few microseconds. Launched eagerly, stage 2 costs a second Triton launch from
-Python plus two allocations — measured on the H100 (``ops/bench/kernels.py``, eager):
+Python plus two allocations — measured on the H100 (``ops/bench/engine/kernels.py``, eager):
 batch 8 x 512 tokens took 0.147 ms with 2 splits and 0.023 ms with 1; batch 1 x 4,096
 took 0.269 ms with 16 splits and 0.110 ms with 1. So eagerly a split must carry
 ``EAGER_MIN_TOKENS_PER_SPLIT`` tokens, which keeps everything below 16k tokens of context

@@ -47,7 +47,7 @@ class SamplingTensors:
 
 def to_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list on ``device`` without a host sync (a pinned, non-blocking copy on a GPU;
-    ``worker.engine.transfer``'s rule, which ``kernels`` may not import)."""
+    ``worker.engine.runner.transfer``'s rule, which ``kernels`` may not import)."""
     tensor = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return tensor.to(device)

@@ -102,7 +102,7 @@ def _shared_processors() -> list[Processor]:
 def _add_tenant(_logger: Any, _name: str, event: MutableMapping[str, Any]
                 ) -> MutableMapping[str, Any]:
     """Every line about a request names its tenant, read off the (scoped) request id, so a
-    tenant's lines are one filter away in any process. The rule is ``protocol.tenancy``'s
+    tenant's lines are one filter away in any process. The rule is ``protocol.tenants.ids``'s
     (``{tenant}::{id}``; a plain id is the default tenant's), restated here because this
     package sits below every other one."""
     rid = event.get("request_id")

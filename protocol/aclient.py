@@ -3,7 +3,7 @@
 Same operations and the same guarantees; see ``protocol.client`` for the streaming
 algorithm. It also has the read-only queries the gateway needs for admission and
 readiness: queue lag, live workers and, on a Redis Cluster, the stream shards it cannot
-reach (``protocol/shard_health.py``): every read of a shard is bounded, a shard that fails
+reach (``protocol/cluster/shard_health.py``): every read of a shard is bounded, a shard that fails
 one is skipped from then on (its requests get ``ShardDownError`` at once) until a probe
 finds it back, so one lost master cannot stall the gateway's work on the others.
 """
@@ -19,9 +19,14 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from protocol.asubscription import AsyncSubscription, decode_all
-from protocol.cluster import Replication, async_cluster_client
-from protocol.cluster_enqueue import EnqueuePlan, aenqueue
-from protocol.cluster_keys import keys_for
+from protocol.cluster.enqueue import EnqueuePlan, aenqueue
+from protocol.cluster.keys import keys_for
+from protocol.cluster.nodes import Replication, async_cluster_client
+from protocol.cluster.pubsub_hub import PubSubHub
+from protocol.cluster.shard_health import LostShard, ShardHealth
+from protocol.cluster.shard_reads import SHARD_TIMEOUT_S, AsyncShards
+from protocol.cluster.shard_slots import DEFAULT_SHARDS
+from protocol.cluster.sharded_hub import ShardedPubSubHub
 from protocol.codec import (
     ProtocolError,
     decode_heartbeat,
@@ -29,11 +34,6 @@ from protocol.codec import (
 )
 from protocol.keys import Keys
 from protocol.models import GenerateRequest, JobStatus, TokenEvent, WorkerHeartbeat
-from protocol.pubsub_hub import PubSubHub
-from protocol.shard_health import LostShard, ShardHealth
-from protocol.shard_reads import SHARD_TIMEOUT_S, AsyncShards
-from protocol.shard_slots import DEFAULT_SHARDS
-from protocol.sharded_hub import ShardedPubSubHub
 from protocol.store import (
     DuplicateRequestError,
     Ttls,
@@ -106,7 +106,7 @@ class AsyncFerryClient:
 
     async def enqueue(self, request: GenerateRequest, weight: float = 1.0) -> str:
         """Record the job as queued and push it onto its tenant's fair backlog (``weight``:
-        the tenant's share, ``protocol.fair``); returns the request id. On a cluster it is
+        the tenant's share, ``protocol.tenants.fair``); returns the request id. On a cluster it is
         accepted once replicated (``NotReplicatedError`` otherwise)."""
         if self.keys.cluster:
             # each step may WAIT for a replica; past all that, the shard is not answering

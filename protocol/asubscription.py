@@ -16,10 +16,10 @@ from typing import Any, Protocol
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from protocol.cluster.pubsub_hub import Inbox, PubSubHub
 from protocol.codec import decode_event_trusted
 from protocol.keys import Keys
 from protocol.models import TokenEvent
-from protocol.pubsub_hub import Inbox, PubSubHub
 from protocol.streaming import EventSequencer, Outage, StreamTimeout, log_misaligned
 
 

@@ -20,19 +20,19 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protocol.cluster import (
+from protocol.cluster.enqueue import EnqueuePlan
+from protocol.cluster.enqueue import enqueue as cluster_enqueue
+from protocol.cluster.keys import keys_for
+from protocol.cluster.nodes import (
     TRANSIENT_CLUSTER_ERRORS,
     Replication,
     cluster_client,
     refresh_topology,
 )
-from protocol.cluster_enqueue import EnqueuePlan
-from protocol.cluster_enqueue import enqueue as cluster_enqueue
-from protocol.cluster_keys import keys_for
+from protocol.cluster.shard_slots import DEFAULT_SHARDS
 from protocol.codec import decode_event, status_from_hash
 from protocol.keys import Keys
 from protocol.models import GenerateRequest, JobStatus, TokenEvent
-from protocol.shard_slots import DEFAULT_SHARDS
 from protocol.store import (
     DuplicateRequestError,
     Ttls,
@@ -214,7 +214,7 @@ class FerryClient:
 
     def enqueue(self, request: GenerateRequest, weight: float = 1.0) -> str:
         """Record the job as queued and push it onto its tenant's fair backlog (``weight``:
-        the tenant's share, ``protocol.fair``); returns the request id. On a cluster it is
+        the tenant's share, ``protocol.tenants.fair``); returns the request id. On a cluster it is
         accepted once replicated (``NotReplicatedError`` otherwise)."""
         if self.keys.cluster:
             cluster_enqueue(self.redis, EnqueuePlan(self.keys, request, self.ttls,

@@ -4,7 +4,7 @@ All names share one prefix (default ``ferry``) so several deployments can share 
 and so ``SCAN MATCH ferry:*`` finds everything. Per-request names embed the request id,
 which the protocol restricts to key-safe characters (see ``protocol.models.ID_PATTERN``).
 
-``Keys`` names one Redis; ``ClusterKeys`` (``protocol/cluster_keys.py``) names the same
+``Keys`` names one Redis; ``ClusterKeys`` (``protocol/cluster/keys.py``) names the same
 things for a Redis Cluster, with hash tags, and ``keys_for`` picks one or the other.
 
 The tokenizer's request lists and replies carry the hash tag of their model
@@ -12,7 +12,7 @@ The tokenizer's request lists and replies carry the hash tag of their model
 
 The Batch API's names (files, batches) carry a hash tag already: every key of one file
 shares ``{file id}``, every key of one batch ``{batch id}``, so the scripts that touch several
-of them (``protocol/batches.py``) stay on one slot of a Redis Cluster; a single Redis just
+of them (``protocol/batch/records.py``) stay on one slot of a Redis Cluster; a single Redis just
 ignores the braces.
 """
 
@@ -181,7 +181,7 @@ class Keys:
 
     def lora_adapters(self, model: str) -> str:
         """HASH: the LoRA adapters registered for served model ``model``, fleet-wide: name ->
-        JSON ``LoraRecord`` (``protocol/lora.py``). Workers, including ones started later,
+        JSON ``LoraRecord`` (``protocol/lora/registry.py``). Workers, including ones started later,
         load what it holds and drop what leaves it."""
         return f"{self.prefix}:lora:{{{model_tag(model)}}}:adapters"
 
@@ -202,7 +202,7 @@ class Keys:
         int32, ``tenant``: whose they are, ``w``: the worker that produced them), capped by
         its writers and trimmed to the draft store's TTL, the key expiring a TTL after the
         last append; every worker of the model tails it into its draft store, each entry
-        under its tenant only (``worker/service/draft_feed.py``). One hash tag per model:
+        under its tenant only (``worker/service/sidecars/draft_feed.py``). One hash tag per model:
         the stream lives on one shard of a Redis Cluster."""
         return f"{self.prefix}:drafts:{{{model_tag(model)}}}"
 

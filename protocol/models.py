@@ -14,23 +14,23 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from protocol.cache_scope import MAX_CACHE_SALT_CHARS, check_cache_salt
 from protocol.chat_template import check_template_kwargs
 from protocol.sampling import SamplingParams
-from protocol.tenancy import TENANT_PATTERN, check_scoped
-from protocol.tools import ToolCall
+from protocol.structured.tools import ToolCall
+from protocol.tenants.cache_scope import MAX_CACHE_SALT_CHARS, check_cache_salt
+from protocol.tenants.ids import TENANT_PATTERN, check_scoped
 from protocol.values import first_path, out_of_int64, unencodable
 
 PROTOCOL_VERSION = 7
 """Bumped on any incompatible change; decoders refuse versions they do not know. Version 2
 added fields (logit_bias, structured_output, n, best_of; per-choice events), version 3 more
 (prompt logprobs, echo, fit_to_context; the first event's prompt fields; error codes),
-version 4 the request's ``tenant`` and tenant-scoped request ids (``protocol.tenancy``),
+version 4 the request's ``tenant`` and tenant-scoped request ids (``protocol.tenants.ids``),
 version 5 the prompt controls (chat template switches and kwargs, ``suffix``;
 ``truncate_prompt_tokens``, ``bad_words``, ``allowed_token_ids``) and ``stop_reason``,
 version 6 tool calls (``structured_output.tools``; a chat message's ``tool_calls``,
 ``tool_call_id`` and ``name``), version 7 the prefix cache's partition (``cache_salt``,
-``cache_scope``; ``protocol.cache_scope``), ``Usage.cached_tokens`` and the tools a call
+``cache_scope``; ``protocol.tenants.cache_scope``), ``Usage.cached_tokens`` and the tools a call
 may name (``ToolCalls.allowed``, OpenAI's ``allowed_tools``): older messages are
 still read, and mean the same."""
 
@@ -104,7 +104,7 @@ class GenerateRequest(_Wire):
     request_id: str = Field(default_factory=new_request_id, pattern=WIRE_ID_PATTERN)
     tenant: str | None = Field(default=None, pattern=TENANT_PATTERN, description=(
         "Who the request belongs to (None: the default tenant); its request_id must then "
-        "be scoped, '{tenant}::{id}' (protocol.tenancy)."))
+        "be scoped, '{tenant}::{id}' (protocol.tenants.ids)."))
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
@@ -127,7 +127,7 @@ class GenerateRequest(_Wire):
     chat_template_kwargs: dict[str, Any] | None = None
     suffix: str | None = Field(default=None, description=(
         "The text after the completion (fill-in-the-middle; needs a model with FIM tokens)."))
-    # The prefix-cache partition (protocol.cache_scope): a salt narrowing the tenant's
+    # The prefix-cache partition (protocol.tenants.cache_scope): a salt narrowing the tenant's
     # (vLLM's cache_salt), and the sharing group the gateway names (None: the tenant's).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     cache_scope: str | None = Field(default=None, pattern=TENANT_PATTERN)

@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from protocol.structured import StructuredOutput
+from protocol.structured.constraint import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -94,7 +94,8 @@ class SamplingParams(BaseModel):
         default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
         description="Only these tokens may be generated (ids checked against the vocabulary "
         "by the worker).")
-    # [structured output] the one constraint the text must follow (protocol/structured.py)
+    # [structured output] the one constraint the text must follow
+    # (protocol/structured/constraint.py)
     structured_output: StructuredOutput | None = None
     n: int = Field(default=1, ge=1, le=MAX_N, description="Choices returned per request.")
     best_of: int | None = Field(

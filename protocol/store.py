@@ -27,10 +27,10 @@ from protocol.codec import (
     encode_request,
     status_to_hash,
 )
-from protocol.fair import PUSH_BODY, push_args
-from protocol.fair import bell as fair_bell
 from protocol.keys import Keys
 from protocol.models import Cancel, GenerateRequest, JobStatus, TokenEvent, Usage, WorkerHeartbeat
+from protocol.tenants.fair import PUSH_BODY, push_args
+from protocol.tenants.fair import bell as fair_bell
 
 StartDecision = Literal["run", "skip", "cancel", "duplicate"]
 
@@ -43,7 +43,7 @@ class Ttls:
     events_s: int = 3600
     cancelled_s: int = 24 * 3600
     # A worker's heartbeat key lives this long after its last beat; its absence is the
-    # worker's death: others then take over its entries (worker/service/leases.py), so it
+    # worker's death: others then take over its entries (worker/service/redis/leases.py), so it
     # must cover a few missed beats (WorkerSettings checks >= 2 beat intervals).
     heartbeat_s: float = 4.0
 
@@ -51,7 +51,7 @@ class Ttls:
 _TERMINAL_LUA = "state == 'done' or state == 'failed' or state == 'cancelled' or state == 'timeout'"
 
 # KEYS: job, the request's lane stream, events, cancelled, then the lane's fair backlog
-# (ready, vtc, weights, bell, the tenant's backlog: ``protocol.fair``). ARGV: request_id,
+# (ready, vtc, weights, bell, the tenant's backlog: ``protocol.tenants.fair``). ARGV: request_id,
 # created_at, model or '', job ttl, tenant, weight, cost, msgpack request. Refuses (returns
 # nil) a request id whose job hash still exists. The request waits in its tenant's backlog
 # until a worker's fair pull moves it into the stream; that worker's START_JOB_LUA then
@@ -122,7 +122,7 @@ redis.call('HSET', KEYS[1], 'state', 'running', 'started_at', ARGV[3])
 return 'run'
 """
 # (``worker_id`` names whoever took the entry last, also on 'cancel': on a cluster that
-# field is the write fence, ``worker/service/cluster_push.py``.)
+# field is the write fence, ``worker/service/outbox/cluster_push.py``.)
 
 class DuplicateRequestError(ValueError):
     """The request id is already in use (its job hash has not expired)."""
@@ -135,7 +135,7 @@ def enqueue_script(
     keys: Keys, request: GenerateRequest, ttls: Ttls, weight: float = 1.0
 ) -> tuple[str, list[str], list[Any]]:
     """(script, KEYS, ARGV) for ``EVAL``: job hash state=queued, then push the request
-    onto its tenant's fair backlog (``weight``: the tenant's share, ``protocol.fair``)."""
+    onto its tenant's fair backlog (``weight``: the tenant's share, ``protocol.tenants.fair``)."""
     rid = request.request_id
     stream = keys.stream_for(rid, request.priority)
     fair_keys, fair_argv = push_args(stream, request, weight, encode_request(request))
@@ -174,7 +174,7 @@ def start_job(
 ) -> StartDecision:
     """Atomically move a job to running unless it is finished, cancelled or owned by
     another entry (sync client). ``stream`` defaults to the normal lane; ``origin`` is the
-    entry's ``origin`` field, if the fair pull adopted it (``protocol.fair``)."""
+    entry's ``origin`` field, if the fair pull adopted it (``protocol.tenants.fair``)."""
     now = time.time() if now is None else now
     script_keys = [keys.job(request_id), keys.cancelled(request_id)]
     out = r.eval(START_JOB_LUA, 2, *script_keys, request_id, worker_id, repr(now), ttls.job_s,
@@ -265,7 +265,7 @@ def queue_lags(replies: list[Any], keys: Keys, streams: Sequence[str] | None = N
                ) -> dict[str, tuple[int, int]]:
     """Per lane stream: (length, undelivered), from the replies of ``queue_commands`` (for
     the same ``streams``) executed with ``raise_on_error=False``. Undelivered counts the
-    requests waiting in the lane's fair backlog too (``protocol.fair``): they are queued
+    requests waiting in the lane's fair backlog too (``protocol.tenants.fair``): they are queued
     work like any other."""
     out = {}
     for i, stream in enumerate(keys.request_streams if streams is None else streams):

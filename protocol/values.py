@@ -1,7 +1,7 @@
 """Checks on JSON-like values (maps, lists, leaves) that every producer's input goes
 through: where is the first bad leaf or key, and what counts as bad on the wire.
 
-Torch-free and dependency-free, so ``protocol.structured`` and ``protocol.models`` both
+Torch-free and dependency-free, so ``protocol.structured.constraint`` and ``protocol.models`` both
 use it without importing each other.
 """
 

@@ -28,6 +28,24 @@ FORBIDDEN = {
                         "gateway.openai_api", "gateway.queue_client"),
     "gateway.routes": ("gateway.batcher",),
     "worker.engine": ("worker.service", "gateway", "ferry"),
+    # the engine's rooms: the KV bookkeeping and the inputs know no step; the output side
+    # knows only the request (it runs in the output process); the sampler reads the
+    # schedule's output types, never the scheduler's internals
+    "worker.engine.kv": ("worker.engine.sched", "worker.engine.runner", "worker.engine.sample",
+                         "worker.engine.output", "worker.engine.engine"),
+    "worker.engine.inputs": ("worker.engine.sched", "worker.engine.runner",
+                             "worker.engine.sample", "worker.engine.kv", "worker.engine.engine"),
+    "worker.engine.output": ("worker.engine.sched", "worker.engine.runner",
+                             "worker.engine.sample", "worker.engine.kv",
+                             "worker.engine.structured", "worker.engine.inputs",
+                             "worker.engine.speculative", "worker.engine.lora",
+                             "worker.engine.engine", "worker.engine.inflight"),
+    "worker.engine.sample": ("worker.engine.sched.scheduler", "worker.engine.sched.updates",
+                             "worker.engine.sched.running_walk",
+                             "worker.engine.sched.batch_rows", "worker.engine.engine"),
+    "worker.engine.runner": ("worker.engine.sample", "worker.engine.engine"),
+    "worker.engine.structured": ("worker.engine.sched", "worker.engine.runner",
+                                 "worker.engine.sample", "worker.engine.engine"),
     "worker.service": ("gateway", "ferry"),
     "worker.models": ("worker.engine", "worker.service", "gateway", "ferry"),
     "observability": ("protocol", "gateway", "worker", "kernels", "ferry"),
@@ -146,3 +164,43 @@ def test_structures_doc_matches_the_modules() -> None:
 
     assert structures.DOC.read_text() == structures.render(), (
         "docs/structures.md is out of date: run python ops/structures.py")
+
+
+FLAT_LIMIT = 15
+"""Modules one package may hold side by side (``__init__`` included); more is a room to cut."""
+
+
+def test_no_package_holds_more_than_fifteen_modules_flat() -> None:
+    crowded = {}
+    for package in (*PACKAGES, "ops/bench"):
+        for folder in [ROOT / package, *(ROOT / package).rglob("*")]:
+            if folder.is_dir() and (folder / "__init__.py").exists():
+                count = len(list(folder.glob("*.py")))
+                if count > FLAT_LIMIT:
+                    crowded[str(folder.relative_to(ROOT))] = count
+    assert crowded == {}
+
+
+def _external_roots(path: Path) -> set[str]:
+    """The top-level names of the non-project modules ``path`` imports."""
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        roots.update(n.split(".")[0] for n in names if n.split(".")[0] not in PACKAGES)
+    return roots
+
+
+def test_the_output_room_imports_no_torch() -> None:
+    """``worker.engine.output`` runs in the output process, which never loads torch: no
+    module it reaches (its own and the request's) imports torch or transformers."""
+    known, graph = _modules(), _graph()
+    reached, todo = set(), [n for n in known if _within(n, "worker.engine.output")]
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo += graph[name]
+    heavy = {name: sorted(_external_roots(known[name]) & {"torch", "transformers"})
+             for name in reached}
+    assert {n: h for n, h in heavy.items() if h} == {}

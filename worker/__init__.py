@@ -1,6 +1,7 @@
 """Ferry's inference worker: continuous-batching engine over a paged KV cache.
 
-Names are resolved lazily so that torch-free modules of this package (``worker.service.metrics``)
+Names are resolved lazily so that torch-free modules of this package
+(``worker.service.metrics.prometheus``)
 can be imported without loading torch and transformers.
 """
 
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from worker.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from worker.engine.engine import Engine
     from worker.engine.llm import LLM
-    from worker.engine.outputs import CompletionOutput, EngineStats, StepOutput
+    from worker.engine.output.outputs import CompletionOutput, EngineStats, StepOutput
 
 _EXPORTS = {
     "LLM": "worker.engine.llm",
@@ -23,9 +24,9 @@ _EXPORTS = {
     "ModelConfig": "worker.engine.config",
     "CacheConfig": "worker.engine.config",
     "SchedulerConfig": "worker.engine.config",
-    "CompletionOutput": "worker.engine.outputs",
-    "EngineStats": "worker.engine.outputs",
-    "StepOutput": "worker.engine.outputs",
+    "CompletionOutput": "worker.engine.output.outputs",
+    "EngineStats": "worker.engine.output.outputs",
+    "StepOutput": "worker.engine.output.outputs",
     "SamplingParams": "protocol.sampling",
 }
 __all__ = [

@@ -39,7 +39,7 @@ def generate(
 
     from protocol.sampling import SamplingParams
     from worker import Engine, EngineConfig
-    from worker.engine.text_output import TextOutputs
+    from worker.engine.output.text_output import TextOutputs
 
     try:
         params = SamplingParams(

@@ -21,8 +21,8 @@ from rich.text import Text
 
 from ferry.fleet import HISTORY_LEN, History, Snapshot, WorkerView, collect
 from ferry.recovery import RestartRecord
-from protocol.cluster_keys import keys_for
-from protocol.shard_slots import DEFAULT_SHARDS
+from protocol.cluster.keys import keys_for
+from protocol.cluster.shard_slots import DEFAULT_SHARDS
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -231,8 +231,8 @@ def top(
     from redis.retry import Retry
     from rich.live import Live
 
-    from protocol.cluster import cluster_client
-    from protocol.shard_health import ShardHealth
+    from protocol.cluster.nodes import cluster_client
+    from protocol.cluster.shard_health import ShardHealth
 
     client: Any
     if redis_cluster:  # a lost shard costs one short wait per frame, not ten long ones

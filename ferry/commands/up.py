@@ -43,8 +43,8 @@ from ferry.local_cluster import ClusterLayout
 from ferry.local_stack import free_port, start_redis, start_redis_cluster
 from ferry.recovery import Recovery
 from ferry.supervisor import ChildSpec, Exit, Fatal, Supervisor
-from protocol.cluster_keys import keys_for
-from protocol.shard_slots import DEFAULT_SHARDS
+from protocol.cluster.keys import keys_for
+from protocol.cluster.shard_slots import DEFAULT_SHARDS
 
 FERRY = (sys.executable, "-m", "ferry.cli")
 

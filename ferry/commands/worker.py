@@ -123,12 +123,12 @@ def worker(
     output_hang_s: OutputHangS = 5.0,
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
-    from protocol.cluster import Replication
+    from protocol.cluster.nodes import Replication
     from protocol.dead_letters import DeadLetterBounds
-    from protocol.lora_paths import adapter_roots, parse_roots
+    from protocol.lora.paths import adapter_roots, parse_roots
     from protocol.store import Ttls
     from worker.service.main import engine_config, run_worker
-    from worker.service.redis_io import WorkerSettings, default_worker_id
+    from worker.service.redis.connection import WorkerSettings, default_worker_id
 
     if lora:  # the engine's config reads it from the environment, as in a container
         os.environ["FERRY_LORA_MODULES"] = ",".join(lora)

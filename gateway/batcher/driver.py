@@ -30,10 +30,10 @@ from redis.exceptions import RedisError
 from gateway.batcher.inflight import BatcherContext, FleetBudget
 from gateway.batcher.run import BatchRun
 from gateway.redis_client import ferry_client
-from gateway.served_models import ServedModels
+from gateway.served.models import ServedModels
 from gateway.settings import GatewaySettings
 from gateway.tenancy.tenants import tenant_directory
-from protocol.batch_store import BatchStore
+from protocol.batch.store import BatchStore
 
 log = structlog.get_logger("ferry.batcher")
 

@@ -15,13 +15,13 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.batcher.lines import LinePlan, check_line, ended_result, finished_result
-from gateway.served_models import ServedModels
+from gateway.served.models import ServedModels
 from gateway.settings import GatewaySettings
 from gateway.tenancy.tenants import TenantDirectory
 from protocol.aclient import AsyncFerryClient
-from protocol.batch_progress import BatchProgress, LineResult
-from protocol.batch_store import BatchStore
-from protocol.batches import BatchRecord
+from protocol.batch.progress import BatchProgress, LineResult
+from protocol.batch.records import BatchRecord
+from protocol.batch.store import BatchStore
 from protocol.models import TERMINAL_STATES, GenerateRequest, TokenEvent
 from protocol.store import DuplicateRequestError
 
@@ -36,7 +36,7 @@ class FleetBudget:
 
     Why: a worker's step costs more the more sequences it runs (on a CPU, nearly in
     proportion), so what keeps interactive latency is how many batch lines share the
-    workers, over all batches; ``ops/bench/batch.py`` measures it (docs/batch.md). Several
+    workers, over all batches; ``ops/bench/service/batch.py`` measures it (docs/batch.md). Several
     batchers may overshoot by what each grants within one interval. No live worker: no
     fleet bound (nothing runs anyway; the per-batch bound still holds).
     """

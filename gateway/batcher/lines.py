@@ -31,14 +31,14 @@ from gateway.errors import APIError
 from gateway.openai_api.format import Formatter, failure
 from gateway.openai_api.response_shape import ResponseShape
 from gateway.openai_api.schemas import ENDPOINT_SCHEMAS as SCHEMAS
-from gateway.served_models import ServedModels
+from gateway.served.models import ServedModels
 from gateway.settings import GatewaySettings
 from gateway.sse import json_bytes
-from protocol.batch_progress import LineResult
-from protocol.batches import BatchRecord, line_request_id
-from protocol.lora import public_name
+from protocol.batch.progress import LineResult
+from protocol.batch.records import BatchRecord, line_request_id
+from protocol.lora.registry import public_name
 from protocol.models import GenerateRequest, TokenEvent
-from protocol.tenancy import DEFAULT_TENANT, scoped_id
+from protocol.tenants.ids import DEFAULT_TENANT, scoped_id
 
 log = structlog.get_logger("ferry.batcher")
 
@@ -164,7 +164,7 @@ async def plan_line(line: BatchLine, batch_id: str, endpoint: str, settings: Gat
     The route's own steps, in its order: the body schema, the served model's name, the
     request builder, the admission caps. The request id is the line's own
     (``line_request_id``) in the namespace of the batch's owner, whose tenant the requests
-    run as (``protocol.tenancy``); the lane is the low one (``batch_priority``), and
+    run as (``protocol.tenants.ids``); the lane is the low one (``batch_priority``), and
     nothing streams.
     """
     try:

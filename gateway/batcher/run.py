@@ -1,7 +1,7 @@
 """One batch, driven by the batcher holding its lease: validate, feed, collect, end.
 
 Each tick reads the batch record and does what its status calls for. All progress lives
-in Redis — the cursor ``fed``, the in-flight set, the results (``protocol/batch_progress.py``)
+in Redis — the cursor ``fed``, the in-flight set, the results (``protocol/batch/progress.py``)
 — so a batcher that takes a batch over after a crash goes on where the record says; what
 is kept in memory is only a cache of parsed lines. Lines are fed on the low lane, at most
 ``batch_max_in_flight`` at a time, as ordinary requests whose id is the line's own, and
@@ -26,8 +26,8 @@ from redis.exceptions import RedisError
 
 from gateway.batcher.inflight import BatcherContext, InFlight
 from gateway.batcher.lines import ENDED_LINES, LinePlan, check_line, custom_id_of, ended_result
-from protocol.batch_progress import BatchProgress, LeaseLost, LineResult
-from protocol.batches import BatchRecord, FileKind, FileRecord, new_file_id
+from protocol.batch.progress import BatchProgress, LeaseLost, LineResult
+from protocol.batch.records import BatchRecord, FileKind, FileRecord, new_file_id
 
 log = structlog.get_logger("ferry.batcher")
 

@@ -36,7 +36,7 @@ from gateway.openai_api.responses_body import (
     Text,
     ToolIn,
 )
-from protocol.tool_syntax import whole_arguments
+from protocol.structured.tool_syntax import whole_arguments
 from protocol.values import first_path, unencodable
 
 log = structlog.get_logger("ferry.gateway")

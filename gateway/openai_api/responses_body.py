@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from gateway.errors import APIError
 from protocol.sampling import MAX_LOGPROBS
-from protocol.tools import NAME_PATTERN
+from protocol.structured.tools import NAME_PATTERN
 
 _STRICT = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
 LOGPROBS = "message.output_text.logprobs"

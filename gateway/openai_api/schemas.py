@@ -24,7 +24,7 @@ from gateway.openai_api.tools import ToolCallIn, ToolFields
 from gateway.settings import GatewaySettings
 from protocol.models import ID_PATTERN, ChatMessage, GenerateRequest, new_request_id
 from protocol.sampling import MAX_LOGPROBS, SamplingParams
-from protocol.structured import StructuredOutput
+from protocol.structured.constraint import StructuredOutput
 
 log = structlog.get_logger("ferry.gateway")
 
@@ -77,7 +77,7 @@ class _OpenAIBase(StructuredFields):  # [structured output] response_format, gui
     allowed_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool | None = None
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
-    # vLLM's prefix-cache salt: checked as the protocol's (protocol/cache_scope.py)
+    # vLLM's prefix-cache salt: checked as the protocol's (protocol/tenants/cache_scope.py)
     cache_salt: str | None = None
     # Ferry extras
     request_id: str | None = Field(default=None, pattern=ID_PATTERN)

@@ -23,9 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.errors import APIError
 from protocol.codec import describe_validation_error
-from protocol.json_schema import close_objects
 from protocol.sampling import SamplingParams
-from protocol.structured import StructuredOutput, check_grammar
+from protocol.structured.constraint import StructuredOutput, check_grammar
+from protocol.structured.json_schema import close_objects
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")

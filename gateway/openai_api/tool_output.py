@@ -1,7 +1,7 @@
 """A chat output with tools -> OpenAI's ``tool_calls``: whole, or as stream deltas.
 
 The worker's grammar made the output either text (or the ``response_format`` answer) or
-a list of well-formed calls (``protocol/tool_syntax.py``), so reading it back is a parse,
+a list of well-formed calls (``protocol/structured/tool_syntax.py``), so reading it back is a parse,
 not a guess. Streamed, an output is held only while its beginning could still open a
 call; text then flows as ``content`` deltas, and each call goes out once it is complete:
 a delta with its ``index``, ``id`` and ``name``, then its ``arguments`` (the fragments the
@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from protocol.tool_syntax import Call, complete_calls, might_be_calls, parse_calls
+from protocol.structured.tool_syntax import Call, complete_calls, might_be_calls, parse_calls
 
 
 def new_call_id() -> str:

@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 from gateway.errors import APIError
 from gateway.openai_api.structured import _model, check
 from protocol.codec import describe_validation_error
-from protocol.structured import StructuredOutput
-from protocol.tools import NAME_PATTERN, FunctionTool, ToolCall, ToolCalls, ToolMode
+from protocol.structured.constraint import StructuredOutput
+from protocol.structured.tools import NAME_PATTERN, FunctionTool, ToolCall, ToolCalls, ToolMode
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
 

@@ -1,6 +1,6 @@
 """OpenAI's usage object for completions and chat, with the prompt tokens the prefix cache
 served the caller (``prompt_tokens_details.cached_tokens``: its own partition's hits only,
-``protocol/cache_scope.py``)."""
+``protocol/tenants/cache_scope.py``)."""
 
 from __future__ import annotations
 

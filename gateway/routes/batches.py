@@ -26,8 +26,8 @@ from gateway.routes.files import (
 )
 from gateway.settings import GatewaySettings
 from gateway.tenancy.principal import principal
-from protocol.batch_store import BatchStore
-from protocol.batches import BATCH_ID_RE, BatchRecord, new_batch_id
+from protocol.batch.records import BATCH_ID_RE, BatchRecord, new_batch_id
+from protocol.batch.store import BatchStore
 
 router = APIRouter(prefix="/v1/batches", dependencies=[Depends(require_api_key)])
 

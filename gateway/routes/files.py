@@ -1,6 +1,6 @@
 """Files API: upload a batch input file (JSONL), list, retrieve, download and delete files.
 
-An upload's raw lines go to a Redis LIST under the file's TTL (``protocol/batch_store.py``;
+An upload's raw lines go to a Redis LIST under the file's TTL (``protocol/batch/store.py``;
 docs/operations.md says what that costs), checked on the way: UTF-8, at most
 ``batch_file_max_lines`` requests (non-blank lines), at most ``batch_file_max_bytes``
 (413). Whether each line is a valid request is the batch's business (its error file), as
@@ -24,8 +24,8 @@ from gateway.admission import require_api_key
 from gateway.errors import APIError
 from gateway.settings import GatewaySettings
 from gateway.tenancy.principal import principal
-from protocol.batch_store import BatchStore
-from protocol.batches import FILE_ID_RE, FileRecord, new_file_id
+from protocol.batch.records import FILE_ID_RE, FileRecord, new_file_id
+from protocol.batch.store import BatchStore
 
 router = APIRouter(prefix="/v1/files", dependencies=[Depends(require_api_key)])
 

@@ -8,6 +8,8 @@ Prometheus, without an API key (``/metrics`` has its own, ``require_metrics_key`
   naming the lost shards). guidellm checks ``/health`` before a benchmark, so a stack whose
   workers are still loading makes it wait or stop instead of measuring errors.
 * ``/version``: ``{"version": "<ferry's package version>"}``, as vLLM answers.
+* ``/metrics``: this process's ``ferry_gateway_*`` metrics and the fleet's ``vllm:*`` view
+  (``gateway.metrics.fleet``), read from Redis at each scrape.
 
 Answers never name Redis' host or port (the log does).
 """
@@ -25,9 +27,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
 from gateway.admission import require_metrics_key
+from gateway.metrics.fleet import fleet_exposition
 from gateway.queue_client import QueueClient
 from protocol.aclient import AsyncFerryClient
-from protocol.shard_health import ShardDownError
+from protocol.cluster.shard_health import ShardDownError
 
 router = APIRouter()
 log = structlog.get_logger("ferry.gateway")
@@ -119,4 +122,5 @@ def _version() -> str:
 @router.get("/metrics", dependencies=[Depends(require_metrics_key)])
 async def metrics(request: Request) -> Response:
     queue: QueueClient = request.app.state.queue
-    return Response(queue.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    fleet = await fleet_exposition(queue.client, request.app.state.settings.served_model_name)
+    return Response(queue.metrics.render() + fleet, media_type=CONTENT_TYPE_LATEST)

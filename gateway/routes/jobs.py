@@ -31,7 +31,7 @@ from gateway.tenancy.principal import job_id as job_id_of
 from gateway.tenancy.principal import scoped, tenant
 from protocol.aclient import AsyncSubscription
 from protocol.codec import ProtocolError
-from protocol.lora import public_name
+from protocol.lora.registry import public_name
 from protocol.models import ID_PATTERN, GenerateRequest, JobStatus
 
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)])

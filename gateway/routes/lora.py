@@ -3,7 +3,7 @@
 
 The bodies are vLLM's (``lora_name``, ``lora_path``, ``load_inplace``; ``lora_int_id`` is
 accepted and ignored: Ferry's adapters are known by name). Loading asks a worker to check
-the adapter and then registers it (``gateway/lora.py``); the answer is 200 with vLLM's
+the adapter and then registers it (``gateway/served/lora.py``); the answer is 200 with vLLM's
 message, as JSON, and never the path. A tenant's key loads into and unloads from its own
 namespace; an operator's (``FERRY_ADMIN_KEYS``, an ``admin`` tenant, or anyone on a gateway
 without keys) registers fleet-wide adapters and may unload any
@@ -18,10 +18,10 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.body import parse_json, validate
-from gateway.lora import LoraAdapters
 from gateway.routes.openai import body_schema
+from gateway.served.lora import LoraAdapters
 from gateway.tenancy.operators import lora_caller, require_lora_key
-from protocol.lora_paths import MAX_PATH_CHARS
+from protocol.lora.paths import MAX_PATH_CHARS
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_lora_key)])
 

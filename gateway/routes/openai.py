@@ -29,7 +29,7 @@ from gateway.openai_api.format import Formatter
 from gateway.openai_api.response_shape import ResponseShape
 from gateway.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.queue_client import ClientGone, QueueClient
-from gateway.served_models import ServedModels
+from gateway.served.models import ServedModels
 from gateway.sse import DONE, PING, EventStreamResponse, sse
 from gateway.tenancy.principal import scoped, tenant
 from gateway.tenancy.tenants import Tenant

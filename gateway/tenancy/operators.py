@@ -1,6 +1,6 @@
 """Operators: who may register fleet-wide LoRA adapters and act on any tenant's.
 
-A tenant's key loads adapters into its own namespace only (``protocol/lora.py``). An
+A tenant's key loads adapters into its own namespace only (``protocol/lora/registry.py``). An
 operator names registry keys as they are: a plain name is fleet-wide, ``{tenant}::name``
 is that tenant's. Operators are the callers of an ``FERRY_ADMIN_KEYS`` key, the keys of a
 tenant with ``admin = true`` in the tenants file, and everyone on a gateway without keys

@@ -15,7 +15,7 @@ from fastapi import Request
 from gateway.errors import APIError
 from gateway.tenancy.tenants import DEFAULT, Tenant, key_tenant_id
 from protocol.models import ID_PATTERN, GenerateRequest
-from protocol.tenancy import scoped_id
+from protocol.tenants.ids import scoped_id
 
 _ID_RE = re.compile(ID_PATTERN)
 
@@ -41,7 +41,7 @@ def key_principal(api_key: str, secret: bytes) -> str:
 
 def scoped(who: Tenant, requests: list[GenerateRequest]) -> list[GenerateRequest]:
     """The requests as ``who``'s: its tenant named, each id moved into its namespace
-    (``protocol.tenancy``), its prefix-cache group named (``protocol.cache_scope``); 400
+    (``protocol.tenants.ids``), its prefix-cache group named (``protocol.tenants.cache_scope``); 400
     naming ``request_id`` for an id that cannot be."""
     try:
         return [r.model_copy(update={"tenant": who.wire, "cache_scope": who.prefix_cache_group,

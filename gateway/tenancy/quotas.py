@@ -1,7 +1,7 @@
 """Tenant quotas, counted in Redis so that every gateway process agrees.
 
 * ``max_priority``: the lowest ``priority`` (the highest lane) a tenant may ask for;
-* ``tokens_per_minute``: the token budget (``protocol.fair.cost_hint``: the prompt plus
+* ``tokens_per_minute``: the token budget (``protocol.tenants.fair.cost_hint``: the prompt plus
   every candidate's ``max_tokens``) admitted per clock minute, one counter per tenant and
   minute (``INCRBY`` under a script, so concurrent gateways cannot overshoot together);
 * ``max_concurrent``: requests admitted and not yet ended. A ZSET per tenant holds the
@@ -38,9 +38,9 @@ from typing import Any
 from gateway.errors import APIError
 from gateway.tenancy.tenants import Tenant
 from protocol.aclient import AsyncFerryClient
-from protocol.fair import cost_hint
 from protocol.keys import Keys
 from protocol.models import TERMINAL_STATES, GenerateRequest
+from protocol.tenants.fair import cost_hint
 
 ENQUEUE_GRACE_S = 60.0
 """How long an admitted request without a job hash still counts as in flight: it is being

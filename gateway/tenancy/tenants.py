@@ -2,7 +2,7 @@
 
 Three ways to configure them, decided once at startup:
 
-* no keys: one tenant, the default one (``protocol.tenancy.DEFAULT_TENANT``), no quotas:
+* no keys: one tenant, the default one (``protocol.tenants.ids.DEFAULT_TENANT``), no quotas:
   nothing changes for a gateway without authentication;
 * ``FERRY_API_KEYS=k1,k2``: each key is its own tenant, named ``key-`` and 16 hex digits
   of an HMAC-SHA256 of the key under the deployment's naming secret
@@ -23,8 +23,8 @@ Three ways to configure them, decided once at startup:
       admin = false                    # true: its keys register fleet-wide adapters
 
 A bad file stops the gateway and ``ferry batcher`` at startup with the tenant and field
-named: weights must be finite and within ``protocol.fair``'s range, names printable
-characters of ``protocol.tenancy.TENANT_PATTERN``.
+named: weights must be finite and within ``protocol.tenants.fair``'s range, names printable
+characters of ``protocol.tenants.ids.TENANT_PATTERN``.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from typing import Any
 
 import tomllib
 
-from protocol.fair import check_weight
-from protocol.lora import ADAPTER_NAME_PATTERN
-from protocol.tenancy import DEFAULT_TENANT, TENANT_PATTERN
+from protocol.lora.registry import ADAPTER_NAME_PATTERN
+from protocol.tenants.fair import check_weight
+from protocol.tenants.ids import DEFAULT_TENANT, TENANT_PATTERN
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _FIELDS = {"keys_sha256", "weight", "max_concurrent", "tokens_per_minute", "max_priority",

@@ -28,28 +28,28 @@ step() {
    > "$O/kernels.log" 2>&1) &
 KERNELS=$!
 if [ -n "$SHORT" ]; then
-  step correctness 120 python3 ops/bench/gpu_correctness.py --archs llama \
+  step correctness 120 python3 ops/bench/engine/gpu_correctness.py --archs llama \
     --dtypes auto float32 --out "$O/correctness.json"
 else
-  step correctness 200 python3 ops/bench/gpu_correctness.py --dtypes auto float32 \
+  step correctness 200 python3 ops/bench/engine/gpu_correctness.py --dtypes auto float32 \
     --out "$O/correctness.json"
 fi
 wait "$KERNELS"  # a bare wait would also wait for the tee above: forever
 tail -25 "$O/kernels.log"
 # 2. the engine on the GPU, 1B mixed-gpu beside transformers, with the decode-step profile
 if [ -n "$SHORT" ]; then
-  step engine-1b 150 python3 ops/bench/engine.py --device cuda --model-size 1b --profile \
+  step engine-1b 150 python3 ops/bench/engine/engine.py --device cuda --model-size 1b --profile \
     --workload mixed-gpu --skip variants hf --out "$O/engine.json"
   echo "=== done $(date +%T)"; exit 0
 fi
-step engine-1b 220 python3 ops/bench/engine.py --device cuda --model-size 1b --profile \
+step engine-1b 220 python3 ops/bench/engine/engine.py --device cuda --model-size 1b --profile \
   --workload mixed-gpu --out "$O/engine.json"
 # 3. the host step on the device's CPU (no GPU work: the model is stubbed)
-step host-step 70 python3 ops/bench/host_step.py --steps 80 && \
+step host-step 70 python3 ops/bench/engine/host_step.py --steps 80 && \
   cp ops/bench/results/host_step.json "$O/host_step.json"
 # 4. 8B throughput-256 (Ferry rows only)
-step engine-8b 200 python3 ops/bench/engine.py --device cuda --model-size 8b \
+step engine-8b 200 python3 ops/bench/engine/engine.py --device cuda --model-size 8b \
   --workload throughput-256 --skip variants hf --out "$O/engine.json"
 # 5. the CPU service bench on 16 cores: two workers against one
-step service 200 python3 ops/bench/service.py --out "$O/service.json"
+step service 200 python3 ops/bench/service/service.py --out "$O/service.json"
 echo "=== done $(date +%T)"

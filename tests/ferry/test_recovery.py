@@ -14,7 +14,7 @@ from protocol.keys import Keys
 from protocol.models import WorkerHeartbeat
 from protocol.store import Ttls, ensure_group, write_heartbeat
 from tests.redis_server import RedisServer
-from worker.service.leases import HAND_BACK_IDLE_MS, hand_back_consumer
+from worker.service.redis.leases import HAND_BACK_IDLE_MS, hand_back_consumer
 
 KEYS = Keys()
 LEASE_MS = 30_000

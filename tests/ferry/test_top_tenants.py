@@ -11,7 +11,7 @@ from protocol.client import FerryClient
 from protocol.keys import Keys
 from protocol.models import GenerateRequest
 from protocol.sampling import SamplingParams
-from protocol.tenancy import scoped_id
+from protocol.tenants.ids import scoped_id
 from tests.redis_server import RedisServer
 
 KEYS = Keys()

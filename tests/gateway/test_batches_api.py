@@ -22,10 +22,10 @@ import pytest
 import redis
 
 from gateway.settings import GatewaySettings
-from protocol import fair
 from protocol.keys import Keys
 from protocol.models import WorkerHeartbeat
 from protocol.store import Ttls, write_heartbeat
+from protocol.tenants import fair
 from tests.gateway.batcher_thread import BatcherThread
 from tests.gateway.server import GatewayServer
 from tests.protocol.fake_worker import FakeWorker, Script

@@ -1,7 +1,7 @@
 """Client-facing extras of the gateway, through a real uvicorn on a real Redis: CORS for
 browsers, ``HEAD /health``, ``X-Request-Id``, ``GET /v1/models/{id}`` (the SDK's
 ``models.retrieve``) and the tokenizer routes' answers when no worker can answer them.
-(A real worker answering them: tests/worker/service/test_tokenizer_endpoints.py.)"""
+(A real worker answering them: tests/worker/service/sidecars/test_tokenizer_endpoints.py.)"""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.bench.gateway_events import summarize
-from ops.bench.gateway_procs import GatewayConfig, run_row
+from ops.bench.service.gateway_events import summarize
+from ops.bench.service.gateway_procs import GatewayConfig, run_row
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from gateway.settings import GatewaySettings
-from protocol import fair
 from protocol.codec import decode_cancel
 from protocol.keys import Keys
+from protocol.tenants import fair
 from tests.gateway.server import GatewayServer
 from tests.protocol.fake_worker import FakeWorker, Script
 from tests.redis_server import RedisServer

@@ -16,7 +16,7 @@ import redis
 
 from gateway.settings import GatewaySettings
 from protocol.keys import Keys
-from protocol.structured import StructuredOutput
+from protocol.structured.constraint import StructuredOutput
 from tests.gateway.server import GatewayServer
 from tests.protocol.fake_worker import FakeWorker, Script
 from tests.redis_server import RedisServer

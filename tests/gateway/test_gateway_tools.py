@@ -122,7 +122,7 @@ class _Served:
         return "m"
 
     async def route(self, name: str | None, tenant: object = None) -> object:
-        from gateway.served_models import Route
+        from gateway.served.models import Route
 
         return Route("m", "m", "m")
 

@@ -25,8 +25,8 @@ import redis
 
 from gateway.settings import GatewaySettings
 from protocol.keys import Keys
-from protocol.lora import LoraRecord, read_adapters, register_adapter
-from protocol.lora_paths import NOT_ALLOWED
+from protocol.lora.paths import NOT_ALLOWED
+from protocol.lora.registry import LoraRecord, read_adapters, register_adapter
 from tests.gateway.batcher_thread import BatcherThread
 from tests.gateway.lora_fakes import LoraChecker
 from tests.gateway.server import GatewayServer

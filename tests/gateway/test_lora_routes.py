@@ -15,7 +15,7 @@ import redis
 
 from gateway.settings import GatewaySettings
 from protocol.keys import Keys
-from protocol.lora import LoraRecord, read_adapters, register_adapter
+from protocol.lora.registry import LoraRecord, read_adapters, register_adapter
 from tests.gateway.lora_fakes import CORRUPT, REFUSAL, LoraChecker
 from tests.gateway.server import GatewayServer
 from tests.protocol.fake_worker import FakeWorker, Script

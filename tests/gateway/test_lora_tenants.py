@@ -18,7 +18,7 @@ import redis
 from gateway.settings import GatewaySettings
 from gateway.tenancy.tenants import TenantDirectory
 from protocol.keys import Keys
-from protocol.lora import LoraRecord, register_adapter
+from protocol.lora.registry import LoraRecord, register_adapter
 from tests.gateway.lora_fakes import LoraChecker
 from tests.gateway.server import GatewayServer
 from tests.protocol.fake_worker import FakeWorker, Script

@@ -13,10 +13,10 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.errors import APIError
-from gateway.served_models import ServedModels
+from gateway.served.models import ServedModels
 from gateway.tenancy.tenants import DEFAULT, Tenant
 from protocol.keys import Keys
-from protocol.lora import LoraRecord
+from protocol.lora.registry import LoraRecord
 from protocol.models import WorkerHeartbeat
 
 

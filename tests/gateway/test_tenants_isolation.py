@@ -17,9 +17,9 @@ import redis
 from gateway.settings import GatewaySettings
 from gateway.tenancy.naming import secret_key
 from gateway.tenancy.tenants import key_tenant_id
-from protocol import fair
 from protocol.keys import Keys
-from protocol.tenancy import scoped_id
+from protocol.tenants import fair
+from protocol.tenants.ids import scoped_id
 from tests.gateway.server import GatewayServer
 from tests.protocol.fake_worker import FakeWorker, Script
 from tests.redis_server import RedisServer

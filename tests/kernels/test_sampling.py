@@ -1,6 +1,6 @@
 """The fused sampling kernel, token for token: against its torch twin
 (``kernels.sampling_reference``) and against the sampler as it was before the fused pass
-(``ops.bench.sampling_traffic.old_sample``: the sort-based filters and the noise over
+(``ops.bench.techniques.sampling_traffic.old_sample``: the sort-based filters and the noise over
 ``[rows, vocab]``), with seeded keys, for each parameter and their mixes. Runs under the
 Triton interpreter on CPU (4 rows x 1000 tokens), compiled on a GPU."""
 
@@ -13,9 +13,9 @@ import torch
 
 from kernels.sampling import sample as fused
 from kernels.sampling_reference import sample as twin
-from ops.bench.sampling_traffic import old_sample
+from ops.bench.techniques.sampling_traffic import old_sample
 from protocol.sampling import SamplingParams
-from worker.engine.sampler import Sampler, SamplingRow, sampling_tensors
+from worker.engine.sample.sampler import Sampler, SamplingRow, sampling_tensors
 
 VOCAB = 1000
 INF = float("inf")

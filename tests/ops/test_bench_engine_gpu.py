@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_gpu_bench_smoke_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "engine-cpu.json"
-    cmd = [sys.executable, "ops/bench/engine.py", "--device", "cpu", "--model-size", "tiny",
+    cmd = [sys.executable, "ops/bench/engine/engine.py", "--device", "cpu", "--model-size", "tiny",
            "--scale", "0.02", "--skip", "hf", "--profile", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           check=False)
@@ -30,7 +30,7 @@ def test_hf_continuous_config_uses_the_installed_page_size_field() -> None:
 
     from transformers import ContinuousBatchingConfig
 
-    from ops.bench.engine_gpu import hf_continuous_config
+    from ops.bench.engine.engine_gpu import hf_continuous_config
 
     cfg = hf_continuous_config(page=128, max_batch_tokens=1024, not_a_field=1)
     fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from protocol import fair
-from protocol.cluster_keys import ClusterKeys
+from protocol.cluster.keys import ClusterKeys
+from protocol.tenants import fair
 
 OVERLAY = Path(__file__).resolve().parents[2] / "ops" / "k8s-cluster"
 
@@ -37,7 +37,7 @@ def test_keda_triggers_name_every_stream_of_every_shard() -> None:
         assert trigger["type"] == "redis-cluster-streams"
         assert trigger["metadata"]["consumerGroup"] == keys.group
         assert int(trigger["metadata"]["lagCount"]) > 0
-    for trigger in waiting:  # the fair backlogs' depth (protocol/fair.py)
+    for trigger in waiting:  # the fair backlogs' depth (protocol/tenants/fair.py)
         assert trigger["type"] == "redis-cluster-streams"
         assert "consumerGroup" not in trigger["metadata"]
         assert int(trigger["metadata"]["streamLength"]) > 0

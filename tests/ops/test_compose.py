@@ -17,7 +17,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from tests.ops import deploy_files as files
-from worker.service.metrics import WorkerMetrics
+from worker.service.metrics.prometheus import PREFIX, WorkerMetrics
 
 SERVICES: dict[str, Any] = files.compose()["services"]
 
@@ -164,7 +164,23 @@ def test_dashboard_shows_every_worker_metric() -> None:
     uid = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
     assert uid == {"ferry-prometheus"}
     metrics = WorkerMetrics(CollectorRegistry())
-    names = {m.name for m in metrics.registry.collect()}
+    names = {m.name for m in metrics.registry.collect() if m.name.startswith(PREFIX)}
     assert len(names) >= 15
     missing = sorted(n for n in names if n not in exprs)
     assert not missing, f"metrics without a dashboard panel: {missing}"
+
+
+def test_vllm_dashboard_shows_every_vllm_name() -> None:
+    """Every ``vllm:*`` family a worker exports has a panel on the vLLM-names dashboard,
+    except vLLM's older names for the same data; its queries name the datasource by the
+    dashboard's ``datasource`` variable, so any Grafana can import it."""
+    dashboard = json.loads((files.ROOT / "ops/grafana/dashboards/ferry-vllm.json").read_text())
+    targets = [t for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs = " ".join(t["expr"] for t in targets)
+    assert {t["datasource"]["uid"] for t in targets} == {"${datasource}"}
+    names = {m.name for m in WorkerMetrics(CollectorRegistry()).registry.collect()
+             if m.name.startswith("vllm:")}
+    aliases = {"vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds"}
+    assert len(names) >= 15 and aliases <= names
+    missing = sorted(n for n in names - aliases if n not in exprs)
+    assert not missing, f"vLLM names without a dashboard panel: {missing}"

@@ -13,8 +13,8 @@ import pytest
 import typer
 
 from gateway.settings import GatewaySettings
-from protocol import fair
 from protocol.keys import Keys
+from protocol.tenants import fair
 from tests.ops import deploy_files as files
 
 COMMANDS = files.command_lines()
@@ -92,7 +92,7 @@ def _scaled_object() -> dict[str, Any]:
 def test_keda_scales_on_every_lane_and_our_group() -> None:
     """Two redis-streams triggers per priority lane: its group lag (entries XADDed straight
     into it) and the length of its fair backlog's bell (requests waiting in the tenants'
-    backlogs, ``protocol/fair.py``), all summed by the formula."""
+    backlogs, ``protocol/tenants/fair.py``), all summed by the formula."""
     spec = _scaled_object()["spec"]
     keys = Keys(GatewaySettings().prefix)
     triggers = spec["triggers"]
@@ -165,7 +165,7 @@ def test_worker_metrics_are_opened_on_purpose() -> None:
     import inspect
 
     from ferry.commands.worker import worker
-    from worker.service.redis_io import WorkerSettings
+    from worker.service.redis.connection import WorkerSettings
 
     assert inspect.signature(worker).parameters["metrics_host"].default == "127.0.0.1"
     assert WorkerSettings().metrics_host == "127.0.0.1"

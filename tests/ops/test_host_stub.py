@@ -1,13 +1,13 @@
 """The host-step benchmark's stub really stands in for the model on every path a step can
-take (``ops/bench/host_stub.py``): a path that ran the real layers instead (the lean CPU
+take (``ops/bench/engine/host_stub.py``): a path that ran the real layers instead (the lean CPU
 decode did, once) would time a 6-layer forward as "host work"."""
 
 from __future__ import annotations
 
 import pytest
 
-from ops.bench.host_step import Feeder, make_engine
-from ops.bench.host_stub import STUB_VOCAB, DeviceClock
+from ops.bench.engine.host_step import Feeder, make_engine
+from ops.bench.engine.host_stub import STUB_VOCAB, DeviceClock
 
 
 @pytest.mark.parametrize("workload", ["greedy", "sampled"])

@@ -21,11 +21,11 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from ferry.fleet import collect
 from ferry.recovery import RestartRecord
-from protocol import fair
 from protocol.aclient import AsyncFerryClient
 from protocol.keys import Keys
 from protocol.models import GenerateRequest, WorkerHeartbeat
 from protocol.store import Ttls, ensure_group, remove_heartbeat, write_heartbeat
+from protocol.tenants import fair
 from tests.protocol.fake_worker import FakeWorker, Script
 from tests.redis_server import free_port
 
@@ -166,7 +166,7 @@ def test_worker_recovery_commands_and_dead_letters(server: AclRedis) -> None:
 
 
 async def _gateway_lora(url: str) -> tuple[str, str, list[str], bool]:
-    from protocol.lora import (
+    from protocol.lora.registry import (
         LoraRecord,
         aread_adapter_models,
         aread_adapters,
@@ -189,7 +189,7 @@ async def _gateway_lora(url: str) -> tuple[str, str, list[str], bool]:
 def test_gateway_and_worker_keep_the_lora_registry(server: AclRedis) -> None:
     """The gateway registers through its script (count, add or replace) and the models'
     set; the worker publishes the adapters it starts with and reads the registry."""
-    from protocol.lora import LoraRecord, read_adapters, register_adapter
+    from protocol.lora.registry import LoraRecord, read_adapters, register_adapter
 
     assert asyncio.run(_gateway_lora(server.url("ferry-gateway"))) == (
         "added", "replaced", ["m"], True)
@@ -368,10 +368,10 @@ def test_tokenizer_routes_as_gateway_and_worker_users(server: AclRedis) -> None:
 
     from gateway.settings import GatewaySettings
     from tests.gateway.server import GatewayServer
-    from worker.engine.prompts import PromptBuilder, PromptLimits
+    from worker.engine.inputs.prompts import PromptBuilder, PromptLimits
     from worker.models import default_model_path
-    from worker.service.redis_io import WorkerSettings
-    from worker.service.tokenizer_responder import TokenizerResponder
+    from worker.service.redis.connection import WorkerSettings
+    from worker.service.sidecars.tokenizer_responder import TokenizerResponder
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     prompts = PromptBuilder(tokenizer, PromptLimits(vocab_size=len(tokenizer),

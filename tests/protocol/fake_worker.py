@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import redis
 
-from protocol import fair
 from protocol.codec import ProtocolError, decode_entry
 from protocol.dead_letters import dead_letter
 from protocol.keys import Keys
@@ -32,6 +31,7 @@ from protocol.models import (
 )
 from protocol.store import Ttls, ensure_group, finish, push_event, start_job
 from protocol.store import write_heartbeat as queue_heartbeat
+from protocol.tenants import fair
 
 
 @dataclass

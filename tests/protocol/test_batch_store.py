@@ -14,9 +14,8 @@ import redis
 import redis.asyncio as aredis
 from redis.crc import key_slot
 
-from protocol.batch_progress import BatchProgress, LeaseLost, LineResult
-from protocol.batch_store import BatchStore
-from protocol.batches import (
+from protocol.batch.progress import BatchProgress, LeaseLost, LineResult
+from protocol.batch.records import (
     BATCH_ID_RE,
     FILE_ID_RE,
     BatchRecord,
@@ -25,6 +24,7 @@ from protocol.batches import (
     new_batch_id,
     new_file_id,
 )
+from protocol.batch.store import BatchStore
 from protocol.keys import Keys
 from protocol.models import ID_PATTERN
 from tests.redis_server import RedisServer

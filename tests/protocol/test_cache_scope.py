@@ -1,13 +1,12 @@
 """The prefix cache's partition on the wire (protocol version 7): ``cache_salt`` and
 ``cache_scope`` on a GenerateRequest, ``cached_tokens`` in Usage, and the partition the
-worker derives from a request's tenant, group and salt (``protocol/cache_scope.py``)."""
+worker derives from a request's tenant, group and salt (``protocol/tenants/cache_scope.py``)."""
 
 from __future__ import annotations
 
 import msgpack
 import pytest
 
-from protocol.cache_scope import MAX_CACHE_SALT_CHARS, cache_partition
 from protocol.codec import (
     ProtocolError,
     decode_event,
@@ -18,6 +17,7 @@ from protocol.codec import (
     status_to_hash,
 )
 from protocol.models import GenerateRequest, JobStatus, TokenEvent, Usage
+from protocol.tenants.cache_scope import MAX_CACHE_SALT_CHARS, cache_partition
 
 
 def test_fields_round_trip_and_older_versions_mean_the_same() -> None:

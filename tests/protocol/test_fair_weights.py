@@ -13,11 +13,11 @@ import math
 import pytest
 import redis
 
-from protocol import fair
 from protocol.codec import encode_request
 from protocol.keys import Keys
 from protocol.models import GenerateRequest
 from protocol.store import ensure_group
+from protocol.tenants import fair
 
 KEYS = Keys()
 STREAM = KEYS.requests

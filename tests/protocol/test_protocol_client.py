@@ -8,14 +8,14 @@ import time
 import pytest
 import redis
 
-from protocol import fair
 from protocol.client import FerryClient
 from protocol.codec import decode_cancel, encode_event
 from protocol.keys import Keys
 from protocol.models import GenerateRequest, TokenEvent, Usage
 from protocol.store import DuplicateRequestError, Ttls, ensure_group, push_event, start_job
 from protocol.streaming import StreamTimeout
-from protocol.tenancy import DEFAULT_TENANT
+from protocol.tenants import fair
+from protocol.tenants.ids import DEFAULT_TENANT
 from tests.protocol.fake_worker import FakeWorker, Script
 from tests.redis_server import RedisServer
 

@@ -13,14 +13,14 @@ import pytest
 from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
-from protocol import fair
 from protocol.aclient import AsyncFerryClient
 from protocol.client import FerryClient
-from protocol.cluster import NotReplicatedError, Replication, check_cluster_url
-from protocol.cluster_keys import ClusterKeys
+from protocol.cluster.keys import ClusterKeys
+from protocol.cluster.nodes import NotReplicatedError, Replication, check_cluster_url
 from protocol.codec import decode_entry
 from protocol.models import GenerateRequest, TokenEvent
 from protocol.store import DuplicateRequestError, Ttls, as_str, ensure_group, push_event
+from protocol.tenants import fair
 from tests.redis_cluster import LocalCluster
 
 KEYS, TTLS = ClusterKeys("ferry", 3), Ttls()

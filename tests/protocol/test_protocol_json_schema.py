@@ -1,4 +1,4 @@
-"""JSON Schema preparation (protocol/json_schema.py) and text checks on keys.
+"""JSON Schema preparation (protocol/structured/json_schema.py) and text checks on keys.
 
 Bounds on unbounded numbers (checked with llguidance itself: a 20-digit integer no longer
 matches, int64's extremes do), ``$ref`` cycles with no base case refused while ordinary
@@ -12,9 +12,9 @@ from typing import Any
 import llguidance
 import pytest
 
-from protocol.json_schema import INT_MAX, INT_MIN, bound_numbers, close_objects, prepare
 from protocol.models import GenerateRequest
-from protocol.structured import StructuredOutput, check_grammar, grammar_for
+from protocol.structured.constraint import StructuredOutput, check_grammar, grammar_for
+from protocol.structured.json_schema import INT_MAX, INT_MIN, bound_numbers, close_objects, prepare
 
 
 def _matches(schema: dict[str, Any], text: str) -> bool:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from redis.crc import key_slot
 
-from protocol.cluster_keys import ClusterKeys, keys_for, request_tag
+from protocol.cluster.keys import ClusterKeys, keys_for, request_tag
+from protocol.cluster.shard_slots import MAX_SHARDS, SHARD_SLOT_WINDOWS, slot_ranges
 from protocol.keys import PRIORITY_BANDS, Keys
-from protocol.shard_slots import MAX_SHARDS, SHARD_SLOT_WINDOWS, slot_ranges
 
 
 def slot(name: str) -> int:

@@ -11,7 +11,7 @@ import pytest
 
 from protocol.codec import ProtocolError, decode_request, encode_request
 from protocol.models import GenerateRequest
-from protocol.structured import StructuredOutput, check_grammar, grammar_for
+from protocol.structured.constraint import StructuredOutput, check_grammar, grammar_for
 
 SCHEMA = {"type": "object", "properties": {"a": {"const": None}, "b": {"type": "number",
           "maximum": 1.5}}, "required": ["a"]}

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from protocol.structured import StructuredOutput, check_grammar, grammar_for
-from protocol.tool_syntax import FAMILIES, complete_calls, detect_syntax, parse_calls
-from protocol.tools import FunctionTool, ToolCalls
+from protocol.structured.constraint import StructuredOutput, check_grammar, grammar_for
+from protocol.structured.tool_syntax import FAMILIES, complete_calls, detect_syntax, parse_calls
+from protocol.structured.tools import FunctionTool, ToolCalls
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"},
                                            "n": {"type": "integer", "minimum": 0}},

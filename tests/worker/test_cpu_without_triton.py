@@ -36,7 +36,7 @@ def test_cpu_engine_generates_without_triton() -> None:
 
 def test_asking_for_triton_without_it_is_a_clear_error() -> None:
     proc = _run(
-        "import torch\nfrom worker.engine.attention import make_backend\n"
+        "import torch\nfrom worker.engine.runner.attention.interface import make_backend\n"
         "try:\n    make_backend('triton', torch.device('cuda'))\n"
         "except ValueError as exc:\n    print('ERROR', exc)\n")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -30,14 +30,15 @@ class ModelConfig:
     # CPU: linear layers on oneDNN with weights packed at load (worker/packed_linear.py)
     pack_weights: bool = True
     # CPU, packed weights: up to this many rows a projection takes F.linear instead (the
-    # faster side differs by CPU); None: measured at load (worker/engine/gemv_calibration.py)
+    # faster side differs by CPU); None: measured at load
+    # (worker/engine/runner/cpu/gemv_calibration.py)
     packed_gemv_rows: int | None = None
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     trust_remote_code: bool = False
-    # CUDA: pure-decode steps replay CUDA graphs (worker/engine/decode_graphs.py); True
+    # CUDA: pure-decode steps replay CUDA graphs (worker/engine/runner/decode_graphs.py); True
     # runs every step eagerly
     enforce_eager: bool = False
-    # CPU: the steps of a Llama model take worker/engine/lean_decode.py (the same ops
+    # CPU: the steps of a Llama model take worker/engine/runner/cpu/lean_decode.py (the same ops
     # without the modules' Python); False keeps them on the modules
     lean_decode: bool = True
 

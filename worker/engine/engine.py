@@ -14,27 +14,27 @@ from __future__ import annotations
 from typing import Any
 
 from protocol.sampling import SamplingParams
-from worker.engine.block_manager import BlockManager
 from worker.engine.choices import CandidateGroups, candidate_id, candidate_params
 from worker.engine.config import EngineConfig
 from worker.engine.engine_stats import engine_stats
 from worker.engine.health import raise_if_device_fault
 from worker.engine.inflight import InflightStep
-from worker.engine.kv_host_tier import HostTier, host_tier_bytes
+from worker.engine.inputs.prompts import PromptBuilder, PromptLimits, PromptOptions
+from worker.engine.kv.block_manager import BlockManager
+from worker.engine.kv.host_tier import HostTier, host_tier_bytes
 from worker.engine.lora.engine_hooks import adapter_for, enable_lora
-from worker.engine.model_runner import ModelRunner
-from worker.engine.outputs import EngineStats
-from worker.engine.prompt_logprobs import PromptScoring, take
-from worker.engine.prompts import PromptBuilder, PromptLimits, PromptOptions
+from worker.engine.output.outputs import EngineStats
+from worker.engine.output.step_batch import EngineEnd, StepBatch, StreamRegistry
 from worker.engine.request import FinishReason, Request
 from worker.engine.request_ends import RequestEnds
-from worker.engine.sampler import Sampler, SamplingRow
-from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.runner.model_runner import ModelRunner
+from worker.engine.runner.warmup import warm_up_sampling
+from worker.engine.sample.prompt_logprobs import PromptScoring, take
+from worker.engine.sample.sampler import Sampler, SamplingRow
+from worker.engine.sched.scheduler import Scheduler, SchedulerOutput
 from worker.engine.speculative.engine_hooks import SpecDecoding
-from worker.engine.step_batch import EngineEnd, StepBatch, StreamRegistry
 from worker.engine.step_timer import StepTimer
-from worker.engine.structured import StructuredOutputs
-from worker.engine.warmup import warm_up_sampling
+from worker.engine.structured.decoding import StructuredOutputs
 
 _GRAMMAR_WAIT_S = 0.005  # idle loop: how long to wait for a pending grammar compile
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.engine.outputs import EngineStats
+from worker.engine.output.outputs import EngineStats
 
 
 def engine_stats(engine: Any) -> EngineStats:

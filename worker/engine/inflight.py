@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.engine.prompt_logprobs import PendingPrompt
-from worker.engine.sampler import PendingSample
-from worker.engine.sampling_table import ONE_BY_ONE, SamplingTable
-from worker.engine.scheduler import SchedulerOutput
+from worker.engine.sample.columns import ONE_BY_ONE, SamplingTable
+from worker.engine.sample.prompt_logprobs import PendingPrompt
+from worker.engine.sample.sampler import PendingSample
+from worker.engine.sched.schedule_output import SchedulerOutput
 
 
 @dataclass

@@ -9,8 +9,8 @@ from typing import Any
 from protocol.sampling import SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.engine.outputs import ChoiceOutput, CompletionOutput
-from worker.engine.text_output import TextOutputs
+from worker.engine.output.outputs import ChoiceOutput, CompletionOutput
+from worker.engine.output.text_output import TextOutputs
 
 Prompt = str | list[int]
 

@@ -69,10 +69,10 @@ class Request:
     index: int = 0
     report_logprobs: bool = True
     cumulative_logprob: float = 0.0
-    # Chained hashes of the request's full blocks (worker/engine/block_manager.py), grown
+    # Chained hashes of the request's full blocks (worker/engine/kv/block_manager.py), grown
     # lazily; full blocks never change, so they stay valid across preemption.
     block_hashes: list[bytes] = field(default_factory=list)
-    # [structured output] the request's grammar matcher (worker/engine/structured.py:
+    # [structured output] the request's grammar matcher (worker/engine/structured/decoding.py:
     # RequestGrammar); the scheduler leaves the request waiting until it is ready.
     grammar: Any = None
     # Tokens at the end of the lists sampled by steps not read back yet (PLACEHOLDER).
@@ -81,17 +81,17 @@ class Request:
     # device tensors built once, e.g. its prompt's token mask for the repetition penalty.
     sampler_cache: dict[str, Any] = field(default_factory=dict)
     # params.prompt_logprobs: one entry per prompt token scored so far
-    # (worker/engine/prompt_logprobs.py), handed out once with the first output.
+    # (worker/engine/sample/prompt_logprobs.py), handed out once with the first output.
     prompt_logprobs: list[Any] | None = None
     prompt_logprobs_sent: bool = False
-    # params.bad_words as token sequences (worker/engine/bad_words.py)
+    # params.bad_words as token sequences (worker/engine/inputs/bad_words.py)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     # multi-LoRA (#30): the adapter the request runs with (a LoraAdapter: its host
     # weights, kept even if the adapter is unloaded before the request ends)
     lora: Any = None
     # the request's sampling_row.SamplingRow, made at its first sampling step and kept
     sampling_row: Any = None
-    # The prefix-cache partition it may match (worker/engine/block_manager.py): requests
+    # The prefix-cache partition it may match (worker/engine/kv/block_manager.py): requests
     # of different scopes never share a block; None, the shared default space.
     cache_scope: str | None = None
     # Prompt tokens served from the prefix cache (either KV tier) at its first scheduling

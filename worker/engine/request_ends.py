@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from worker.engine.prompt_logprobs import take
+from worker.engine.output.step_batch import EngineEnd
 from worker.engine.request import FinishReason, Request
-from worker.engine.step_batch import EngineEnd
+from worker.engine.sample.prompt_logprobs import take
 
 if TYPE_CHECKING:
-    from worker.engine.block_manager import BlockManager
     from worker.engine.choices import CandidateGroups
-    from worker.engine.prompt_logprobs import PromptScoring
-    from worker.engine.scheduler import Scheduler, SchedulerOutput
-    from worker.engine.step_batch import StreamRegistry
+    from worker.engine.kv.block_manager import BlockManager
+    from worker.engine.output.step_batch import StreamRegistry
+    from worker.engine.sample.prompt_logprobs import PromptScoring
+    from worker.engine.sched.scheduler import Scheduler, SchedulerOutput
 
 
 class RequestEnds:

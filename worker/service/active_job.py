@@ -26,7 +26,7 @@ from protocol.models import (
     Usage,
     state_for_finish,
 )
-from worker.engine.outputs import StepOutput
+from worker.engine.output.outputs import StepOutput
 from worker.service.jobs import (
     Admission,
     Outgoing,

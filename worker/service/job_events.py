@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from protocol.models import ErrorKind, FinishReason
-from worker.engine.outputs import StepOutput
+from worker.engine.output.outputs import StepOutput
 from worker.service.active_job import ActiveJob
 from worker.service.jobs import Outgoing, TokenText
 

@@ -14,23 +14,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from protocol.cache_scope import cache_partition
 from protocol.models import ErrorKind, FinishReason
+from protocol.tenants.cache_scope import cache_partition
 from worker.engine.engine import Engine
+from worker.engine.inputs.prompts import PromptError
 from worker.engine.lora.engine_hooks import UnknownAdapter
-from worker.engine.outputs import StepOutput
-from worker.engine.prompts import PromptError
-from worker.engine.text_output import TextOutputs
+from worker.engine.output.outputs import StepOutput
+from worker.engine.output.text_output import TextOutputs
 from worker.service.active_job import ActiveJob
+from worker.service.intake.slots import Slots
 from worker.service.job_events import JobEvents
 from worker.service.jobs import Admission, Command, Outgoing
-from worker.service.leases import HeldEntries
-from worker.service.lora_metrics import LoraMetrics
-from worker.service.lora_sync import LoraSync
-from worker.service.metrics import WorkerMetrics
-from worker.service.outbox import Outbox
-from worker.service.slots import Slots
-from worker.service.stats import StatsBook
+from worker.service.metrics.lora import LoraMetrics
+from worker.service.metrics.prometheus import WorkerMetrics
+from worker.service.metrics.stats import StatsBook
+from worker.service.outbox.thread import Outbox
+from worker.service.redis.leases import HeldEntries
+from worker.service.sidecars.lora_sync import LoraSync
 
 _EARLY_CANCEL_TTL_S = 60.0
 

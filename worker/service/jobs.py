@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from protocol.fair import DIRECT_COST
 from protocol.models import GenerateRequest, JobStatus, TokenEvent
-from worker.service.leases import Entry
+from protocol.tenants.fair import DIRECT_COST
+from worker.service.redis.leases import Entry
 
 TokenText = Callable[[int], str]
 
@@ -32,7 +32,7 @@ class Admission:
     finished_choices: dict[int, str] = field(default_factory=dict)
     stop_reasons: dict[int, str | int] = field(default_factory=dict)  # of finished choices
     next_seq: int = 0
-    charged: int = DIRECT_COST  # tokens the fair pull charged its tenant (protocol.fair)
+    charged: int = DIRECT_COST  # tokens the fair pull charged its tenant (protocol.tenants.fair)
     # Filled off the engine loop (``prompt_pool``): the prompt's token ids, or why not;
     # with ``echo`` and a prompt given as ids, its text.
     prompt_token_ids: list[int] | None = None

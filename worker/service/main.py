@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from worker.engine.config import EngineConfig
-from worker.service.redis_io import WorkerSettings
+from worker.service.redis.connection import WorkerSettings
 
 if TYPE_CHECKING:
-    from worker.service.outbox import Observer
+    from worker.service.outbox.thread import Observer
 
 log = structlog.get_logger("ferry.worker")
 
@@ -82,7 +82,7 @@ def run_worker(
     if torch_threads:
         torch.set_num_threads(torch_threads)
     from worker.engine.engine import Engine
-    from worker.service.metrics import WorkerMetrics
+    from worker.service.metrics.prometheus import WorkerMetrics
     from worker.service.service import WorkerService
 
     log.info("loading_model", model=config.model.model, device=config.model.device,

@@ -1,6 +1,6 @@
 """The standalone output process's Redis writes: each pass's ``TokenEvent``s, one script call.
 
-What ``ops/bench/host_step.py`` measures (the worker service's output process writes
+What ``ops/bench/engine/host_step.py`` measures (the worker service's output process writes
 through its ``Outbox`` instead: ``output_service.py``). A pass that took several steps'
 batches publishes one event per stream (``coalesce``). Every event is pushed to its
 request's replay list, the list's TTL refreshed, and the event published on the request's
@@ -17,7 +17,7 @@ import dataclasses
 
 import msgpack
 
-from worker.engine.outputs import StepOutput
+from worker.engine.output.outputs import StepOutput
 
 MAX_EVENTS = 1024  # events per script call: bounds how long Redis is busy with one
 
@@ -39,7 +39,7 @@ class Publisher:
 
     def __init__(self, redis_url: str | None, prefix: str, ttl_s: int) -> None:
         from protocol.keys import Keys
-        from worker.service.redis_io import LuaScript
+        from worker.service.redis.connection import LuaScript
 
         self.redis = None
         if redis_url:

@@ -24,31 +24,31 @@ from protocol.keys import Keys
 from protocol.store import ensure_group
 from worker.engine.engine import Engine
 from worker.engine.health import DeviceFault
-from worker.service.control import Control
-from worker.service.deadletter import DeadLetters
-from worker.service.draft_feed import DraftFeed
-from worker.service.fair_ledger import FairLedger
-from worker.service.intake import Intake
+from worker.service.intake.dead_letters import DeadLetters
+from worker.service.intake.fair_ledger import FairLedger
+from worker.service.intake.prompt_pool import PromptPool, build_with
+from worker.service.intake.slots import Slots
+from worker.service.intake.thread import Intake
 from worker.service.job_table import JobTable
 from worker.service.jobs import Admission, Command
-from worker.service.leases import HeldEntries, hand_back
-from worker.service.lora_metrics import LoraMetrics
-from worker.service.lora_sync import LoraSync
-from worker.service.metrics import WorkerMetrics
-from worker.service.outbox import Observer, Outbox
-from worker.service.output_link import EXIT_OUTPUT_DIED, OutputDied, OutputLink
-from worker.service.prompt_pool import PromptPool, build_with
-from worker.service.redis_io import (
+from worker.service.metrics.lora import LoraMetrics
+from worker.service.metrics.prometheus import WorkerMetrics
+from worker.service.metrics.stats import ServiceCounters, StatsBook
+from worker.service.outbox.thread import Observer, Outbox
+from worker.service.output_proc.link import EXIT_OUTPUT_DIED, OutputDied, OutputLink
+from worker.service.redis.connection import (
     TRANSIENT_ERRORS,
     Backoff,
     LazyClusterClient,
     WorkerSettings,
     recover,
 )
-from worker.service.shard_gate import ShardGate, ShardWatch
-from worker.service.slots import Slots
-from worker.service.stats import ServiceCounters, StatsBook
-from worker.service.tokenizer_responder import TokenizerResponder
+from worker.service.redis.leases import HeldEntries, hand_back
+from worker.service.redis.shard_gate import ShardGate, ShardWatch
+from worker.service.sidecars.control import Control
+from worker.service.sidecars.draft_feed import DraftFeed
+from worker.service.sidecars.lora_sync import LoraSync
+from worker.service.sidecars.tokenizer_responder import TokenizerResponder
 
 log = structlog.get_logger("ferry.worker")
 
@@ -65,6 +65,7 @@ class WorkerService:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics or WorkerMetrics()
+        self.metrics.bind(settings.model_name, settings.worker_id)  # vllm:* series' labels
         self.log = log.bind(worker_id=settings.worker_id)
         self.mailbox: queue.Queue[Admission | Command] = queue.Queue()
         self.held = HeldEntries()
@@ -267,8 +268,8 @@ def _job_table(service: WorkerService, engine: Engine, settings: WorkerSettings)
             service.metrics, settings.worker_id, service.token_text, service.log)
     if not settings.output_process:
         return JobTable(*args)
-    from worker.engine.rust_decode import decode_spec
-    from worker.service.remote_table import RemoteJobTable
+    from worker.engine.output.rust_decode import decode_spec
+    from worker.service.output_proc.remote_table import RemoteJobTable
 
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     link = OutputLink.start({

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker.engine.scheduler import Scheduler
+from worker.engine.sched.scheduler import Scheduler
 
 
 @pytest.fixture(autouse=True)

@@ -4,10 +4,10 @@ request's position, so outputs are deterministic and independent of batching."""
 from __future__ import annotations
 
 from protocol.sampling import SamplingParams
-from worker.engine.block_manager import BlockManager
 from worker.engine.config import SchedulerConfig
+from worker.engine.kv.block_manager import BlockManager
 from worker.engine.request import Request
-from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.sched.scheduler import Scheduler, SchedulerOutput
 
 EOS = 0
 

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from worker import LLM, Engine, EngineConfig
-from worker.engine.text_output import TextOutputs
+from worker.engine.output.text_output import TextOutputs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 

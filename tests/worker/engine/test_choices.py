@@ -9,7 +9,7 @@ import pytest
 from protocol.sampling import SamplingParams
 from worker import LLM
 from worker.engine.choices import derive_seed
-from worker.engine.text_output import TextOutputs
+from worker.engine.output.text_output import TextOutputs
 
 PROMPT = "def parse_config(path):\n    "
 

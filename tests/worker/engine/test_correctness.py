@@ -16,7 +16,7 @@ import torch
 from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from worker import Engine, EngineConfig
-from worker.engine.text_output import TextOutputs
+from worker.engine.output.text_output import TextOutputs
 
 NEAR_TIE = 1e-3
 

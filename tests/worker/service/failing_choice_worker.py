@@ -12,7 +12,7 @@ import os
 
 from ferry.cli import main
 from worker.engine.request import FinishReason, Request
-from worker.engine.structured import StructuredOutputs
+from worker.engine.structured.decoding import StructuredOutputs
 
 _AFTER = int(os.environ.get("FERRY_TEST_FAIL_AFTER_TOKENS", "4"))
 _advance = StructuredOutputs.advance

@@ -12,7 +12,7 @@ import os
 import torch
 
 from ferry.cli import main
-from worker.engine.model_runner import ModelRunner
+from worker.engine.runner.model_runner import ModelRunner
 
 _AFTER = int(os.environ["FERRY_TEST_FAULT_AFTER_STEPS"])
 _execute = ModelRunner.execute

@@ -27,8 +27,8 @@ from typing import Any
 import redis
 
 from protocol.client import FerryClient
-from protocol.cluster import cluster_client
-from protocol.cluster_keys import keys_for
+from protocol.cluster.keys import keys_for
+from protocol.cluster.nodes import cluster_client
 from protocol.codec import decode_event, decode_heartbeat
 from protocol.keys import Keys
 from protocol.models import GenerateRequest, TokenEvent, WorkerHeartbeat

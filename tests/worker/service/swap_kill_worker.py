@@ -13,7 +13,7 @@ import signal
 import torch
 
 from ferry.cli import main
-from worker.engine.kv_host_tier import HostTier
+from worker.engine.kv.host_tier import HostTier
 
 _SKIP = int(os.environ["FERRY_TEST_SWAP_KILL"])
 _flush = HostTier.flush

@@ -1,7 +1,7 @@
 """The Batch API on a real ``ferry up`` (2 workers, 2 batchers, the gateway; Redis with an
 append-only file, started by the test so it can be restarted) through the official openai
 SDK: a 21-line batch with a malformed line; interactive latency during a batch (measured
-and printed, not asserted: ops/bench/batch.py is the measurement); cancel of a 300-line
+and printed, not asserted: ops/bench/service/batch.py is the measurement); cancel of a 300-line
 batch; SIGKILL of a worker, the leasing batcher and the gateway mid-batch, and a Redis
 restart mid-batch, each with exactly one result per line, equal to the line run alone;
 expiry (through a second gateway with a 2 s window).
@@ -136,7 +136,7 @@ def test_21_lines_with_a_malformed_one(stack: Stack) -> None:
 
 
 def test_interactive_latency_during_a_batch(stack: Stack) -> None:
-    """Measured and printed: ``ops/bench/batch.py`` is the measurement of record."""
+    """Measured and printed: ``ops/bench/service/batch.py`` is the measurement of record."""
     model = stack.client.models.list().data[0].id
 
     def latency() -> float:

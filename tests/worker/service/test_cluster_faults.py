@@ -17,7 +17,7 @@ from typing import Any
 import openai
 import pytest
 
-from protocol.cluster_keys import ClusterKeys
+from protocol.cluster.keys import ClusterKeys
 from protocol.codec import decode_event
 from protocol.models import GenerateRequest
 from protocol.sampling import SamplingParams

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from gateway.settings import GatewaySettings
 from protocol.client import FerryClient
-from protocol.cluster_keys import ClusterKeys
+from protocol.cluster.keys import ClusterKeys
 from protocol.codec import decode_event, status_from_hash
 from protocol.models import GenerateRequest
 from protocol.sampling import SamplingParams

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from protocol.cluster_keys import ClusterKeys
+from protocol.cluster.keys import ClusterKeys
 from tests.ferry.gateway_proc import GatewayProcess
 from tests.redis_cluster import LocalCluster
 from tests.redis_server import free_port

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from gateway.settings import GatewaySettings
-from protocol.lora_paths import NOT_ALLOWED
+from protocol.lora.paths import NOT_ALLOWED
 from protocol.sampling import SamplingParams
 from tests.gateway.server import GatewayServer
 from tests.worker.engine.lora_adapters import write_adapter

@@ -17,14 +17,14 @@ from typing import Any
 
 import msgpack
 
-from protocol import fair
 from protocol.client import FerryClient
 from protocol.codec import encode_event, encode_request
 from protocol.keys import Keys
 from protocol.models import GenerateRequest, TokenEvent
 from protocol.sampling import SamplingParams
+from protocol.tenants import fair
 from tests.worker.service.procs import assert_contiguous, tokens_of
-from worker.service.redis_io import WorkerSettings
+from worker.service.redis.connection import WorkerSettings
 
 KEYS = Keys()
 

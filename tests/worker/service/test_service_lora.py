@@ -1,5 +1,5 @@
 """Multi-LoRA through the worker service and a real redis-server: the fleet registry
-(``protocol/lora.py``) decides what every worker serves.
+(``protocol/lora/registry.py``) decides what every worker serves.
 
 A worker started with ``lora_modules`` records them in the registry; a request whose
 ``model`` names an adapter runs on it (tokens equal to the in-process engine's with the
@@ -20,8 +20,8 @@ import pytest
 from protocol.client import FerryClient
 from protocol.codec import decode_heartbeat
 from protocol.keys import Keys
-from protocol.lora import LoraRecord, read_adapters, register_adapter
-from protocol.lora_paths import NOT_ALLOWED
+from protocol.lora.paths import NOT_ALLOWED
+from protocol.lora.registry import LoraRecord, read_adapters, register_adapter
 from protocol.models import GenerateRequest
 from protocol.sampling import SamplingParams
 from protocol.tokenizer import TokenizerRequest, decode_tokenizer_reply, encode_tokenizer_message

@@ -23,9 +23,9 @@ from tests.checkpoints import build_checkpoint
 from tests.gateway.openai_helpers import raw_stream
 from tests.gateway.server import GatewayServer
 from tests.redis_server import RedisServer
-from tests.worker.engine.test_prompt_controls import PROMPT, _contains, _word_in
+from tests.worker.engine.inputs.test_prompt_controls import PROMPT, _contains, _word_in
 from tests.worker.service.procs import WorkerProcess
-from worker.engine.bad_words import word_token_ids
+from worker.engine.inputs.bad_words import word_token_ids
 from worker.models import default_model_path
 
 

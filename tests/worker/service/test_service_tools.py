@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from protocol.tool_syntax import parse_calls, whole_arguments
+from protocol.structured.tool_syntax import parse_calls, whole_arguments
 
 WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

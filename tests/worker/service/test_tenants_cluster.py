@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from protocol import fair
 from protocol.client import FerryClient
-from protocol.cluster_keys import ClusterKeys
+from protocol.cluster.keys import ClusterKeys
 from protocol.models import GenerateRequest
 from protocol.sampling import SamplingParams
-from protocol.tenancy import scoped_id
+from protocol.tenants import fair
+from protocol.tenants.ids import scoped_id
 from tests.redis_cluster import LocalCluster
 from tests.worker.service.procs import WorkerProcess, start_all
 from worker.models import default_model_path

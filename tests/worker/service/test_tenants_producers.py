@@ -23,7 +23,7 @@ from protocol.keys import Keys
 from protocol.models import GenerateRequest
 from protocol.sampling import SamplingParams
 from protocol.store import ensure_group
-from protocol.tenancy import scoped_id
+from protocol.tenants.ids import scoped_id
 from tests.redis_server import RedisServer
 from tests.worker.service.procs import WorkerProcess, start_all
 from worker.models import default_model_path

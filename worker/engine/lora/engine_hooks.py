@@ -16,8 +16,8 @@ from worker.engine.lora.gate import AdapterGate
 if TYPE_CHECKING:
     from worker.engine.config import EngineConfig
     from worker.engine.lora.manager import LoraManager
-    from worker.engine.model_runner import ModelRunner
-    from worker.engine.scheduler import Scheduler
+    from worker.engine.runner.model_runner import ModelRunner
+    from worker.engine.sched.scheduler import Scheduler
 
 
 class UnknownAdapter(ValueError):

@@ -9,7 +9,7 @@ Each installation is a new version with a prefix-cache key of its own (name, pat
 registration number), also when the name was installed before: KV computed under one
 version is never reused by another, and the device slots hold versions apart
 (``slots.py``). ``registrations`` remembers which fleet registration each name was
-installed from (``protocol/lora.py``'s ``LoraRecord.version``), so the LoRA sync installs
+installed from (``protocol/lora/registry.py``'s ``LoraRecord.version``), so the LoRA sync installs
 each registration once.
 """
 

@@ -38,7 +38,7 @@ class LoraManager:
         self.slots = LoraSlots(targets, cfg, device, dtype)
         self.step = LoraStep()
         self.wrapped = wrap_projections(model, self.slots, self.step)
-        # the directories runtime loads may read (protocol/lora_paths.py); the service sets
+        # the directories runtime loads may read (protocol/lora/paths.py); the service sets
         # them from its settings (LoraSync), the offline API loads what it is given
         self.roots: tuple[str, ...] = ()
         self._adapter_of: dict[str, str] = {}  # request id -> its version (slot_key)

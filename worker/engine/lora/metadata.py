@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kernels.lora_reference import LoraGroups
-from worker.engine.transfer import host_to_device
+from worker.engine.runner.transfer import host_to_device
 
 WIDE_MAX_TOKENS = 256
 

@@ -22,7 +22,7 @@ and position j of the row samples under the mask of the state after the drafts b
 the drafts before it are accepted; the matcher advances over the accepted tokens only.
 
 Tenants: a request drafts from its own text and its own tenant's stored texts only (the
-tenant read off its scoped id, ``protocol.tenancy``, which the protocol checks against the
+tenant read off its scoped id, ``protocol.tenants.ids``, which the protocol checks against the
 request's ``tenant``); what it stores on finishing is filed under that tenant, here and
 in the fleet's stream, and the back-off's estimates are per tenant too.
 
@@ -41,16 +41,16 @@ import numpy as np
 import structlog
 import torch
 
-from protocol.tenancy import tenant_of_id
+from protocol.tenants.ids import tenant_of_id
+from worker.engine.output.step_batch import StepBatch
 from worker.engine.request import FinishReason, Request
-from worker.engine.sampler import SamplingRow
-from worker.engine.schedule_output import ScheduledRequest, SchedulerOutput
+from worker.engine.sample.sampler import SamplingRow
+from worker.engine.sched.schedule_output import ScheduledRequest, SchedulerOutput
 from worker.engine.speculative.backoff import AcceptanceModel
 from worker.engine.speculative.config import SpeculativeConfig
 from worker.engine.speculative.draft_store import DraftStore
 from worker.engine.speculative.resolve import resolve_rest
 from worker.engine.speculative.suffix_proposer import SuffixProposer
-from worker.engine.step_batch import StepBatch
 
 _log = structlog.get_logger("ferry.worker.spec")
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from worker.engine.output.step_batch import StepBatch
 from worker.engine.request import FinishReason, Request
-from worker.engine.step_batch import StepBatch
 
 # A row's run: its request, the tokens it takes, the finish its last one implies, the error
 Run = tuple[Request, list[int], FinishReason | None, str | None]

@@ -1,0 +1,97 @@
+"""Paged attention behind transformers' ``AttentionInterface``.
+
+The model runner loads any transformers architecture with
+``attn_implementation="ferry_paged"``; its attention layers then call
+:func:`ferry_paged_attention` with the step's :class:`ForwardContext` passed explicitly
+as a forward keyword argument (no globals). The batch is one flattened ragged sequence
+(``[1, num_tokens]``): the decodes first, then the prefill chunks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from kernels import cpu_decode_attention
+from worker.engine.health import EngineHealth
+from worker.engine.runner.attention import torch_backends as attention_torch
+from worker.engine.runner.attention.metadata import AttentionBackend, ForwardContext
+
+ATTENTION_NAME = "ferry_paged"
+
+
+def make_backend(
+    name: str, device: torch.device, health: EngineHealth | None = None
+) -> AttentionBackend:
+    """``auto`` is Triton on CUDA; on CPU the C++ decode kernel (``cpu``) when it builds
+    here, else pure ``torch`` (a degraded worker: decode is several times slower)."""
+    if name == "auto" and device.type == "cuda":
+        name = "triton"
+    elif name == "auto":
+        reason = cpu_decode_attention.unavailable_reason()
+        if reason is not None:
+            (health or EngineHealth()).degrade("cpu_attention_fallback", reason,
+                                               fallback="torch")
+        name = "cpu" if reason is None else "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}")
+        reason = cpu_decode_attention.unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"attention_backend 'cpu' is unavailable: {reason}")
+        return attention_torch.CpuAttentionBackend()
+    if name == "torch":
+        return attention_torch.TorchAttentionBackend()
+    if name == "triton":
+        if device.type != "cuda" and not triton_interpreting():
+            raise ValueError(
+                f"attention_backend 'triton' runs on a CUDA device, not on {device}; on the "
+                "CPU use 'cpu' or 'torch' (or set TRITON_INTERPRET=1 to run the Triton "
+                "kernels in Triton's slow interpreter, as the tests do)")
+        try:
+            from worker.engine.runner.attention.triton_backend import TritonAttentionBackend
+        except ImportError as exc:  # the CPU image leaves triton out
+            raise ValueError(
+                f"attention_backend 'triton' needs the triton package ({exc}); torch's CUDA "
+                "wheels bring it, or install ferry[gpu]") from exc
+        return TritonAttentionBackend()
+    raise ValueError(f"attention_backend must be auto, cpu, torch or triton, not {name!r}")
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton kernels run in its interpreter (on the CPU) in this process."""
+    return os.environ.get("TRITON_INTERPRET", "").strip() not in ("", "0")
+
+
+def ferry_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, Hq, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The function transformers calls in every attention layer; returns [1, T, Hq, D]."""
+    ctx: ForwardContext | None = kwargs.get("ferry_ctx")
+    if ctx is None:
+        raise RuntimeError("ferry_paged attention called without a ForwardContext")
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    out = ctx.backend.forward(
+        q, k, v, ctx.kv_caches[layer], ctx.meta, scale, sliding_window, softcap
+    )
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    """Make ``attn_implementation="ferry_paged"`` known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, ferry_paged_attention)

@@ -1,0 +1,297 @@
+"""Owns the model and the KV tensors; turns a SchedulerOutput into logits.
+
+Inputs are one flattened ragged batch with no padding: input ids, positions, slot
+mapping, query start offsets and context lengths, built on the host with plain lists
+(O(tokens of the step)) and moved to the device once per step without a host sync
+(``transfer.py``); block tables stay on the device and change only by the entries that
+changed (``block_table_buffer.py``). A token still being read back from the previous
+step (a placeholder, ``inflight.py``) is copied in on the device from that step's
+sampled tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import structlog
+import torch
+
+from worker.engine.config import CacheConfig, ModelConfig
+from worker.engine.health import EngineHealth
+from worker.engine.inflight import InflightStep
+from worker.engine.kv.block_manager import BlockManager
+from worker.engine.lora.config import LoraConfig
+from worker.engine.lora.manager import LoraManager
+from worker.engine.runner.attention.interface import make_backend
+from worker.engine.runner.attention.metadata import AttentionMetadata, ForwardContext, KVCache
+from worker.engine.runner.block_table_buffer import BlockTableBuffer
+from worker.engine.runner.cpu.lean_decode import build_lean_decode
+from worker.engine.runner.cpu.step_threads import serial_if, serial_tokens
+from worker.engine.runner.decode_graphs import CudaGraphCapturer, DecodeGraphs, GraphCapturer
+from worker.engine.runner.model_loader import (
+    _DTYPES,
+    LoadedModel,
+    LogitsHead,
+    ModelShape,
+    load_model,
+)
+from worker.engine.runner.step_inputs import build_inputs, patch_placeholders, to_device_packed
+from worker.engine.runner.transfer import to_device
+from worker.engine.runner.warmup import warm_up_kernels
+from worker.engine.sched.schedule_output import SchedulerOutput
+
+_log = structlog.get_logger("ferry.worker.runner")
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+_MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly
+_GRAPH_RESERVE_BYTES = 1 << 30  # left out of the KV budget for the graphs' memory pool
+_DECODE_BUCKET = 16  # sequences per decode attention call on the torch CPU path
+
+
+def decode_buckets(lens: list[int] | np.ndarray,
+                   size: int = _DECODE_BUCKET) -> list[tuple[int, int, int]]:
+    """(start, end, longest) slices of the length-sorted decode rows."""
+    n = len(lens)
+    if not n:
+        return []
+    starts = np.arange(0, n, size)
+    longest = np.maximum.reduceat(np.asarray(lens), starts).tolist()
+    return [(lo, min(lo + size, n), top)
+            for lo, top in zip(starts.tolist(), longest, strict=True)]
+
+
+class ModelRunner:
+    def __init__(
+        self, model_cfg: ModelConfig, cache_cfg: CacheConfig, max_num_seqs: int = 64,
+        lora: LoraConfig | None = None,
+    ) -> None:
+        if not 1 <= cache_cfg.block_size <= 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {cache_cfg.block_size}")
+        self.loaded: LoadedModel = load_model(model_cfg)
+        self.model_name = model_cfg.model
+        self.lora: LoraManager | None = None  # enable_lora
+        self.model = self.loaded.model
+        self.device = self.loaded.device
+        self.shape: ModelShape = self.loaded.shape
+        self.block_size = cache_cfg.block_size
+        self.health = EngineHealth()
+        self.backend = make_backend(model_cfg.attention_backend, self.device, self.health)
+        self.kv_dtype = self._kv_dtype(cache_cfg.kv_cache_dtype)
+        self.logits_head = LogitsHead(self.model)
+        self.lean = build_lean_decode(self.model, self.backend) if (
+            self.device.type == "cpu" and model_cfg.lean_decode) else None
+        # CPU steps of at most this many tokens run on one thread (step_threads.py)
+        self.serial_tokens = serial_tokens(self.model) if self.device.type == "cpu" else 0
+        self.num_blocks = self._num_blocks(cache_cfg)
+        self.kv_caches = self._allocate_cache()
+        self.tables = BlockTableBuffer(
+            max_num_seqs, -(-self.shape.max_model_len // self.block_size), self.device)
+        self.graphs: DecodeGraphs | None = None
+        if lora is not None:  # before the capture: the graphs record the LoRA kernels
+            self.enable_lora(lora)
+        if self.device.type == "cuda":
+            warm_up_kernels(self)
+            if not model_cfg.enforce_eager:
+                self.graphs = self.capture_graphs(CudaGraphCapturer(self.device),
+                                                  min(max_num_seqs, _MAX_GRAPH_BATCH))
+
+    def capture_graphs(self, capturer: GraphCapturer, max_batch: int) -> DecodeGraphs | None:
+        """CUDA graphs for pure-decode steps, checked against eager forwards. A capture that
+        fails or disagrees makes the worker degraded, loudly, and it runs eagerly (slower,
+        correct) on its own stream."""
+        before = _allocated(self.device)
+        try:
+            graphs = DecodeGraphs(self, max_batch, capturer)
+            mismatch = graphs.verify()
+        except Exception as exc:  # e.g. an architecture whose forward syncs the host
+            self.health.degrade("decode_graphs_unavailable", f"{type(exc).__name__}: {exc}",
+                                fallback="eager")
+            self._release_graph_memory()
+            return None
+        if mismatch is not None:
+            self.health.degrade("decode_graph_mismatch",
+                                f"bucket {mismatch}: replayed logits differ from eager ones",
+                                bucket=mismatch, fallback="eager")
+            self._release_graph_memory()
+            return None
+        self.health.decode_graphs_active = True
+        _log.info("decode_graphs_captured", buckets=len(graphs.buckets), max_batch=max_batch,
+                  memory_mib=round((_allocated(self.device) - before) / 2**20, 1))
+        return graphs
+
+    def _release_graph_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def use_static_decode(self) -> None:
+        """Run pure-decode steps through the static-buffer (graph) path uncaptured: on a
+        CPU, tests compare it with the eager path token for token."""
+        self.graphs = DecodeGraphs(self, self.tables.rows, None)
+
+    def _kv_dtype(self, name: str) -> torch.dtype:
+        if name == "auto":
+            return self.loaded.dtype
+        if name not in _DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
+        dtype = _DTYPES[name]
+        if dtype != self.loaded.dtype and self.backend.name == "triton":
+            raise ValueError(
+                f"kv_cache_dtype {name} differs from the model's dtype "
+                f"{str(self.loaded.dtype).removeprefix('torch.')}: the Triton attention "
+                "kernels read the cache in the model's dtype; use kv_cache_dtype=auto or "
+                "load the model in that dtype (dtype=...)")
+        return dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        s = self.shape
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
+
+    def _num_blocks(self, cfg: CacheConfig) -> int:
+        if cfg.num_blocks is not None:
+            if cfg.num_blocks < 1:
+                raise ValueError(f"kv_cache_blocks must be >= 1, got {cfg.num_blocks}")
+            return cfg.num_blocks
+        budget = cfg.memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.9) - _GRAPH_RESERVE_BYTES
+            else:
+                budget = _DEFAULT_CPU_KV_BYTES
+        num = budget // self.bytes_per_block
+        if num < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block")
+        return int(num)
+
+    def _allocate_cache(self) -> list[KVCache]:
+        """The whole pool, allocated once: [layers][k|v] of [blocks, block_size, Hkv, D],
+        plus one scratch block owned by no request (the graphs' padded rows write there)."""
+        s = self.shape
+        pool = torch.zeros(
+            (s.num_layers, 2, self.num_blocks + 1, self.block_size, s.num_kv_heads,
+             s.head_dim),
+            dtype=self.kv_dtype, device=self.device,
+        )
+        self.kv_pool = pool  # the host tier copies whole blocks of every layer at once
+        return [(pool[i, 0], pool[i, 1]) for i in range(s.num_layers)]
+
+    def prepare(
+        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flatten the step: (input_ids [T], positions [T], metadata, logits rows [n])."""
+        inp = build_inputs(sched, blocks.host, self.block_size, prev)
+        self.tables.sync(blocks.host)
+        ids, positions, slots, sample_rows, rows, dst, src, query_start, seq_lens = \
+            to_device_packed([inp.ids, inp.positions, inp.slots, inp.sample_rows, inp.rows,
+                              inp.patch_dst, inp.patch_src, inp.query_start.astype(np.int32),
+                              inp.seq_lens.astype(np.int32)], self.device)
+        nd, lens = inp.num_decodes, inp.seq_lens
+        meta = AttentionMetadata(
+            slot_mapping=slots, query_start_loc=query_start, seq_lens=seq_lens,
+            block_tables=self.tables.gather(rows),
+            num_decodes=nd,
+            max_decode_seq_len=int(lens[:nd].max()) if nd else 0,
+            decode_buckets=decode_buckets(lens[:nd]),
+            max_query_len=1 if nd == len(lens) else int(inp.num_new.max()),
+            max_seq_len=int(lens.max()),
+            query_start_host=inp.query_start.tolist(),
+            seq_lens_host=lens.tolist(),
+        )
+        patch_placeholders(ids, dst, src, prev)
+        return ids, positions, meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(
+        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None = None,
+        extra_rows: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Run one step; returns logits [num_sampled, vocab] for the rows that sample.
+        ``prev``: the step launched before, whose sampled tokens fill the placeholders.
+        ``extra_rows``: more flat token rows whose logits follow (prompt logprobs)."""
+        with serial_if(sched.num_batched_tokens <= self.serial_tokens):
+            return self._execute(sched, blocks, prev, extra_rows)
+
+    def _execute(
+        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None,
+        extra_rows: list[int] | None,
+    ) -> torch.Tensor:
+        blocks.flush_copies(self.kv_pool)  # the host tier's copies land before the forward
+        if not extra_rows and self.graphs is not None and self.graphs.fits(
+                len(sched.scheduled), sched.num_batched_tokens) and (
+                bool(sched.sample.all()) if sched.sample is not None
+                else all(item.sample for item in sched.scheduled)):
+            return self._decode_static(sched, blocks, prev)
+        if self.lora is not None:
+            return self._execute_lora(sched, blocks, prev, extra_rows)
+        return self._eager(sched, blocks, prev, extra_rows)
+
+    def _eager(
+        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None,
+        extra_rows: list[int] | None,
+    ) -> torch.Tensor:
+        input_ids, positions, meta, sample_rows = self.prepare(sched, blocks, prev)
+        if extra_rows:  # prompt logprobs' rows, or the drafts' of a verification step
+            sample_rows = torch.cat([sample_rows, to_device(extra_rows, torch.long, self.device)])
+        if self.lean is not None and self.lean.usable(meta, self.kv_caches):
+            return self.lean(input_ids, positions, meta, self.kv_caches, sample_rows)
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+        if sample_rows.numel() == 0:
+            self.model.base_model(
+                input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                ferry_ctx=ctx,
+            )
+            return torch.empty(0, self.shape.vocab_size, device=self.device)
+        out = self.model(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+            logits_to_keep=sample_rows, ferry_ctx=ctx,
+        )
+        return out.logits[0]  # type: ignore[no-any-return]
+
+    # --- multi-LoRA (#30): the model's projections read the step's token -> slot map ---
+
+    def enable_lora(self, cfg: LoraConfig) -> LoraManager:
+        """Wrap the projections for LoRA (once). Given to the constructor, this runs before
+        the decode graphs are captured, and they replay the LoRA kernels too (slot indices
+        in a static buffer); enabled later, graphs captured without them are dropped."""
+        if self.graphs is not None and self.lora is None:
+            self.graphs = None
+            self.health.decode_graphs_active = False
+        if self.lora is None:
+            self.lora = LoraManager(self.model, self.model_name, cfg, self.device,
+                                    self.loaded.dtype)
+            if self.lean is not None:  # rebuilt over the wrappers: it runs the adapters too
+                self.lean = build_lean_decode(self.model, self.backend)
+        return self.lora
+
+    def _execute_lora(
+        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None,
+        extra_rows: list[int] | None,
+    ) -> torch.Tensor:
+        assert self.lora is not None
+        items = sched.scheduled
+        self.lora.begin_step([s.request.request_id for s in items],
+                             [s.num_new_tokens for s in items])
+        try:
+            return self._eager(sched, blocks, prev, extra_rows)
+        finally:
+            self.lora.end_step()
+
+    def _decode_static(
+        self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None
+    ) -> torch.Tensor:
+        """A pure-decode step through the static buffers (a CUDA graph replay on a GPU)."""
+        assert self.graphs is not None
+        inp = build_inputs(sched, blocks.host, self.block_size, prev)
+        self.tables.sync(blocks.host)
+        rows, dst, src = to_device_packed([inp.rows, inp.patch_dst, inp.patch_src],
+                                          self.device)
+        lora = {} if self.lora is None else {"lora_slots": self.lora.row_slots(
+            [item.request.request_id for item in sched.scheduled])}
+        return self.graphs.run(inp.ids, inp.positions, inp.slots, inp.seq_lens,
+                               self.tables.gather(rows),
+                               lambda static_ids: patch_placeholders(static_ids, dst, src, prev),
+                               **lora)
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
