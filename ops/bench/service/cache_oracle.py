@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from ferry.local_stack import free_port  # noqa: E402
+from ops.bench.service import ferry_up  # noqa: E402
 
 RESULT = ROOT / "ops" / "bench" / "results" / "cache_oracle.json"
 TENANTS = ("alpha", "beta", "gamma", "delta")
@@ -60,36 +59,9 @@ def _tenants_file(path: Path) -> None:
 
 def start_ferry(tenants: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """``ferry up`` with one worker (the default model, this CPU) and the tenants file."""
-    port = free_port()
     env = dict(os.environ, FERRY_DEVICE="cpu", FERRY_TENANTS_FILE=str(tenants))
     env.pop("FERRY_API_KEYS", None)
-    with log.open("wb") as sink:  # the child keeps its own descriptor
-        proc = subprocess.Popen([sys.executable, "-m", "ferry.cli", "up", "--port", str(port),
-                                 "--workers", "1", "--metrics-port", "0"],
-                                stdout=sink, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ferry up exited ({proc.returncode}); see {log}")
-        try:
-            ready = httpx.get(base + "/readyz", timeout=2)
-            if ready.status_code == 200 and int(ready.json().get("workers", 0)) >= 1:
-                return proc, base
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.3)
-    raise RuntimeError("ferry up did not become ready")
-
-
-def stop_ferry(proc: subprocess.Popen[bytes]) -> None:
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    return ferry_up.start_ferry(env, log)
 
 
 def timed(client: httpx.Client, base: str, who: str, prompt: list[int]) -> dict[str, Any]:
@@ -183,7 +155,7 @@ def main() -> None:
                                               for _ in range(args.tokens)])
                 trials = [trial(client, base, rng, args.tokens) for _ in range(args.trials)]
         finally:
-            stop_ferry(proc)
+            ferry_up.stop_ferry(proc)
     summary = summarize(trials)
     report(summary, args.trials)
     out = {"bench": "cache_oracle", "trials": args.trials, "prompt_tokens": args.tokens,

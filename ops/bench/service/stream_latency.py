@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from ferry.local_stack import free_port  # noqa: E402
+from ops.bench.service import ferry_up  # noqa: E402
 from worker.models import default_model_path  # noqa: E402
 
 PROMPTS = [
@@ -50,36 +49,9 @@ RESULT = ROOT / "ops" / "bench" / "results" / "stream_latency.json"
 
 def start_ferry(threads: int) -> tuple[subprocess.Popen[bytes], str]:
     """``ferry up`` with one worker (the default model, this CPU's threads)."""
-    port = free_port()
     env = dict(os.environ, FERRY_DEVICE="cpu", FERRY_TORCH_THREADS=str(threads))
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"stream-latency-up-{port}.log"
-    with log.open("wb") as sink:  # the child keeps its own descriptor
-        proc = subprocess.Popen([sys.executable, "-m", "ferry.cli", "up", "--port", str(port),
-                                 "--workers", "1", "--metrics-port", "0"],
-                                stdout=sink, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ferry up exited ({proc.returncode}); see {log}")
-        try:
-            ready = httpx.get(base + "/readyz", timeout=2)
-            if ready.status_code == 200 and int(ready.json().get("workers", 0)) >= 1:
-                return proc, base
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.3)
-    raise RuntimeError("ferry up did not become ready")
-
-
-def stop_ferry(proc: subprocess.Popen[bytes]) -> None:
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / "stream-latency-up.log"
+    return ferry_up.start_ferry(env, log)
 
 
 def ferry_stream(client: httpx.Client, base: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -154,7 +126,7 @@ def main() -> None:
                                  "ferry_ttft_s": f["ttft"], "hf_s": h["seconds"],
                                  "same_text": f["text"] == h["text"]})
     finally:
-        stop_ferry(proc)
+        ferry_up.stop_ferry(proc)
     report(rows, max_tokens, threads, args.out)
 
 
