@@ -34,8 +34,21 @@ def store_kv(
     if bool((slots < 0).any()):
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
+    if flat_k.dtype == FP8_E4M3:
+        flat_k, key = flat_k.view(torch.uint8), to_fp8_bytes(key)
+        flat_v, value = flat_v.view(torch.uint8), to_fp8_bytes(value)
     flat_k.index_copy_(0, slots, key.to(flat_k.dtype))
     flat_v.index_copy_(0, slots, value.to(flat_v.dtype))
+
+
+FP8_E4M3 = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0  # e4m3 has no infinity: values past the largest finite one saturate
+
+
+def to_fp8_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as FP8 e4m3 (unit scale, saturated) viewed as bytes: CPU ``index_copy_`` has no
+    FP8 kernel, so an FP8 cache is written through its ``uint8`` view. NaN stays NaN."""
+    return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3).view(torch.uint8)
 
 
 def gather_kv(

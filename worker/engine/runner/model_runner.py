@@ -39,6 +39,8 @@ from worker.engine.runner.transfer import to_device
 from worker.engine.runner.warmup import warm_up_kernels
 from worker.engine.sched.schedule_output import SchedulerOutput
 
+# fp8_e4m3: one byte a value, unit scale, saturated at +-448 on store (kernels.reference)
+KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 _log = structlog.get_logger("ferry.worker.runner")
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 _MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly
@@ -129,9 +131,12 @@ class ModelRunner:
     def _kv_dtype(self, name: str) -> torch.dtype:
         if name == "auto":
             return self.loaded.dtype
-        if name not in _DTYPES:
-            raise ValueError(f"kv_cache_dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
-        dtype = _DTYPES[name]
+        if name not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_DTYPES)}; got {name!r}")
+        dtype = KV_DTYPES[name]
+        if dtype == torch.float8_e4m3fn and self.backend.name == "triton":
+            raise ValueError("kv_cache_dtype fp8_e4m3 is served by the CPU attention backends "
+                             "only: the Triton kernels do not read an FP8 cache yet")
         if dtype != self.loaded.dtype and self.backend.name == "triton":
             raise ValueError(
                 f"kv_cache_dtype {name} differs from the model's dtype "
