@@ -134,14 +134,11 @@ class ModelRunner:
         if name not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_DTYPES)}; got {name!r}")
         dtype = KV_DTYPES[name]
-        if dtype == torch.float8_e4m3fn and self.backend.name == "triton":
-            raise ValueError("kv_cache_dtype fp8_e4m3 is served by the CPU attention backends "
-                             "only: the Triton kernels do not read an FP8 cache yet")
-        if dtype != self.loaded.dtype and self.backend.name == "triton":
+        if dtype not in (self.loaded.dtype, torch.float8_e4m3fn) and self.backend.name == "triton":
             raise ValueError(
                 f"kv_cache_dtype {name} differs from the model's dtype "
                 f"{str(self.loaded.dtype).removeprefix('torch.')}: the Triton attention "
-                "kernels read the cache in the model's dtype; use kv_cache_dtype=auto or "
+                "kernels read a cache in the model's dtype or fp8_e4m3; use kv_cache_dtype=auto or "
                 "load the model in that dtype (dtype=...)")
         return dtype
 
@@ -177,7 +174,9 @@ class ModelRunner:
              s.head_dim),
             dtype=self.kv_dtype, device=self.device,
         )
-        self.kv_pool = pool  # the host tier copies whole blocks of every layer at once
+        # the host tier copies whole blocks of every layer at once, as bytes for an FP8 pool
+        # (not every device has an FP8 index_put)
+        self.kv_pool = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
         return [(pool[i, 0], pool[i, 1]) for i in range(s.num_layers)]
 
     def prepare(

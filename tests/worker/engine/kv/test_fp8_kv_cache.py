@@ -110,7 +110,7 @@ def test_fp8_greedy_agrees_with_fp32_cache(backend, tmp_path_factory) -> None:
         engine = _engine(path, kv, backend, **kw)
         cached: dict[str, int] = {}
         results[kv] = {k: v for wave in waves for k, v in _run(engine, wave, cached).items()}
-        assert engine.runner.kv_pool.dtype == KV_DTYPES[kv]
+        assert engine.runner.kv_caches[0][0].dtype == KV_DTYPES[kv]
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         assert cached["a1"] >= 32 and cached["d0"] >= 32  # prefix hits, the second wave's
         tier = engine.block_manager.tier
