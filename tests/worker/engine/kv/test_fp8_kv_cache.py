@@ -67,18 +67,19 @@ def test_fp8_pool_holds_twice_the_sequences(tmp_path_factory) -> None:
     assert peaks["fp8_e4m3"] == 2 * peaks["bfloat16"], peaks  # the pool binds: 6 and 12 today
 
 
-def _run(engine: Engine, jobs, cached: dict[str, int]) -> dict[str, list]:
+def _run(engine: Engine, jobs, cached: dict[str, int], top: int | None = TOP) -> dict[str, list]:
     """request id -> per token (token, its top-5 logprobs); ``cached`` gets each
     request's prompt tokens the prefix cache served (either tier)."""
     out: dict[str, list[tuple[int, dict[int, float]]]] = {rid: [] for rid, _, _ in jobs}
     for rid, prompt, mt in jobs:
         engine.add_request(rid, prompt, SamplingParams(
-            temperature=0, max_tokens=mt, ignore_eos=True, logprobs=TOP))
+            temperature=0, max_tokens=mt, ignore_eos=True, logprobs=top))
     text = TextOutputs.of(engine)
     while engine.has_unfinished_requests():
         for o in text.step():
-            for tok, (_, top) in zip(o.new_token_ids, o.logprobs or [], strict=True):
-                out[o.request_id].append((tok, dict(top)))
+            lps = o.logprobs or [(0.0, [])] * len(o.new_token_ids)
+            for tok, (_, best) in zip(o.new_token_ids, lps, strict=True):
+                out[o.request_id].append((tok, dict(best)))
             if o.finished:
                 cached[o.request_id] = o.num_cached_tokens
     return out
@@ -119,3 +120,38 @@ def test_fp8_greedy_agrees_with_fp32_cache(backend, tmp_path_factory) -> None:
         for rid, _, mt in wave:
             assert len(results["fp8_e4m3"][rid]) == mt
             assert_top5_agree(results["fp8_e4m3"][rid], results["float32"][rid], rid)
+
+
+def test_speculative_decoding_on_fp8(tmp_path_factory) -> None:
+    """Speculation on an FP8 cache: its tokens agree with speculation off's until one that
+    is within the other run's top 5 (speculation skips rows that ask for logprobs, so the
+    rule is checked one way). Not token for token: a
+    verification chunk computes a token's K/V in another grouping of rows than a plain
+    decode does, and a last-bit fp32 difference can cross an e4m3 rounding boundary (a
+    whole FP8 step), where an fp32 or bf16 cache keeps it a last-bit difference."""
+    from tests.worker.engine.speculative.test_spec_decode import _engine as spec_engine
+    from tests.worker.engine.speculative.test_spec_decode import _prompts
+
+    path = build_checkpoint("llama", tmp_path_factory.mktemp("fp8spec"))
+    prompts = _prompts(300, 9)
+    waves = [[(f"{tag}{i}", p, 24) for i, p in enumerate(prompts)] for tag in "ab"]
+    outs = {}
+    for spec in (False, True):
+        engine = spec_engine(path, spec, kv_cache_dtype="fp8_e4m3")
+        outs[spec] = {k: v for wave in waves
+                      for k, v in _run(engine, wave, {}, None if spec else TOP).items()}
+        assert engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+        assert (engine.spec is not None) == spec
+    assert engine.stats().spec_accepted_tokens > 0
+    for rid in outs[False]:
+        assert len(outs[True][rid]) == 24
+        for i, ((got, _), (want, top)) in enumerate(zip(outs[True][rid], outs[False][rid],
+                                                        strict=True)):
+            if got != want:
+                assert got in top, f"{rid}: token {i}: {got} vs {want}"
+                break
+
+
+def test_env_selects_fp8() -> None:
+    cfg = EngineConfig.from_env("m", {"FERRY_KV_CACHE_DTYPE": "fp8_e4m3"})
+    assert cfg.cache.kv_cache_dtype == "fp8_e4m3"
