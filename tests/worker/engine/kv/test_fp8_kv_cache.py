@@ -67,13 +67,16 @@ def test_fp8_pool_holds_twice_the_sequences(tmp_path_factory) -> None:
     assert peaks["fp8_e4m3"] == 2 * peaks["bfloat16"], peaks  # the pool binds: 6 and 12 today
 
 
-def _run(engine: Engine, jobs, cached: dict[str, int], top: int | None = TOP) -> dict[str, list]:
+def _run(engine: Engine, jobs, cached: dict[str, int], top: int | None = TOP,
+         lora: dict[str, str] | None = None) -> dict[str, list]:
     """request id -> per token (token, its top-5 logprobs); ``cached`` gets each
-    request's prompt tokens the prefix cache served (either tier)."""
+    request's prompt tokens the prefix cache served (either tier); ``lora``: request id ->
+    adapter."""
     out: dict[str, list[tuple[int, dict[int, float]]]] = {rid: [] for rid, _, _ in jobs}
     for rid, prompt, mt in jobs:
         engine.add_request(rid, prompt, SamplingParams(
-            temperature=0, max_tokens=mt, ignore_eos=True, logprobs=top))
+            temperature=0, max_tokens=mt, ignore_eos=True, logprobs=top),
+            lora_name=(lora or {}).get(rid))
     text = TextOutputs.of(engine)
     while engine.has_unfinished_requests():
         for o in text.step():
@@ -155,3 +158,29 @@ def test_speculative_decoding_on_fp8(tmp_path_factory) -> None:
 def test_env_selects_fp8() -> None:
     cfg = EngineConfig.from_env("m", {"FERRY_KV_CACHE_DTYPE": "fp8_e4m3"})
     assert cfg.cache.kv_cache_dtype == "fp8_e4m3"
+
+
+def test_lora_on_fp8(tmp_path_factory) -> None:
+    """Two adapters and the base model in one batch on an FP8 cache against the fp32 cache."""
+    from tests.worker.engine.lora_adapters import write_adapter
+    from worker.engine.lora.targets import base_targets
+
+    root = tmp_path_factory.mktemp("fp8lora")
+    path = build_checkpoint("llama", root)
+    from transformers import AutoModelForCausalLM
+
+    base = base_targets(AutoModelForCausalLM.from_pretrained(path), path)
+    modules = [f"a{i}={write_adapter(root / f'a{i}', base, rank=8, alpha=16, seed=i, std=0.15)}"
+               for i in range(2)]
+    rng = random.Random(3)
+    jobs = [(f"q{i}", [rng.randrange(300) for _ in range(n)], 10)
+            for i, n in enumerate([3, 17, 40, 9, 25, 5])]
+    names = {f"q{i}": f"a{i % 3}" for i in range(6) if i % 3 < 2}  # q2, q5: the base model
+    outs = {}
+    for kv in ("float32", "fp8_e4m3"):
+        engine = _engine(path, kv, "cpu", num_blocks=64, max_loras=2, max_lora_rank=8,
+                         lora_modules=modules)
+        outs[kv] = _run(engine, jobs, {}, lora=names)
+    for rid, _, mt in jobs:
+        assert len(outs["fp8_e4m3"][rid]) == mt
+        assert_top5_agree(outs["fp8_e4m3"][rid], outs["float32"][rid], rid)
