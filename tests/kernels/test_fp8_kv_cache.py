@@ -66,3 +66,24 @@ def test_prefill_reads_fp8_pages(device, paged_context, randn, close, dtype) -> 
         q.cpu(), ctx.k_cache.cpu(), ctx.v_cache.cpu(), ctx.block_tables.cpu(), starts.cpu(),
         ctx.seq_lens.cpu(), 32 ** -0.5)
     close(got.cpu(), want)
+
+
+@pytest.mark.parametrize("head_dim", [32, 24])  # the AVX2 path (8 x 4) and the generic loops
+def test_cpu_kernel_reads_fp8_pages(paged_context, head_dim) -> None:
+    from kernels import cpu_decode_attention
+
+    if cpu_decode_attention.unavailable_reason() is not None:
+        pytest.skip(cpu_decode_attention.unavailable_reason())
+    ctx = paged_context([1, 9, 40, 17], num_kv_heads=2, head_dim=head_dim, block_size=8,
+                        dtype=torch.float32)
+    k8, v8 = ctx.k_cache.cpu().to(FP8), ctx.v_cache.cpu().to(FP8)
+    every = torch.arange(256, dtype=torch.uint8).view(FP8)  # every byte pattern but NaN
+    finite = every[~every.float().isnan()]
+    k8.view(-1)[: finite.numel()] = finite  # the whole e4m3 table is read somewhere
+    q = torch.randn(4, 4, head_dim, generator=torch.Generator().manual_seed(0))
+    tables, lens = ctx.block_tables.cpu(), ctx.seq_lens.cpu()
+    got = cpu_decode_attention.paged_decode_attention(q, k8, v8, tables, lens, 0.05)
+    want = reference.paged_decode_attention(q, k8, v8, tables, lens, 0.05)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    call = cpu_decode_attention.DecodeCall(tables, lens, 0.05)
+    torch.testing.assert_close(call(q, k8, v8), want, atol=1e-4, rtol=1e-4)
