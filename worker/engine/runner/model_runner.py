@@ -22,6 +22,7 @@ from worker.engine.kv.block_manager import BlockManager
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.manager import LoraManager
 from worker.engine.runner.attention.interface import make_backend
+from worker.engine.runner.attention.kv_scales import use_checkpoint_kv_scales
 from worker.engine.runner.attention.metadata import AttentionMetadata, ForwardContext, KVCache
 from worker.engine.runner.block_table_buffer import BlockTableBuffer
 from worker.engine.runner.cpu.lean_decode import build_lean_decode
@@ -84,6 +85,9 @@ class ModelRunner:
         self.serial_tokens = serial_tokens(self.model) if self.device.type == "cpu" else 0
         self.num_blocks = self._num_blocks(cache_cfg)
         self.kv_caches = self._allocate_cache()
+        if use_checkpoint_kv_scales(self.model, model_cfg.model, self.shape.num_layers,
+                                    self.kv_dtype):
+            self.lean = None  # it attends outside the modules, where the scales live
         self.tables = BlockTableBuffer(
             max_num_seqs, -(-self.shape.max_model_len // self.block_size), self.device)
         self.graphs: DecodeGraphs | None = None
