@@ -40,8 +40,9 @@ from worker.engine.runner.transfer import to_device
 from worker.engine.runner.warmup import warm_up_kernels
 from worker.engine.sched.schedule_output import SchedulerOutput
 
-# fp8_e4m3: one byte a value, unit scale, saturated at +-448 on store (kernels.reference)
-KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
+# fp8_e4m3 (vLLM's "fp8" too): one byte a value, saturated at +-448 on store, scaled per
+# layer where the checkpoint says so (attention/kv_scales.py)
+KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
 _log = structlog.get_logger("ferry.worker.runner")
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 _MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly

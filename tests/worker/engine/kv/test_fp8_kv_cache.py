@@ -158,6 +158,13 @@ def test_speculative_decoding_on_fp8(tmp_path_factory) -> None:
 def test_env_selects_fp8() -> None:
     cfg = EngineConfig.from_env("m", {"FERRY_KV_CACHE_DTYPE": "fp8_e4m3"})
     assert cfg.cache.kv_cache_dtype == "fp8_e4m3"
+    assert KV_DTYPES["fp8"] == KV_DTYPES["fp8_e4m3"] == torch.float8_e4m3fn  # vLLM's alias
+
+
+def test_other_fp8_formats_are_refused_by_name(tmp_path) -> None:
+    path = build_checkpoint("llama", tmp_path)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be .*fp8_e4m3.*got 'fp8_e5m2'"):
+        _engine(path, "fp8_e5m2", "torch")
 
 
 def test_lora_on_fp8(tmp_path_factory) -> None:
