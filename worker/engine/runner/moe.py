@@ -67,6 +67,11 @@ def module_expert(module: Any) -> Expert:
     return expert
 
 
+def takes_fused_kernel(hidden: torch.Tensor, module: Any) -> bool:
+    """Whether this call goes to the Triton kernel: CUDA and the kernel's layout."""
+    return hidden.is_cuda and fused_layout(module)
+
+
 def experts_forward(
     module: Any,
     hidden_states: torch.Tensor,  # [T, H]
@@ -74,7 +79,7 @@ def experts_forward(
     top_k_weights: torch.Tensor,  # [T, K]
 ) -> torch.Tensor:
     """The ``ExpertsInterface`` entry: [T, H] in hidden_states' dtype."""
-    if hidden_states.is_cuda and fused_layout(module):
+    if takes_fused_kernel(hidden_states, module):
         from kernels.moe.fused import fused_moe
 
         return fused_moe(hidden_states, module.gate_up_proj, module.down_proj,

@@ -111,3 +111,18 @@ def test_engine_greedy_matches_module_path(arch, tmp_path_factory) -> None:
                      if a != b), len(want))
         for i in range(same):
             assert abs(lps[rid][i] - float(logp[i][want[i]])) < 1e-4, (rid, i)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_fused_kernel_on_real_modules(arch, tmp_path_factory, monkeypatch) -> None:
+    """The Triton kernel (interpreted on the CPU) through the same entry, on the modules'
+    own weights and layout, against their eager forward."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
+        pytest.skip("the Triton kernel needs a GPU or TRITON_INTERPRET=1 (ops/test.sh sets it)")
+    monkeypatch.setattr(moe, "takes_fused_kernel", lambda hidden, module: moe.fused_layout(module))
+    model = _eager(build_checkpoint(arch, tmp_path_factory.mktemp(arch)))
+    module = next(m for m in model.modules() if moe.is_experts_module(m))
+    with torch.no_grad():
+        _check_module(module, model.config.num_experts_per_tok, model.config.hidden_size)
