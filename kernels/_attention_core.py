@@ -93,8 +93,8 @@ def attend_kv_range(
         kv_off += kv_head * stride_kh  # [N]
         tile_off = kv_off[:, None] + offs_d[None, :]  # [N, D]
         tile_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + tile_off, mask=tile_mask, other=0.0)  # [N, D]
-        v = tl.load(v_cache_ptr + tile_off, mask=tile_mask, other=0.0)  # [N, D]
+        k = tl.load(k_cache_ptr + tile_off, mask=tile_mask, other=0.0).to(q.dtype)  # [N, D]
+        v = tl.load(v_cache_ptr + tile_off, mask=tile_mask, other=0.0).to(q.dtype)  # FP8: widen
 
         s = _dot(q, tl.trans(k), UPCAST) * scale  # [M, N] fp32
         if SOFT_CAP:

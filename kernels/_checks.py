@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# An FP8 (e4m3) cache: the kernels widen each tile to the query dtype on load (unit scale)
+FP8_KV = torch.float8_e4m3fn
+CACHE_DTYPES = (*FLOAT_DTYPES, FP8_KV)
 MAX_HEAD_DIM = 256
 MAX_BLOCK_SIZE = 256
 
@@ -53,13 +56,13 @@ def check_kv_cache(k_cache: object, v_cache: object, dtype: torch.dtype) -> tupl
     K and V must share shape *and* strides, as the kernels take one set of cache strides
     (true for the usual layouts: two tensors, or two views of one ``[2, ...]`` tensor).
     """
-    k = check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES)
-    v = check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES)
+    k = check_tensor("k_cache", k_cache, ndim=4, dtypes=CACHE_DTYPES)
+    v = check_tensor("v_cache", v_cache, ndim=4, dtypes=CACHE_DTYPES)
     if k.shape != v.shape:
         raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if k.stride() != v.stride():
         raise ValueError(f"k_cache/v_cache strides differ: {k.stride()} vs {v.stride()}")
-    if k.dtype != dtype or v.dtype != dtype:
+    if k.dtype != v.dtype or k.dtype not in (dtype, FP8_KV):
         raise ValueError(f"kv cache dtype {k.dtype}/{v.dtype} != query dtype {dtype}")
     block_size, num_kv_heads = k.shape[1], k.shape[2]
     if not 1 <= block_size <= MAX_BLOCK_SIZE:

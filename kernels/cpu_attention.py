@@ -45,5 +45,8 @@ def paged_decode_sdpa(
 def _zeroed(gathered: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """``gathered`` [S, L, Hkv, D] (a copy) with its ``hidden`` flat positions set to 0
     (module docstring); ``index_fill_`` is ~10x faster than a broadcast ``masked_fill_``."""
-    gathered.view(-1, gathered.shape[2] * gathered.shape[3]).index_fill_(0, hidden, 0.0)
+    flat = gathered.view(-1, gathered.shape[2] * gathered.shape[3])
+    if flat.dtype == torch.float8_e4m3fn:  # no FP8 index_fill_ on CPU; byte 0 is +0.0
+        flat = flat.view(torch.uint8)
+    flat.index_fill_(0, hidden, 0)
     return gathered

@@ -23,7 +23,9 @@ import torch
 from kernels import _checks as chk
 from kernels.native_build import NativeBuildError, load
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+# the kernel's cache-type code: 0 float32, 1 bfloat16, 2 FP8 e4m3 (unit scale)
+_CACHE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _ERRORS = {
     1: "bad shapes",
@@ -87,7 +89,7 @@ def paged_decode_attention(
         block_tables.shape[1], block_tables.stride(0), lens.data_ptr(), res.data_ptr(),
         num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, float(scale),
         chk.window_arg(sliding_window), chk.soft_cap_arg(logits_soft_cap),
-        int(k.dtype == torch.bfloat16),
+        _CACHE_CODE[k.dtype],
     )
     if rc != 0:
         raise ValueError(f"paged_decode_attention (cpu): {_ERRORS.get(rc, f'error {rc}')}")
@@ -130,7 +132,7 @@ class DecodeCall:
         rc = self.fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
                      self.args[0], self.args[1], self.args[2], self.args[3], res.data_ptr(),
                      num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, self.scale,
-                     0, 0.0, int(k_cache.dtype == torch.bfloat16))
+                     0, 0.0, _CACHE_CODE[k_cache.dtype])
         if rc != 0:
             raise ValueError(f"paged_decode_attention (cpu): {_ERRORS.get(rc, f'error {rc}')}")
         return res

@@ -34,8 +34,21 @@ def store_kv(
     if bool((slots < 0).any()):
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
+    if flat_k.dtype == FP8_E4M3:
+        flat_k, key = flat_k.view(torch.uint8), to_fp8_bytes(key)
+        flat_v, value = flat_v.view(torch.uint8), to_fp8_bytes(value)
     flat_k.index_copy_(0, slots, key.to(flat_k.dtype))
     flat_v.index_copy_(0, slots, value.to(flat_v.dtype))
+
+
+FP8_E4M3 = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0  # e4m3 has no infinity: values past the largest finite one saturate
+
+
+def to_fp8_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as FP8 e4m3 (unit scale, saturated) viewed as bytes: CPU ``index_copy_`` has no
+    FP8 kernel, so an FP8 cache is written through its ``uint8`` view. NaN stays NaN."""
+    return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3).view(torch.uint8)
 
 
 def gather_kv(
@@ -174,3 +187,33 @@ def paged_prefill_attention(
             result.dtype
         )
     return result
+
+
+def moe_experts(
+    hidden: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H] gate rows then up rows (FP8 with w13_scale)
+    w2: torch.Tensor,  # [E, H, I]
+    topk_ids: torch.Tensor,  # [T, K]
+    topk_weights: torch.Tensor,  # [T, K]
+    w13_scale: torch.Tensor | None = None,  # [E, 2I] fp32
+    w2_scale: torch.Tensor | None = None,  # [E, H] fp32
+) -> torch.Tensor:
+    """Mixture of SiLU-gated experts, one expert at a time: the fused MoE kernel's oracle.
+
+    FP8 weights are dequantized (``w * scale`` per output feature); the product runs in
+    fp32, with the SiLU-and-multiply result rounded to ``hidden``'s dtype as the kernel
+    stores it. Returns [T, H] in ``hidden``'s dtype.
+    """
+    w13f = w13.float() * (w13_scale[..., None] if w13_scale is not None else 1.0)
+    w2f = w2.float() * (w2_scale[..., None] if w2_scale is not None else 1.0)
+    x = hidden.float()
+    out = torch.zeros_like(x)  # [T, H]
+    for expert in range(w13.shape[0]):
+        tok, choice = torch.where(topk_ids == expert)
+        if tok.numel() == 0:
+            continue
+        gate, up = (x[tok] @ w13f[expert].T).chunk(2, dim=-1)  # [n, I] each
+        act = (torch.nn.functional.silu(gate) * up).to(hidden.dtype).float()
+        y = act @ w2f[expert].T * topk_weights[tok, choice, None].float()  # [n, H]
+        out.index_add_(0, tok, y)
+    return out.to(hidden.dtype)

@@ -55,6 +55,9 @@ def _store_kv_kernel(
                 mask=mask)  # fmt: skip
     dst = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_ct
     dst_off = dst + offs_h[:, None] * stride_ch + offs_d[None, :]  # [H, D]
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:  # e4m3 has no infinity: saturate
+        k = tl.clamp(k.to(tl.float32), -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32), -448.0, 448.0)
     tl.store(k_cache_ptr + dst_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -71,7 +74,7 @@ def store_kv(
     value = chk.check_tensor("value", value, ndim=3, dtypes=chk.FLOAT_DTYPES)
     if key.shape != value.shape:
         raise ValueError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
-    k_cache = chk.check_tensor("k_cache", k_cache, ndim=4, dtypes=chk.FLOAT_DTYPES)
+    k_cache = chk.check_tensor("k_cache", k_cache, ndim=4, dtypes=chk.CACHE_DTYPES)
     block_size, num_kv_heads = chk.check_kv_cache(k_cache, v_cache, k_cache.dtype)
     num_tokens, _, head_dim = key.shape
     if key.shape[1:] != k_cache.shape[2:]:

@@ -64,7 +64,19 @@ ARCHS: dict[str, dict[str, Any]] = {
     # GQA, q/k norms, explicit head_dim
     "qwen3": dict(cls="Qwen3Config", num_attention_heads=4, num_key_value_heads=1,
                   head_dim=16, tie_word_embeddings=True),
+    # mixtures of experts: top-2 of 4, top-2 of 4 plus a shared expert, top-4 of 8, top-1
+    "mixtral": dict(cls="MixtralConfig", num_attention_heads=4, num_key_value_heads=2,
+                    num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    "qwen2_moe": dict(cls="Qwen2MoeConfig", num_attention_heads=4, num_key_value_heads=2,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, tie_word_embeddings=False),
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_experts=8, num_experts_per_tok=4,
+                      moe_intermediate_size=32, tie_word_embeddings=False),
+    "olmoe": dict(cls="OlmoeConfig", num_attention_heads=4, num_key_value_heads=4,
+                  num_experts=8, num_experts_per_tok=1, tie_word_embeddings=False),
 }
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def build_checkpoint(arch: str, root: Path, *, seed: int = 0, layers: int = 2,

@@ -10,7 +10,8 @@
 //
 // Layout (shared with kernels/reference.py and the Triton kernels):
 //   q, out:           [S, Hq, D] float32, contiguous
-//   k_cache, v_cache: [num_blocks, block_size, Hkv, D] float32 or bfloat16, contiguous
+//   k_cache, v_cache: [num_blocks, block_size, Hkv, D] float32, bfloat16 or FP8 e4m3,
+//                     contiguous
 //   block_tables:     [S, table_stride] int32 (row stride table_stride)
 //   seq_lens:         [S] int32, context length including the current token
 // Plain C ABI (loaded with ctypes): no torch headers, so it compiles in about a second.
@@ -34,6 +35,24 @@ inline float to_float(uint16_t bf16) {
   std::memcpy(&out, &bits, sizeof(out));
   return out;
 }
+
+// FP8 e4m3 (fn: no infinities, one NaN pattern) -> float32 for every byte, built once.
+// A cache of this type holds one byte a value at unit scale (kernels/reference.py).
+inline const float* fp8_e4m3_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) {
+      const int sign = b >> 7, exp = (b >> 3) & 0xF, man = b & 0x7;
+      float mag = exp == 0 ? std::ldexp(man / 8.0f, -6)  // subnormal
+                           : std::ldexp(1.0f + man / 8.0f, exp - 7);
+      if (exp == 0xF && man == 0x7) mag = std::nanf("");
+      t[b] = sign ? -mag : mag;
+    }
+    return t;
+  }();
+  return table.data();
+}
+inline float to_float(uint8_t fp8) { return fp8_e4m3_table()[fp8]; }
 
 struct Shape {
   int num_kv_heads, group, head_dim, block_size;
@@ -106,6 +125,10 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {  // bfloat16 -> float32: the high half of each
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const uint8_t* p) {  // FP8 e4m3 -> float32 through the table
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_i32gather_ps(fp8_e4m3_table(), _mm256_cvtepu8_epi32(b), 4);
 }
 
 // {sum of a[0]'s lanes, ..., sum of a[7]'s lanes}; each lane sums one input only.
@@ -298,7 +321,8 @@ extern "C" {
 
 // Returns 0; 1 for bad shapes; 2 when a seq_len is < 1 or longer than its table row;
 // 3 when a table entry a sequence reads is not a page of the cache. Nothing is written
-// unless it returns 0. cache_is_bf16: 0 for a float32 cache, 1 for bfloat16.
+// unless it returns 0. cache_is_bf16: 0 for a float32 cache, 1 for bfloat16, 2 for FP8
+// e4m3 (unit scale).
 int ferry_paged_decode(const float* q, const void* k_cache, const void* v_cache,
                        int64_t num_blocks, const int32_t* block_tables, int64_t table_width,
                        int64_t table_stride, const int32_t* seq_lens, float* out,
@@ -313,7 +337,10 @@ int ferry_paged_decode(const float* q, const void* k_cache, const void* v_cache,
   if (bad) return bad;
   const Shape sh{num_kv_heads, num_q_heads / num_kv_heads, head_dim, block_size,
                  table_stride, scale, soft_cap, sliding_window};
-  if (cache_is_bf16)
+  if (cache_is_bf16 == 2)
+    decode(sh, num_seqs, q, static_cast<const uint8_t*>(k_cache),
+           static_cast<const uint8_t*>(v_cache), block_tables, seq_lens, out);
+  else if (cache_is_bf16)
     decode(sh, num_seqs, q, static_cast<const uint16_t*>(k_cache),
            static_cast<const uint16_t*>(v_cache), block_tables, seq_lens, out);
   else

@@ -57,7 +57,9 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # explicit pool size wins over memory_bytes
     memory_bytes: int | None = None  # default: 2 GiB on CPU, 90% of free memory on CUDA
-    kv_cache_dtype: str = "auto"  # auto (= model dtype) | bfloat16 | float16 | float32
+    # auto (= model dtype) | bfloat16 | float16 | float32 | fp8_e4m3 (one byte a
+    # value, unit scale: twice the sequences of a 16-bit cache; docs/engine.md)
+    kv_cache_dtype: str = "auto"
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
     # The KV cache's host tier (kv_host_tier.py): evicted cached blocks copied to host
     # memory and restored instead of recomputed. None: on CUDA 10% of the memory available

@@ -17,6 +17,7 @@ from worker.engine.runner.attention import interface as attention
 from worker.engine.runner.cpu.gemv_calibration import set_gemv_rows
 from worker.engine.runner.cpu.packed_linear import PackedLinear, pack_linears
 from worker.engine.runner.cpu.step_threads import serial_tokens
+from worker.engine.runner.moe import use_ferry_experts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -105,6 +106,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except OSError as exc:
         raise ValueError(f"cannot load model weights or tokenizer from {path!r}: {exc}") from exc
     model = model.to(device).eval()  # type: ignore[arg-type]
+    use_ferry_experts(model)  # MoE layers: fused kernel on CUDA, grouped path on CPU
     gemv_rows: dict[str, int] = {}
     if device.type == "cpu" and cfg.pack_weights and pack_linears(model):
         packed = [m for m in model.modules() if isinstance(m, PackedLinear)]

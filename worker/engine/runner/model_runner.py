@@ -22,6 +22,7 @@ from worker.engine.kv.block_manager import BlockManager
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.manager import LoraManager
 from worker.engine.runner.attention.interface import make_backend
+from worker.engine.runner.attention.kv_scales import use_checkpoint_kv_scales
 from worker.engine.runner.attention.metadata import AttentionMetadata, ForwardContext, KVCache
 from worker.engine.runner.block_table_buffer import BlockTableBuffer
 from worker.engine.runner.cpu.lean_decode import build_lean_decode
@@ -39,6 +40,9 @@ from worker.engine.runner.transfer import to_device
 from worker.engine.runner.warmup import warm_up_kernels
 from worker.engine.sched.schedule_output import SchedulerOutput
 
+# fp8_e4m3 (vLLM's "fp8" too): one byte a value, saturated at +-448 on store, scaled per
+# layer where the checkpoint says so (attention/kv_scales.py)
+KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
 _log = structlog.get_logger("ferry.worker.runner")
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 _MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly
@@ -82,6 +86,9 @@ class ModelRunner:
         self.serial_tokens = serial_tokens(self.model) if self.device.type == "cpu" else 0
         self.num_blocks = self._num_blocks(cache_cfg)
         self.kv_caches = self._allocate_cache()
+        if use_checkpoint_kv_scales(self.model, model_cfg.model, self.shape.num_layers,
+                                    self.kv_dtype):
+            self.lean = None  # it attends outside the modules, where the scales live
         self.tables = BlockTableBuffer(
             max_num_seqs, -(-self.shape.max_model_len // self.block_size), self.device)
         self.graphs: DecodeGraphs | None = None
@@ -129,14 +136,14 @@ class ModelRunner:
     def _kv_dtype(self, name: str) -> torch.dtype:
         if name == "auto":
             return self.loaded.dtype
-        if name not in _DTYPES:
-            raise ValueError(f"kv_cache_dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
-        dtype = _DTYPES[name]
-        if dtype != self.loaded.dtype and self.backend.name == "triton":
+        if name not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_DTYPES)}; got {name!r}")
+        dtype = KV_DTYPES[name]
+        if dtype not in (self.loaded.dtype, torch.float8_e4m3fn) and self.backend.name == "triton":
             raise ValueError(
                 f"kv_cache_dtype {name} differs from the model's dtype "
                 f"{str(self.loaded.dtype).removeprefix('torch.')}: the Triton attention "
-                "kernels read the cache in the model's dtype; use kv_cache_dtype=auto or "
+                "kernels read a cache in the model's dtype or fp8_e4m3; use kv_cache_dtype=auto or "
                 "load the model in that dtype (dtype=...)")
         return dtype
 
@@ -172,7 +179,9 @@ class ModelRunner:
              s.head_dim),
             dtype=self.kv_dtype, device=self.device,
         )
-        self.kv_pool = pool  # the host tier copies whole blocks of every layer at once
+        # the host tier copies whole blocks of every layer at once, as bytes for an FP8 pool
+        # (not every device has an FP8 index_put)
+        self.kv_pool = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
         return [(pool[i, 0], pool[i, 1]) for i in range(s.num_layers)]
 
     def prepare(

@@ -17,6 +17,7 @@ import torch
 from kernels import cpu_decode_attention
 from worker.engine.health import EngineHealth
 from worker.engine.runner.attention import torch_backends as attention_torch
+from worker.engine.runner.attention.kv_scales import scale_qkv
 from worker.engine.runner.attention.metadata import AttentionBackend, ForwardContext
 
 ATTENTION_NAME = "ferry_paged"
@@ -84,9 +85,12 @@ def ferry_paged_attention(
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    q, k, v, v_scale = scale_qkv(module, q, k, v)  # an FP8 cache's layer scales, if any
     out = ctx.backend.forward(
         q, k, v, ctx.kv_caches[layer], ctx.meta, scale, sliding_window, softcap
     )
+    if v_scale is not None:
+        out = out * v_scale
     return out.unsqueeze(0), None
 
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode_attention
+from kernels import cpu_decode_attention, reference
 from worker.engine.runner.attention.metadata import AttentionBackend, AttentionMetadata, KVCache
 from worker.engine.runner.attention.torch_backends import short_chunks
 
@@ -184,10 +184,13 @@ class LeanLlamaDecode:
         k = (k * cos) + (_rotate_half(k) * sin)
         if attend is not None:  # store the step's K/V as reference.store_kv does
             k_cache, v_cache = cache
-            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
-                0, slots, k.to(k_cache.dtype))
-            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
-                0, slots, v.to(v_cache.dtype))
+            if k_cache.dtype == reference.FP8_E4M3:  # saturated, through the bytes
+                reference.store_kv(k, v, k_cache, v_cache, slots)
+            else:
+                k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+                    0, slots, k.to(k_cache.dtype))
+                v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+                    0, slots, v.to(v_cache.dtype))
             out = attend(q, k_cache, v_cache)  # [T, Hq, D]
         else:  # the backend stores and attends itself (prefill chunks)
             out = self.backend.forward(q, k, v, cache, meta, self.scale, None, None)
