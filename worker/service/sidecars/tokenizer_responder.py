@@ -17,7 +17,7 @@ With two threads or more, the last one takes only small calls (``SMALL_BYTES``, 
 their bell): one tenant's flood of 400k-character calls keeps at most the others busy, so
 another tenant's short call is answered at once, and the flood's share of the worker's CPU
 is that of one thread, at a lower priority than generation's (``NICE``; measured:
-``ops/bench/service/tokenizer_flood.py``, docs/service.md). A call
+``ops/bench/tenants/tokenizer_flood.py``, docs/service.md). A call
 popped past its deadline (the gateway stopped waiting) is dropped unanswered, as is a reply
 finished past it; a reply over ``MAX_REPLY_BYTES`` is a 400 naming the input instead.
 """
@@ -58,7 +58,7 @@ REPLY_GRACE_S = 2  # a reply's TTL: until this long after the caller's deadline
 NICE = 10
 """The responder threads' scheduling priority (Linux's per-thread nice): generation is the
 worker's job, so when the CPU is short its threads come first. Measured with one tenant's
-flood of 395k-character calls (``ops/bench/service/tokenizer_flood.py``): another tenant's
+flood of 395k-character calls (``ops/bench/tenants/tokenizer_flood.py``): another tenant's
 generation p50 0.14 s, as without the flood; 0.33 s at the default priority."""
 
 

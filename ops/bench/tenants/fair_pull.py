@@ -15,8 +15,8 @@ commands the bench sends: EVAL, XREADGROUP, XACK). Both sides run on this machin
 loopback, so the wall numbers hold the round trip; the Redis CPU column is the cost that
 scales with the fleet.
 
-    .venv/bin/python ops/bench/service/fair_pull.py
-    .venv/bin/python ops/bench/service/fair_pull.py --requests 2000
+    .venv/bin/python ops/bench/tenants/fair_pull.py
+    .venv/bin/python ops/bench/tenants/fair_pull.py --requests 2000
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 * ``weights``: tenants h (weight 3) and l (weight 1) queue 300 and 100 equal requests
   before the worker starts; reported: each one's share of the first 200 started.
 
-    .venv/bin/python ops/bench/service/tenants.py
+    .venv/bin/python ops/bench/tenants/tenants.py
 """
 
 from __future__ import annotations

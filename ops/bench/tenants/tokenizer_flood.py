@@ -19,8 +19,8 @@ flood's clients and the gateway's 429s compete with the worker for the same core
 Printed: a table of b's p50 (and p90) latencies per phase, and what a's flood got
 (answered, 429s); written to ``ops/bench/results/<--name>.json``.
 
-    .venv/bin/python ops/bench/service/tokenizer_flood.py --name tokenizer_flood
-    .venv/bin/python ops/bench/service/tokenizer_flood.py --src /tmp/base \
+    .venv/bin/python ops/bench/tenants/tokenizer_flood.py --name tokenizer_flood
+    .venv/bin/python ops/bench/tenants/tokenizer_flood.py --src /tmp/base \
         --name tokenizer_flood-main
 """
 

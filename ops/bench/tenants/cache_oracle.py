@@ -16,8 +16,8 @@ first token; ``cached`` is the usage's ``prompt_tokens_details.cached_tokens`` t
 was shown. *Separable* is the attack's test: every "B sends A's prompt" TTFT lies outside
 the range of the fresh prompts' TTFTs. Writes ``ops/bench/results/cache_oracle.json``::
 
-    .venv/bin/python ops/bench/service/cache_oracle.py              # 8 trials of 1,000 tokens
-    .venv/bin/python ops/bench/service/cache_oracle.py --trials 4
+    .venv/bin/python ops/bench/tenants/cache_oracle.py              # 8 trials of 1,000 tokens
+    .venv/bin/python ops/bench/tenants/cache_oracle.py --trials 4
 """
 
 from __future__ import annotations
