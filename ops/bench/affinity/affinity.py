@@ -20,8 +20,8 @@ per phase: prompt tokens served from the cache in turns 2..T, median time to fir
 throughput (prompt + completion tokens per wall second). Writes
 ``ops/bench/results/affinity.json``::
 
-    .venv/bin/python ops/bench/service/affinity.py                    # 16 x 4
-    .venv/bin/python ops/bench/service/affinity.py --conversations 8  # a loaded machine
+    .venv/bin/python ops/bench/affinity/affinity.py                    # 16 x 4
+    .venv/bin/python ops/bench/affinity/affinity.py --conversations 8  # a loaded machine
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def conversation(tag: str, system: str, turns: int, answers: list[str], seed: in
 
 
 def run_phase(url: str, name: str, systems: list[str], turns: int, router: Router,
-              on_turn: Any = None) -> dict[str, Any]:
+              on_turn: Any = None, tag: str | None = None) -> dict[str, Any]:
     """Every conversation in its own thread; returns the per-request records."""
     records: list[dict[str, Any]] = []
     lock = threading.Lock()
@@ -100,7 +100,7 @@ def run_phase(url: str, name: str, systems: list[str], turns: int, router: Route
         client.router = router
         answers: list[str] = []
         for t in range(1, turns + 1):
-            req = conversation(f"{name}{c}", systems[c], t, answers, seed=1000 * c)
+            req = conversation(f"{tag or name}{c}", systems[c], t, answers, seed=1000 * c)
             t0 = time.time()
             status: JobStatus = client.generate(req, timeout=900)
             answers.append(status.text)
@@ -231,7 +231,8 @@ def main() -> None:
                             print(f"kill -9 of worker 0 (pid {pid}) after {done} requests",
                                   flush=True)
                 print(f"phase {p} ...", flush=True)
-                phases[p] = run_phase(url, p, sets[p], turns, router, hook)
+                phases[p] = run_phase(url, p, sets[p], turns, router, hook,
+                                      tag="on" if p == "kill" else p)
                 results[p] = summarize(phases[p])
                 print(p, json.dumps({k: v for k, v in results[p].items()}), flush=True)
         finally:
