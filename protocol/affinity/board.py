@@ -53,10 +53,15 @@ def leading(scores: list[Any] | None) -> int:
 
 def choose(candidates: Iterable[Candidate], max_depth: int) -> Candidate | None:
     """The worker to offer the request first: the longest held prefix, ties to the
-    shallower queue; None when no live, non-draining worker with room holds a chunk."""
+    shallower queue; None when no live, non-draining worker holds a chunk and has room. A
+    worker has no room when its queue is ``max_depth`` deeper than the shallowest live
+    worker's: when every worker is as busy, the one holding the prefix still serves it
+    soonest (a miss costs a prefill everywhere)."""
+    pool = [c for c in candidates if not c.draining]
+    floor = min((c.depth for c in pool), default=0)
     best: Candidate | None = None
-    for c in candidates:
-        if c.matched <= 0 or c.draining or c.depth >= max_depth:
+    for c in pool:
+        if c.matched <= 0 or c.depth >= floor + max_depth:
             continue
         if best is None or (c.matched, -c.depth) > (best.matched, -best.depth):
             best = c

@@ -6,7 +6,8 @@ live worker's heartbeat and how many of those chunks its board holds (``board.py
 when one holds some and its queue is not too deep, puts a preference mark (``mark.py``) in
 front of the request: that worker may take it at once, any other after ``steal_ms``. The
 worker list is re-read at most once a second; marks given since a worker's last heartbeat
-count toward its depth, so a burst does not pile onto one worker between two beats.
+count toward its depth (``BURST_S``), so a burst does not pile onto one worker between
+two beats.
 Any failure of the look-up leaves the request unmarked: it is pulled as without affinity.
 """
 
@@ -26,6 +27,10 @@ from protocol.keys import Keys
 from protocol.models import GenerateRequest
 
 _LIST_EVERY_S = 1.0
+BURST_S = 0.25
+"""Marks this recent (and newer than the worker's heartbeat) count toward its depth: a
+burst marked between two beats spreads, while marks whose requests a fast worker has
+long finished do not hold it back for the rest of the beat."""
 
 
 def _as_str(value: Any) -> str:
@@ -36,7 +41,8 @@ def _as_str(value: Any) -> str:
 class AffinitySettings:
     """``FERRY_PREFIX_AFFINITY`` (1: on, 0: off), ``FERRY_AFFINITY_STEAL_MS`` (how long
     the holder has the request to itself) and ``FERRY_AFFINITY_MAX_DEPTH`` (a worker with
-    this many requests taken but not running is not offered more)."""
+    this many more requests taken but not running than the least busy live worker is not
+    offered more)."""
 
     enabled: bool = True
     steal_ms: int = 250
@@ -66,7 +72,7 @@ class Router:
         self.settings = settings or AffinitySettings.from_env()
         self._workers: list[str] = []
         self._listed_at = -math.inf
-        self._marks: dict[str, tuple[float, int]] = {}  # worker -> (its beat's time, marks)
+        self._marks: dict[str, list[float]] = {}  # worker -> wall times of recent marks
         self.marked = 0
         self.unmarked = 0
 
@@ -84,7 +90,7 @@ class Router:
         return list(self._workers)
 
     def _decide(self, workers: list[str], replies: list[Any]) -> bytes:
-        candidates, beats = [], {}
+        candidates = []
         for i, worker in enumerate(workers):
             raw, scores = replies[2 * i], replies[2 * i + 1]
             if raw is None:  # no heartbeat: dead, or gone
@@ -93,9 +99,11 @@ class Router:
                 beat = decode_heartbeat(raw)
             except ProtocolError:
                 continue
-            beats[worker] = beat.updated_at
-            since, n = self._marks.get(worker, (beat.updated_at, 0))
-            pending = n if since == beat.updated_at else 0
+            now = time.time()
+            recent = [t for t in self._marks.get(worker, [])
+                      if t > beat.updated_at and t > now - BURST_S]
+            self._marks[worker] = recent
+            pending = len(recent)
             stats = beat.stats
             depth = int(stats.get("queued", 0)) + int(stats.get("waiting", 0)) + pending
             candidates.append(Candidate(worker, leading(scores), depth,
@@ -104,11 +112,10 @@ class Router:
         if best is None:
             self.unmarked += 1
             return b""
-        beat_at = beats[best.worker_id]
-        since, n = self._marks.get(best.worker_id, (beat_at, 0))
-        self._marks[best.worker_id] = (beat_at, n + 1 if since == beat_at else 1)
+        now = time.time()
+        self._marks.setdefault(best.worker_id, []).append(now)
         self.marked += 1
-        now_ms = int(time.time() * 1000)
+        now_ms = int(now * 1000)
         return mark(best.worker_id, now_ms, now_ms + self.settings.steal_ms)
 
     def mark_for(self, redis: Any, request: GenerateRequest) -> bytes:

@@ -50,6 +50,7 @@ from ferry.local_stack import free_port  # noqa: E402
 from protocol.affinity.mark import mark  # noqa: E402
 from protocol.affinity.router import AffinitySettings, Router  # noqa: E402
 from protocol.client import FerryClient  # noqa: E402
+from protocol.codec import decode_heartbeat  # noqa: E402
 from protocol.keys import Keys  # noqa: E402
 from protocol.models import ChatMessage, GenerateRequest, JobStatus, SamplingParams  # noqa: E402
 
@@ -130,6 +131,7 @@ def summarize(phase: dict[str, Any]) -> dict[str, Any]:
     recs = phase["records"]
     later = [r for r in recs if r["turn"] >= 2]
     tokens = sum(r["prompt"] + r["completion"] for r in recs)
+    ttft = sorted(r["ttft_s"] for r in later if r["ttft_s"] is not None)
     per_worker: dict[str, int] = {}
     for r in recs:  # the tokens each worker computed (prefill not served from cache + decode)
         per_worker[r["worker"]] = per_worker.get(r["worker"], 0) + \
@@ -139,8 +141,11 @@ def summarize(phase: dict[str, Any]) -> dict[str, Any]:
         "requests": len(recs), "finished": sum(r["state"] == "done" for r in recs),
         "cached_tokens_turns_2_on": sum(r["cached"] for r in later),
         "prompt_tokens_turns_2_on": sum(r["prompt"] for r in later),
-        "ttft_median_s_turns_2_on": statistics.median(r["ttft_s"] for r in later
-                                                      if r["ttft_s"] is not None),
+        "ttft_median_s_turns_2_on": statistics.median(ttft),
+        "ttft_mean_s_turns_2_on": statistics.mean(ttft),
+        "ttft_p90_s_turns_2_on": ttft[int(0.9 * (len(ttft) - 1))],
+        # turns 2.. that found less than half their prompt cached: recomputed elsewhere
+        "misses_turns_2_on": sum(r["cached"] < r["prompt"] / 2 for r in later),
         "throughput_tok_s": tokens / phase["wall_s"], "wall_s": phase["wall_s"],
         "computed_share": {w: round(n / done, 3) for w, n in sorted(per_worker.items())},
         "max_queued_s": max((r["queued_s"] or 0) for r in recs),
@@ -174,6 +179,29 @@ def start_stack(tmp: Path, workers: int) -> tuple[subprocess.Popen[bytes],
             pass
         time.sleep(0.5)
     raise RuntimeError("ferry up did not become ready")
+
+
+def routes(r: Any, keys: Keys) -> dict[str, dict[str, int]]:
+    """Every live worker's affinity counters, from its heartbeat."""
+    out = {}
+    for w in sorted(x.decode() for x in r.smembers(keys.workers)):
+        raw = r.get(keys.worker(w))
+        if raw:
+            stats = decode_heartbeat(raw).stats
+            out[w] = {k: int(stats.get(f"affinity_{k}", 0))
+                      for k in ("pulled", "stolen", "unmarked")}
+    return out
+
+
+def routed(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
+           ) -> dict[str, int]:
+    """Requests pulled during a phase, fleet-wide, by route (a restarted worker counts
+    from zero)."""
+    total = dict.fromkeys(("pulled", "stolen", "unmarked"), 0)
+    for w, counts in after.items():
+        for k, v in counts.items():
+            total[k] += v - before.get(w, {}).get(k, 0)
+    return total
 
 
 def worker_pid(up_pid: int, index: int) -> int:
@@ -231,9 +259,12 @@ def main() -> None:
                             print(f"kill -9 of worker 0 (pid {pid}) after {done} requests",
                                   flush=True)
                 print(f"phase {p} ...", flush=True)
+                before = routes(r, keys)
                 phases[p] = run_phase(url, p, sets[p], turns, router, hook,
                                       tag="on" if p == "kill" else p)
+                time.sleep(1.5)  # a heartbeat after the last request
                 results[p] = summarize(phases[p])
+                results[p]["routes"] = routed(before, routes(r, keys))
                 print(p, json.dumps({k: v for k, v in results[p].items()}), flush=True)
         finally:
             os.killpg(up.pid, signal.SIGINT)
@@ -255,8 +286,9 @@ def report(results: dict[str, Any], phases: dict[str, Any], args: Any) -> dict[s
         checks["cached_vs_one_worker"] = round(
             on["cached_tokens_turns_2_on"] / max(1, single["cached_tokens_turns_2_on"]), 3)
     if on and off:
-        checks["ttft_on_vs_off"] = round(on["ttft_median_s_turns_2_on"]
-                                         / off["ttft_median_s_turns_2_on"], 3)
+        for stat in ("median", "mean", "p90"):
+            checks[f"ttft_{stat}_on_vs_off"] = round(on[f"ttft_{stat}_s_turns_2_on"]
+                                                     / off[f"ttft_{stat}_s_turns_2_on"], 3)
         checks["throughput_on_vs_off"] = round(on["throughput_tok_s"]
                                                / off["throughput_tok_s"], 3)
     if "skewed" in results:
@@ -268,12 +300,14 @@ def report(results: dict[str, Any], phases: dict[str, Any], args: Any) -> dict[s
         checks["kill_outputs_identical"] = sum(undisturbed.get(k) == v for k, v in killed.items())
         checks["kill_requests"] = len(killed)
         checks["kill_max_queued_s"] = results["kill"]["max_queued_s"]
-    print(f"{'phase':8} {'cached t2+':>10} {'of prompt':>10} {'ttft p50 t2+':>12} "
-          f"{'tok/s':>8} {'wall s':>7}  computed share")
+    print(f"{'phase':8} {'cached t2+':>10} {'of prompt':>10} {'misses':>6} {'ttft p50':>8} "
+          f"{'mean':>6} {'p90':>6} {'tok/s':>8} {'wall s':>7}  computed share")
     for p, s in results.items():
         print(f"{p:8} {s['cached_tokens_turns_2_on']:10d} {s['prompt_tokens_turns_2_on']:10d} "
-              f"{s['ttft_median_s_turns_2_on']:12.3f} {s['throughput_tok_s']:8.1f} "
-              f"{s['wall_s']:7.1f}  {s['computed_share']}")
+              f"{s['misses_turns_2_on']:6d} {s['ttft_median_s_turns_2_on']:8.3f} "
+              f"{s['ttft_mean_s_turns_2_on']:6.3f} {s['ttft_p90_s_turns_2_on']:6.3f} "
+              f"{s['throughput_tok_s']:8.1f} {s['wall_s']:7.1f}  {s['computed_share']} "
+              f"{s['routes']}")
     print(json.dumps(checks, indent=1))
     return {"bench": "affinity", "conversations": args.conversations, "turns": args.turns,
             "system_words": args.system_words, "steal_ms": args.steal_ms, "model": "default",

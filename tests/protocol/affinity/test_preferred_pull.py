@@ -137,3 +137,14 @@ def test_the_client_enqueues_marked_requests_that_the_holder_pulls(r: redis.Redi
     assert fair.pull(r, STREAM, KEYS.group, "w-else", 4)[0] == []
     [(_, fields)], _ = fair.pull(r, STREAM, KEYS.group, "w-hold", 4)
     assert decode_entry(fields) == convo
+
+
+def test_a_holder_is_skipped_only_when_much_deeper_than_the_least_busy() -> None:
+    from protocol.affinity.board import Candidate, choose
+
+    busy_holder = Candidate("a", matched=5, depth=9)
+    assert choose([busy_holder, Candidate("b", 0, depth=8)], max_depth=8) == busy_holder
+    assert choose([busy_holder, Candidate("b", 0, depth=0)], max_depth=8) is None
+    assert choose([busy_holder, Candidate("b", 2, depth=0)], max_depth=8).worker_id == "b"
+    assert choose([Candidate("a", 3, 0, draining=True)], max_depth=8) is None
+    assert choose([Candidate("a", 3, 1), Candidate("b", 3, 0)], max_depth=8).worker_id == "b"
