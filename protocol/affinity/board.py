@@ -25,7 +25,7 @@ class Candidate:
 
     worker_id: str
     matched: int  # leading chunks of the request its board holds
-    depth: int  # requests it holds that are not running yet (heartbeat + marks since)
+    depth: int  # requests it took that are not running yet (its heartbeat + recent marks)
     draining: bool = False
 
 
