@@ -81,13 +81,5 @@ class AffinityBook:
                 changes = Changes({h: changes.added.get(h, now) for h in self._held})
         return changes
 
-    def putback(self, changes: Changes) -> None:
-        """Changes a failed write did not deliver: merged under newer ones."""
-        with self._lock:
-            for h, t in changes.added.items():
-                if h in self._held and h not in self._changes.removed:
-                    self._changes.added.setdefault(h, t)
-            self._changes.removed |= {h for h in changes.removed if h not in self._held}
-
     def __len__(self) -> int:
         return len(self._held)

@@ -180,12 +180,20 @@ class Control(threading.Thread):
                          redis=self.redis):
             self.beats += 1
             if self.board is not None:
-                self.gate.run(self.gate.fleet_shard, self.board.write, self.redis,
-                              default=None, redis=self.redis)
+                self._write_board(self.board)
         elif not any(self.gate.usable(k) for k in range(self.keys.shards)):
             return
         if self.settings.health_file:
             Path(self.settings.health_file).touch()
+
+    def _write_board(self, board: BoardWriter) -> None:
+        """The affinity board, after the heartbeat: a failure to write it is logged and
+        never delays a beat (the next write is a full one)."""
+        try:
+            self.gate.run(self.gate.fleet_shard, board.write, self.redis, default=None,
+                          redis=self.redis)
+        except Exception as exc:
+            log.warning("affinity_board_write_failed", error=str(exc))
 
     def _write(self, beat: WorkerHeartbeat) -> bool:
         pipe = self.redis.pipeline()

@@ -42,14 +42,6 @@ def test_the_book_drops_the_least_recently_served_once_the_cache_is_full() -> No
     assert book.take().added == {}
 
 
-def test_a_failed_write_puts_its_changes_back() -> None:
-    book = AffinityBook(capacity_tokens=10_000)
-    book.served(_req("alpha"))
-    lost = book.take()
-    book.putback(lost)
-    assert book.take().added.keys() == lost.added.keys()
-
-
 def test_the_board_follows_the_book_and_expires_with_the_heartbeat(redis_client: Any) -> None:
     r: redis.Redis = redis_client
     r.flushdb()
@@ -88,3 +80,26 @@ def test_routes_are_counted_from_the_entry_fields() -> None:
                                     "affinity_unmarked": 1, "affinity_advertised": 7}
     wait = metrics.wait.labels(route="stolen")
     assert wait._sum.get() == 0.25  # type: ignore[attr-defined]
+
+
+def test_a_failing_board_write_never_stops_the_heartbeat(redis_client: Any) -> None:
+    """The control thread logs a board write that fails (a bug, a refused command) and
+    carries on; the writer's next write is a full one."""
+    import queue
+
+    from worker.service.redis.leases import HeldEntries
+    from worker.service.sidecars.control import Control
+
+    port = redis_client.connection_pool.connection_kwargs["port"]
+    settings = WorkerSettings(redis_url=f"redis://127.0.0.1:{port}/0", worker_id="w-ctl")
+    control = Control(settings, HeldEntries(), queue.Queue(), lambda: {})
+    writer = BoardWriter(settings, AffinityBook(10_000), AffinityMetrics(CollectorRegistry()))
+    writer.book.served(_req("alpha"))
+    control._write_board(writer)  # the first write is a full one
+    assert writer._beats == 1
+    redis_client.set(writer.key, "a string: ZADD on it is refused")
+    writer.book.served(_req("bravo"))
+    control._write_board(writer)  # refused: logged, not raised
+    assert writer._beats == 0
+    control.beat()
+    assert redis_client.exists(Keys().worker("w-ctl"))
