@@ -312,7 +312,8 @@ def report(results: dict[str, Any], phases: dict[str, Any], args: Any) -> dict[s
     return {"bench": "affinity", "conversations": args.conversations, "turns": args.turns,
             "system_words": args.system_words, "steal_ms": args.steal_ms, "model": "default",
             "device": "cpu", "phases": results, "checks": checks,
-            "records": {p: ph["records"] for p, ph in phases.items()}}
+            "records": {p: [{k: v for k, v in r.items() if k != "text"} for r in ph["records"]]
+                        for p, ph in phases.items()}}
 
 
 if __name__ == "__main__":
