@@ -23,6 +23,7 @@ LIFECYCLE_MARK = "## Request lifecycle"
 SECTIONS = [
     ("protocol", "torch-free wire contract"),
     ("protocol/tenants", "tenants on the wire: ids, the cache partition, the fair backlog"),
+    ("protocol/affinity", "prefix affinity: chunk hashes, workers' boards, preference marks"),
     ("protocol/structured", "structured output and tool calls on the wire"),
     ("protocol/lora", "the LoRA registry and adapter paths"),
     ("protocol/batch", "the Batch API's records and commands"),
@@ -49,6 +50,7 @@ SECTIONS = [
     ("worker/engine/lora", "multi-LoRA: many adapters over one base model in one batch"),
     ("worker/service", "the Redis worker process around the engine"),
     ("worker/service/intake", "stream entries -> admissions"),
+    ("worker/service/affinity", "what this worker's prefix cache holds, on its board"),
     ("worker/service/outbox", "events -> Redis"),
     ("worker/service/output_proc", "the output process"),
     ("worker/service/redis", "connections, leases, shards"),

@@ -18,6 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from protocol.affinity.router import AffinitySettings, Router
 from protocol.asubscription import AsyncSubscription, decode_all
 from protocol.cluster.enqueue import EnqueuePlan, aenqueue
 from protocol.cluster.keys import keys_for
@@ -62,6 +63,7 @@ class AsyncFerryClient:
         reconnect_timeout_s: float = 10.0,
         replication: Replication | None = None,
         shard_timeout_s: float = SHARD_TIMEOUT_S,
+        affinity: AffinitySettings | None = None,
     ) -> None:
         self.redis = client
         self.keys = keys or Keys()
@@ -71,6 +73,7 @@ class AsyncFerryClient:
         self.replication = replication or Replication()  # cluster only: WAIT after enqueue
         self.shard_timeout_s = shard_timeout_s
         self.shards = AsyncShards(client, self.keys, shard_timeout_s)  # cluster only
+        self.router = Router(self.keys, affinity)  # prefix affinity (protocol/affinity)
         self._hub: PubSubHub | None = None
 
     @property
@@ -111,11 +114,13 @@ class AsyncFerryClient:
         if self.keys.cluster:
             # each step may WAIT for a replica; past all that, the shard is not answering
             bound = 2 * (self.replication.timeout_ms / 1000 + self.shard_timeout_s)
-            plan = EnqueuePlan(self.keys, request, self.ttls, self.replication, weight)
+            plan = EnqueuePlan(self.keys, request, self.ttls, self.replication, weight,
+                               await self.router.amark_for(self.redis, request))
             await self.shards.run(self.keys.shard_of(request.request_id),
                                   aenqueue(self.redis, plan), bound)
             return request.request_id
-        script, keys, argv = enqueue_script(self.keys, request, self.ttls, weight)
+        script, keys, argv = enqueue_script(self.keys, request, self.ttls, weight,
+                                            await self.router.amark_for(self.redis, request))
         if await self.redis.eval(script, len(keys), *keys, *argv) is None:  # type: ignore[misc]
             raise DuplicateRequestError(f"request_id: {request.request_id!r} is already in use")
         return request.request_id

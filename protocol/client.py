@@ -20,6 +20,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from protocol.affinity.router import AffinitySettings, Router
 from protocol.cluster.enqueue import EnqueuePlan
 from protocol.cluster.enqueue import enqueue as cluster_enqueue
 from protocol.cluster.keys import keys_for
@@ -191,6 +192,7 @@ class FerryClient:
         poll_interval_s: float = 1.0,
         reconnect_timeout_s: float = 10.0,
         replication: Replication | None = None,
+        affinity: AffinitySettings | None = None,
     ) -> None:
         self.redis = client
         self.keys = keys or Keys()
@@ -198,6 +200,7 @@ class FerryClient:
         self.poll_interval_s = poll_interval_s
         self.reconnect_timeout_s = reconnect_timeout_s
         self.replication = replication or Replication()  # cluster only: WAIT after enqueue
+        self.router = Router(self.keys, affinity)  # prefix affinity (protocol/affinity)
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "ferry", cluster: bool = False,
@@ -218,9 +221,11 @@ class FerryClient:
         accepted once replicated (``NotReplicatedError`` otherwise)."""
         if self.keys.cluster:
             cluster_enqueue(self.redis, EnqueuePlan(self.keys, request, self.ttls,
-                                                    self.replication, weight))
+                                                    self.replication, weight,
+                                                    self.router.mark_for(self.redis, request)))
             return request.request_id
-        script, keys, argv = enqueue_script(self.keys, request, self.ttls, weight)
+        script, keys, argv = enqueue_script(self.keys, request, self.ttls, weight,
+                                            self.router.mark_for(self.redis, request))
         if self.redis.eval(script, len(keys), *keys, *argv) is None:
             raise DuplicateRequestError(f"request_id: {request.request_id!r} is already in use")
         return request.request_id

@@ -173,6 +173,11 @@ class Keys:
         """STRING holding the worker's msgpack WorkerHeartbeat; its TTL is its liveness."""
         return f"{self.prefix}:worker:{worker_id}"
 
+    def affinity(self, worker_id: str) -> str:
+        """ZSET: the chunk hashes the worker's prefix cache holds, scored by when it last
+        served them (``protocol/affinity/board.py``); bounded, expires with its heartbeat."""
+        return f"{self.prefix}:affinity:{worker_id}"
+
     # --- tokenizer requests: one hash tag per served model ------------------------------
     def tokenizer_requests(self, model: str) -> str:
         """LIST: msgpack TokenizerRequests (``protocol/tokenizer.py``) for the workers that

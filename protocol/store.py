@@ -132,13 +132,14 @@ class DuplicateRequestError(ValueError):
 
 
 def enqueue_script(
-    keys: Keys, request: GenerateRequest, ttls: Ttls, weight: float = 1.0
+    keys: Keys, request: GenerateRequest, ttls: Ttls, weight: float = 1.0, mark: bytes = b""
 ) -> tuple[str, list[str], list[Any]]:
     """(script, KEYS, ARGV) for ``EVAL``: job hash state=queued, then push the request
-    onto its tenant's fair backlog (``weight``: the tenant's share, ``protocol.tenants.fair``)."""
+    onto its tenant's fair backlog (``weight``: the tenant's share, ``protocol.tenants.fair``;
+    ``mark``: a preference for the worker holding its prefix, ``protocol/affinity/mark.py``)."""
     rid = request.request_id
     stream = keys.stream_for(rid, request.priority)
-    fair_keys, fair_argv = push_args(stream, request, weight, encode_request(request))
+    fair_keys, fair_argv = push_args(stream, request, weight, mark + encode_request(request))
     script_keys = [keys.job(rid), stream, keys.events(rid), keys.cancelled(rid), *fair_keys]
     argv = [rid, repr(request.created_at), request.model or "", ttls.job_s, *fair_argv]
     return ENQUEUE_LUA, script_keys, argv

@@ -47,6 +47,10 @@ FORBIDDEN = {
     "worker.engine.structured": ("worker.engine.sched", "worker.engine.runner",
                                  "worker.engine.sample", "worker.engine.engine"),
     "worker.service": ("gateway", "ferry"),
+    # prefix affinity: the wire side knows no client; the worker's books know no thread
+    "protocol.affinity": ("protocol.client", "protocol.aclient", "protocol.cluster.enqueue"),
+    "worker.service.affinity": ("worker.service.intake", "worker.service.sidecars",
+                                "worker.service.service", "worker.engine"),
     "worker.models": ("worker.engine", "worker.service", "gateway", "ferry"),
     "observability": ("protocol", "gateway", "worker", "kernels", "ferry"),
 }

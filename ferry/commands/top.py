@@ -76,10 +76,22 @@ def _prefix(stats: dict[str, Any]) -> Text:
     return Text(text, style="green" if rate >= 0.5 else "")
 
 
+def _affinity(stats: dict[str, Any]) -> Text:
+    """Prefix affinity: pulls offered to this worker by affinity / taken from another's
+    offer after the steal time, and the chunk hashes its board advertises; a dash for
+    workers with affinity off (or that do not report it)."""
+    if "affinity_pulled" not in stats:
+        return Text("-", style="dim")
+    own, stolen = int(_num(stats, "affinity_pulled")), int(_num(stats, "affinity_stolen"))
+    return Text(f"{own}/{stolen} {int(_num(stats, 'affinity_advertised'))}c",
+                style="yellow" if stolen > own else "")
+
+
 # (header, justify, narrowest terminal that shows it); the worker cell holds the model too.
 _COLUMNS = [
     ("worker", "left", 0), ("batch", "right", 0), ("wait", "right", 0),
     ("KV used", "right", 0), ("tok/s", "right", 0), ("history", "left", 120),
+    ("affinity", "right", 130),
     ("lag", "right", 0), ("reclaim", "right", 0), ("dead", "right", 0),
     ("preempt", "right", 96), ("prefix hit", "right", 110), ("restarts", "right", 96),
     ("beat", "right", 96),
@@ -109,7 +121,7 @@ def _worker_cells(w: WorkerView, restarts: list[RestartRecord]) -> dict[str, Ren
         "history": Text(sparkline(w.history), style="cyan"),
         "lag": _count(s, "queue_lag"), "reclaim": _count(s, "reclaimed"),
         "dead": _count(s, "dead_lettered", alert=True), "preempt": _count(s, "preemptions"),
-        "prefix hit": _prefix(s),
+        "prefix hit": _prefix(s), "affinity": _affinity(s),
         "restarts": Text(str(restarted), style="red" if restarted else ""),
         "beat": Text(f"{w.age_s:.0f}s", style="red" if w.age_s > 10 else "dim"),
     }

@@ -66,8 +66,9 @@ class EnqueuePlan:
     """The three steps of one request's enqueue, as commands (shared by both clients)."""
 
     def __init__(self, keys: Keys, request: GenerateRequest, ttls: Ttls,
-                 replication: Replication, weight: float = 1.0) -> None:
+                 replication: Replication, weight: float = 1.0, mark: bytes = b"") -> None:
         self.keys, self.request, self.ttls, self.weight = keys, request, ttls, weight
+        self.mark = mark  # a preference for the worker holding its prefix (protocol/affinity)
         self.replication = replication
         self.request_id = request.request_id
         self.stream = keys.stream_for(self.request_id, request.priority)
@@ -84,7 +85,7 @@ class EnqueuePlan:
         """The push onto the tenant's fair backlog of the shard's lane (``protocol.tenants.fair``):
         every key of it carries the stream's hash tag."""
         keys, argv = push_args(self.stream, self.request, self.weight,
-                               encode_request(self.request))
+                               self.mark + encode_request(self.request))
         return [("EVAL", PUSH_LUA, len(keys), *keys, *argv), *self._wait()]
 
     def record(self, entry_id: Any) -> list[tuple[Any, ...]]:

@@ -126,6 +126,9 @@ class ClusterKeys(Keys):
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{self.global_tag}:{worker_id}"
 
+    def affinity(self, worker_id: str) -> str:
+        return f"{self.prefix}:affinity:{self.global_tag}:{worker_id}"
+
     def tokens(self, request_id: str) -> str:
         return f"{self.prefix}:tokens:{request_tag(request_id)}"
 

@@ -45,6 +45,12 @@ MAX_WEIGHT = 1e3
 or infinite drove a counter, and from it the lane's floor, to infinity, where every tenant
 ties for good. The pull clamps a weight it finds outside this range (an older producer's)."""
 
+PREFER_SCAN = 16
+PREFER_TENANTS = 32
+"""How far a pull looks past requests offered to another worker (``protocol/affinity``):
+items per tenant's backlog, tenants in counter order. Past that it takes nothing this
+pass; the preferred worker, or any worker once the steal time passes, does."""
+
 DIRECT_COST = 64
 """What an adopted (directly XADDed) entry is charged up front; corrected when it ends."""
 
@@ -166,9 +172,11 @@ def push_args(keys_stream: str, request: GenerateRequest, weight: float,
 
 
 # KEYS: stream, ready, vtc, weights, bell. ARGV: group, consumer, count, direct cost,
-# default tenant, backlog key prefix. Returns {bell last id, stream last id, id, fields,
-# id, fields, ...}.
-PULL_LUA = _LIFT + """
+# default tenant, backlog key prefix. Returns {bell last id, stream last id, ms until the
+# soonest item passed over for another worker may be taken (-1: none), id, fields, ...}.
+PULL_LUA = _LIFT + f"""
+local SCAN, TENANTS = {PREFER_SCAN}, {PREFER_TENANTS}
+""" + """
 local stream, ready, vtc, w = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local group, me, prefix, dflt = ARGV[1], ARGV[2], ARGV[6], ARGV[5]
 local out, taken = {}, 0
@@ -192,25 +200,62 @@ if adopted then
     end
   end
 end
-for n = 1, tonumber(ARGV[3]) do
-  local low = redis.call('ZRANGE', ready, 0, 0, 'WITHSCORES')
-  if not low[1] then break end
-  local tenant, c = low[1], tonumber(low[2])
-  local item = redis.call('LPOP', prefix .. tenant)
-  if item then
-    local cost = tonumber(string.sub(item, 1, 12))
-    local origin = string.gsub(string.sub(item, 13, 60), ' ', '')
-    local fields = {'data', string.sub(item, 61), 'cost', cost, 'tenant', tenant}
-    if origin ~= '' then fields[#fields + 1] = 'origin'; fields[#fields + 1] = origin end
-    redis.call('XADD', stream, '*', unpack(fields))
-    local got = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', 1, 'STREAMS',
-                           stream, '>')
-    out[#out + 1] = got[1][2][1][1]
-    out[#out + 1] = got[1][2][1][2]
-    taken = taken + 1
-    c = c + cost / weight_of(w, tenant)
-    redis.call('HSET', vtc, tenant, c)
+-- a preference mark (protocol/affinity/mark.py) offers an item to one worker until its
+-- steal time: another worker looks past it, at most SCAN items deep in at most TENANTS
+-- tenants in counter order, and reports how soon the first it passed becomes free
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local soonest = -1
+local function pick(tenant)
+  local items = redis.call('LRANGE', prefix .. tenant, 0, SCAN - 1)
+  for i, item in ipairs(items) do
+    if string.byte(item, 61) ~= 64 then return i - 1, item, string.sub(item, 61), '', '' end
+    local nl = string.find(item, '\\n', 88, true)
+    local steal, who = tonumber(string.sub(item, 75, 87)), string.sub(item, 88, nl - 1)
+    if who == me or steal <= now then
+      return i - 1, item, string.sub(item, nl + 1), who, string.sub(item, 62, 74)
+    end
+    if soonest < 0 or steal - now < soonest then soonest = steal - now end
   end
+  return nil, #items
+end
+for n = 1, tonumber(ARGV[3]) do
+  local lows = redis.call('ZRANGE', ready, 0, TENANTS - 1, 'WITHSCORES')
+  if not lows[1] then break end
+  local tenant, c, at, item, data, who, marked
+  for j = 1, #lows, 2 do
+    local found
+    found, item, data, who, marked = pick(lows[j])
+    if found then tenant, c, at = lows[j], tonumber(lows[j + 1]), found; break end
+    if item == 0 then  -- an empty backlog left in the ready set: heal it, as the pop did
+      redis.call('ZREM', ready, lows[j])
+      redis.call('HSET', vtc, ':floor', tonumber(lows[j + 1]))
+    end
+  end
+  if not tenant then break end
+  if at == 0 then
+    redis.call('LPOP', prefix .. tenant)
+  else
+    redis.call('LSET', prefix .. tenant, at, ':taken:' .. me)
+    redis.call('LREM', prefix .. tenant, 1, ':taken:' .. me)
+  end
+  local cost = tonumber(string.sub(item, 1, 12))
+  local origin = string.gsub(string.sub(item, 13, 60), ' ', '')
+  local fields = {'data', data, 'cost', cost, 'tenant', tenant}
+  if origin ~= '' then fields[#fields + 1] = 'origin'; fields[#fields + 1] = origin end
+  if who ~= '' then
+    fields[#fields + 1] = 'prefer'; fields[#fields + 1] = who
+    fields[#fields + 1] = 'marked'; fields[#fields + 1] = marked
+    fields[#fields + 1] = 'pulled'; fields[#fields + 1] = tostring(now)
+  end
+  redis.call('XADD', stream, '*', unpack(fields))
+  local got = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', 1, 'STREAMS',
+                         stream, '>')
+  out[#out + 1] = got[1][2][1][1]
+  out[#out + 1] = got[1][2][1][2]
+  taken = taken + 1
+  c = c + cost / weight_of(w, tenant)
+  redis.call('HSET', vtc, tenant, c)
   if redis.call('LLEN', prefix .. tenant) > 0 then
     redis.call('ZADD', ready, c, tenant)
   else
@@ -223,6 +268,7 @@ if taken > 0 then
 end
 local last_bell = redis.call('XREVRANGE', KEYS[5], '+', '-', 'COUNT', 1)
 local last_entry = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+table.insert(out, 1, tostring(soonest))
 table.insert(out, 1, last_entry[1] and last_entry[1][1] or '0-0')
 table.insert(out, 1, last_bell[1] and last_bell[1][1] or '0-0')
 return out
@@ -243,16 +289,24 @@ def pull(r: Any, stream: str, group: str, consumer: str, count: int
          ) -> tuple[list[tuple[Any, dict[Any, Any]]], tuple[Any, Any]]:
     """Up to ``count`` entries for ``consumer`` from ``stream``'s fair backlog (sync
     client), as XREADGROUP would give them, and the (bell, stream) ids to block after."""
+    entries, marks, _soonest = pull_marked(r, stream, group, consumer, count)
+    return entries, marks
+
+
+def pull_marked(r: Any, stream: str, group: str, consumer: str, count: int
+                ) -> tuple[list[tuple[Any, dict[Any, Any]]], tuple[Any, Any], int]:
+    """``pull``, plus the milliseconds until the soonest request this pull passed over
+    (offered to another worker) may be taken by any worker (-1: none was passed over)."""
     reply = r.execute_command(
         "EVAL", PULL_LUA, 5, stream, ready(stream), counters(stream), weights(stream),
         bell(stream), group, consumer, count, DIRECT_COST, DEFAULT_TENANT,
         backlog(stream, ""))
     marks = (reply[0], reply[1])
     entries = []
-    for i in range(2, len(reply), 2):
+    for i in range(3, len(reply), 2):
         flat = reply[i + 1]
         entries.append((reply[i], dict(zip(flat[::2], flat[1::2], strict=True))))
-    return entries, marks
+    return entries, marks, int(reply[2])
 
 
 def queue_charge(pipe: Any, stream: str, tenant: str, tokens: int) -> None:

@@ -210,3 +210,14 @@ def test_a_workers_lora_adapters_are_listed(live: redis.Redis) -> None:
     text = _text(top_cmd.render(top_cmd.collect(live, KEYS)))
     assert [line for line in text.splitlines() if "LoRA sql support" in line]
     assert [line for line in text.splitlines() if "spec 2.50 tok/step" in line]
+
+
+def test_affinity_cell_shows_routes_and_the_board() -> None:
+    """Pulls by affinity / stolen after the steal time, and the advertised chunks; a dash
+    for a worker with affinity off."""
+    stats = dict(affinity_pulled=12, affinity_stolen=3, affinity_advertised=640)
+    assert top_cmd._affinity(stats).plain == "12/3 640c"
+    assert top_cmd._affinity({}).plain == "-"
+    view = top_cmd.WorkerView(worker_id="w", model="m", uptime_s=1.0, age_s=0.5,
+                              stats=stats, history=[])
+    assert _text(top_cmd._worker_cells(view, [])["affinity"]).strip() == "12/3 640c"

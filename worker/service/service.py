@@ -24,6 +24,7 @@ from protocol.keys import Keys
 from protocol.store import ensure_group
 from worker.engine.engine import Engine
 from worker.engine.health import DeviceFault
+from worker.service.affinity.setup import affinity_board
 from worker.service.intake.dead_letters import DeadLetters
 from worker.service.intake.fair_ledger import FairLedger
 from worker.service.intake.prompt_pool import PromptPool, build_with
@@ -77,12 +78,13 @@ class WorkerService:
         self.prompts = PromptPool(build_with(engine.prompts), self.mailbox,
                                   decode=engine.prompts.decode)
         self.ledger = FairLedger()
+        self.affinity = affinity_board(engine, settings, self.metrics)
         self.intake = Intake(settings, self.held, self.slots, self.mailbox, self.outbox,
                              engine.has_unfinished_requests, self.dead, self.prompts,
-                             self.ledger, self.gate)
+                             self.ledger, self.gate, self.affinity)
         self.book = StatsBook(engine.stats, self.metrics, self.ledger)
         self.control = Control(settings, self.held, self.mailbox, self._heartbeat_stats,
-                               self.gate)
+                               self.gate, self.affinity)
         self.tokenizer_responder = TokenizerResponder(settings, engine.prompts, engine.tokenizer,
                                                       lora=engine.lora)
         self.lora = LoraSync(settings, engine.lora, engine.config.lora_modules)
@@ -105,6 +107,7 @@ class WorkerService:
             outbox_depth=self.outbox.depth + self.table.outbox_depth,
             draining=self.draining, metrics_port=self.metrics_port,
         )) | self.lora.heartbeat \
+            | (self.affinity.heartbeat() if self.affinity else {}) \
             | ({"spec_fleet_published": self.drafts.published,
                 "spec_fleet_received": self.drafts.received} if self.drafts else {})
 

@@ -35,6 +35,10 @@ class FairReader:
         self.redis = redis
         self.gate = gate or ShardGate(settings)
         self.marks: dict[str, Any] = {}
+        # ms until the soonest request a pull passed over (offered to another worker by
+        # prefix affinity) may be taken here; -1: none. Bounds the next wait, so a steal
+        # happens on time even when no push rings a bell.
+        self.soonest_ms = -1
 
     def pull_lane(self, lane: list[str], rooms: dict[str, int], taken: int,
                   process: Process) -> int:
@@ -56,9 +60,11 @@ class FairReader:
         return got
 
     def _pull(self, stream: str, want: int, process: Process) -> int:
-        entries, (bell_id, last_id) = fair.pull(
+        entries, (bell_id, last_id), soonest = fair.pull_marked(
             self.redis, stream, self.keys.group, self.settings.worker_id, want)
         self.marks[fair.bell(stream)], self.marks[stream] = bell_id, last_id
+        if soonest >= 0 and (self.soonest_ms < 0 or soonest < self.soonest_ms):
+            self.soonest_ms = soonest
         if entries:
             process(stream, entries)
         return len(entries)
@@ -71,11 +77,14 @@ class FairReader:
                    if rooms.get(stream, 0) > 0 and stream in self.marks
                    for name in (fair.bell(stream), stream)}
         self.marks = {}
+        soonest, self.soonest_ms = self.soonest_ms, -1
         if not watched:
             return
         block = self.settings.busy_block_ms if busy else self.settings.idle_block_ms
         if self.keys.shards > 1:
             block = min(block, self.settings.busy_block_ms)
+        if soonest >= 0:  # wake when a request offered to another may be taken here
+            block = max(1, min(block, soonest + 1))
         self.gate.run(shard, self._block, watched, block, default=None, redis=self.redis)
 
     def _block(self, watched: dict[str, Any], block: int) -> None:

@@ -39,6 +39,7 @@ from protocol.streaming import decode_log
 from protocol.tenants import fair
 from protocol.tenants.ids import DEFAULT_TENANT
 from worker.service.active_job import ActiveJob
+from worker.service.affinity.board_writer import BoardWriter
 from worker.service.intake.dead_letters import DeadLetters
 from worker.service.intake.fair_ledger import FairLedger, fair_fields
 from worker.service.intake.fair_reader import FairReader
@@ -59,7 +60,7 @@ class Intake(threading.Thread):
         self, settings: WorkerSettings, held: HeldEntries, slots: Slots,
         mailbox: queue.Queue[Any], outbox: Outbox, busy: Callable[[], bool],
         dead: DeadLetters, prompts: PromptPool, ledger: FairLedger,
-        gate: ShardGate | None = None,
+        gate: ShardGate | None = None, affinity: BoardWriter | None = None,
     ) -> None:
         super().__init__(name="ferry-intake", daemon=True)
         self.settings = settings
@@ -87,6 +88,7 @@ class Intake(threading.Thread):
         self.ledger = ledger
         self.reader = FairReader(settings, self.redis, self.gate)
         self._lanes = {band: set(self.keys.lane_streams(band)) for band in PRIORITY_BANDS}
+        self.affinity = affinity  # prefix affinity: routes counted, served prompts booked
 
     @property
     def reclaimed(self) -> int:
@@ -155,10 +157,17 @@ class Intake(threading.Thread):
                           default=0, redis=self.redis)
         for band in PRIORITY_BANDS:  # highest lane first, without blocking
             lane = [stream for stream in order if stream in self._lanes[band]]
-            taken += self.reader.pull_lane(lane, rooms, taken,
-                                           lambda stream, got: self._process(stream, got, {}))
+            taken += self.reader.pull_lane(lane, rooms, taken, self._pulled)
         if not taken:
             self.reader.wait(first_shard, rooms, self.busy())
+
+    def _pulled(self, stream: str, entries: list[Any]) -> None:
+        """Entries a fair pull gave: their routes counted, then processed."""
+        if self.affinity is not None:
+            for _id, fields in entries:
+                if fields is not None:
+                    self.affinity.metrics.pulled_entry(fields, self.settings.worker_id)
+        self._process(stream, entries, {})
 
     def _process(self, stream: str, entries: list[Any], deliveries: dict[str, int]) -> None:
         """Decode, dead-letter the bad, then start the good ones in one round trip."""
@@ -270,6 +279,8 @@ class Intake(threading.Thread):
                          next_seq=len(events),
                          prior_tokens=sum(len(v) for v in admission.prior.values()))
             self.slots.take()
+            if self.affinity is not None:
+                self.affinity.book.served(request)
             self.prompts.submit(admission)
 
 

@@ -24,6 +24,7 @@ from protocol.codec import ProtocolError, decode_cancel
 from protocol.keys import Keys
 from protocol.models import WorkerHeartbeat
 from protocol.store import queue_commands, queue_lags, remove_heartbeat, write_heartbeat
+from worker.service.affinity.board_writer import BoardWriter
 from worker.service.jobs import Command
 from worker.service.redis.connection import (
     TRANSIENT_ERRORS,
@@ -44,7 +45,7 @@ StatsFn = Callable[[], dict[str, float | int | str]]
 class Control(threading.Thread):
     def __init__(
         self, settings: WorkerSettings, held: HeldEntries, mailbox: queue.Queue[Any],
-        stats: StatsFn, gate: ShardGate | None = None,
+        stats: StatsFn, gate: ShardGate | None = None, board: BoardWriter | None = None,
     ) -> None:
         super().__init__(name="ferry-control", daemon=True)
         self.settings = settings
@@ -62,6 +63,7 @@ class Control(threading.Thread):
         self.queue_lag = 0
         self.queue_depth = 0
         self.beats = 0
+        self.board = board  # the prefix-affinity board, written with each beat (or None)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread and remove the heartbeat (the worker is no longer live)."""
@@ -71,6 +73,9 @@ class Control(threading.Thread):
             pipe = self.redis.pipeline()
             remove_heartbeat(pipe, self.keys, self.settings.worker_id)
             pipe.execute()
+            if self.board is not None:
+                self.gate.run(self.gate.fleet_shard, self.board.remove, self.redis,
+                              default=None, redis=self.redis)
         except TRANSIENT_ERRORS as exc:
             log.warning("heartbeat_remove_failed", error=str(exc))
         self.redis.close()
@@ -174,10 +179,21 @@ class Control(threading.Thread):
         if self.gate.run(self.gate.fleet_shard, self._write, beat, default=False,
                          redis=self.redis):
             self.beats += 1
+            if self.board is not None:
+                self._write_board(self.board)
         elif not any(self.gate.usable(k) for k in range(self.keys.shards)):
             return
         if self.settings.health_file:
             Path(self.settings.health_file).touch()
+
+    def _write_board(self, board: BoardWriter) -> None:
+        """The affinity board, after the heartbeat: a failure to write it is logged and
+        never delays a beat (the next write is a full one)."""
+        try:
+            self.gate.run(self.gate.fleet_shard, board.write, self.redis, default=None,
+                          redis=self.redis)
+        except Exception as exc:
+            log.warning("affinity_board_write_failed", error=str(exc))
 
     def _write(self, beat: WorkerHeartbeat) -> bool:
         pipe = self.redis.pipeline()

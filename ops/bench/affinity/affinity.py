@@ -1,0 +1,320 @@
+"""Prefix affinity on a real stack: ``ferry up --workers 2`` (CPU, the default model), the
+conversations driven through the Redis client library (the producer side that marks).
+
+Phases, one stack, each on conversations of its own (so no phase feeds another's cache):
+
+* ``off``: N conversations x T turns, a ~1,000-token system prompt of its own each and a
+  growing history (each turn's messages hold the previous answers), affinity off;
+* ``on``: the same shape, affinity on;
+* ``single``: the same shape, every request offered to one worker with an unbounded
+  steal time: what one worker alone serves from its cache (the 0.9x reference);
+* ``skewed``: one system prompt shared by every conversation (a hot prefix), affinity on:
+  the share of the tokens each worker computed;
+* ``kill``: the ``on`` phase's conversations again (same texts, same seeds), affinity on,
+  one worker ``kill -9``ed once half the turns are done: every request must finish with
+  the ``on`` phase's output, and none may wait past the steal bound plus its own run.
+
+Each conversation runs its turns one after another, the conversations at once. Numbers
+per phase: prompt tokens served from the cache in turns 2..T, median time to first token
+(worker-measured from the request's creation, so queueing counts) of turns 2..T, and
+throughput (prompt + completion tokens per wall second). Writes
+``ops/bench/results/affinity.json``::
+
+    .venv/bin/python ops/bench/affinity/affinity.py                    # 16 x 4
+    .venv/bin/python ops/bench/affinity/affinity.py --conversations 8  # a loaded machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import redis  # noqa: E402
+
+from ferry.local_stack import free_port  # noqa: E402
+from protocol.affinity.mark import mark  # noqa: E402
+from protocol.affinity.router import AffinitySettings, Router  # noqa: E402
+from protocol.client import FerryClient  # noqa: E402
+from protocol.codec import decode_heartbeat  # noqa: E402
+from protocol.keys import Keys  # noqa: E402
+from protocol.models import ChatMessage, GenerateRequest, JobStatus, SamplingParams  # noqa: E402
+
+RESULT = ROOT / "ops" / "bench" / "results" / "affinity.json"
+WORDS = ["queue", "lease", "worker", "stream", "tenant", "prefix", "cache", "block", "token",
+         "batch", "prefill", "decode", "replica", "shard", "heartbeat", "cancel", "deadline",
+         "priority", "lane", "backlog", "fair", "share"]
+
+
+class Pinned(Router):
+    """Offers every request to one worker, with no steal: one worker alone."""
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(Keys(), AffinitySettings(enabled=True))
+        self.worker = worker
+
+    def mark_for(self, redis_client: Any, request: GenerateRequest) -> bytes:
+        now = int(time.time() * 1000)
+        return mark(self.worker, now, now + 3_600_000)
+
+
+def system_prompt(rng: random.Random, words: int) -> str:
+    return "You are the operations assistant. Context: " + " ".join(
+        rng.choice(WORDS) for _ in range(words)) + "."
+
+
+def conversation(tag: str, system: str, turns: int, answers: list[str], seed: int
+                 ) -> GenerateRequest:
+    msgs = [ChatMessage(role="system", content=system)]
+    for t in range(turns):
+        msgs.append(ChatMessage(role="user", content=f"({tag}) Question {t}: what happens "
+                                f"to the request when step {t} fails?"))
+        if t < turns - 1:
+            msgs.append(ChatMessage(role="assistant", content=answers[t]))
+    return GenerateRequest(messages=msgs, request_id=f"{tag}-t{turns}-{time.time_ns()}",
+                           params=SamplingParams(max_tokens=16, temperature=0.8,
+                                                 seed=seed + turns, ignore_eos=True))
+
+
+def run_phase(url: str, name: str, systems: list[str], turns: int, router: Router,
+              on_turn: Any = None, tag: str | None = None) -> dict[str, Any]:
+    """Every conversation in its own thread; returns the per-request records."""
+    records: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def one(c: int) -> None:
+        client = FerryClient(redis.Redis.from_url(url))
+        client.router = router
+        answers: list[str] = []
+        for t in range(1, turns + 1):
+            req = conversation(f"{tag or name}{c}", systems[c], t, answers, seed=1000 * c)
+            t0 = time.time()
+            status: JobStatus = client.generate(req, timeout=900)
+            answers.append(status.text)
+            u, tm = status.usage, status.timings
+            rec = {"conv": c, "turn": t, "worker": status.worker_id, "text": status.text,
+                   "state": status.state, "prompt": u.prompt_tokens if u else 0,
+                   "cached": u.cached_tokens if u else 0,
+                   "completion": u.completion_tokens if u else 0,
+                   "ttft_s": tm.ttft_s if tm else None, "queued_s": tm.queued_s if tm else None,
+                   "total_s": tm.total_s if tm else None, "wall_s": time.time() - t0}
+            with lock:
+                records.append(rec)
+            if on_turn is not None:
+                on_turn(len(records))
+        client.close()
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=one, args=(c,)) for c in range(len(systems))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return {"records": records, "wall_s": time.monotonic() - start}
+
+
+def summarize(phase: dict[str, Any]) -> dict[str, Any]:
+    recs = phase["records"]
+    later = [r for r in recs if r["turn"] >= 2]
+    tokens = sum(r["prompt"] + r["completion"] for r in recs)
+    ttft = sorted(r["ttft_s"] for r in later if r["ttft_s"] is not None)
+    per_worker: dict[str, int] = {}
+    for r in recs:  # the tokens each worker computed (prefill not served from cache + decode)
+        per_worker[r["worker"]] = per_worker.get(r["worker"], 0) + \
+            r["prompt"] - r["cached"] + r["completion"]
+    done = sum(per_worker.values()) or 1
+    return {
+        "requests": len(recs), "finished": sum(r["state"] == "done" for r in recs),
+        "cached_tokens_turns_2_on": sum(r["cached"] for r in later),
+        "prompt_tokens_turns_2_on": sum(r["prompt"] for r in later),
+        "ttft_median_s_turns_2_on": statistics.median(ttft),
+        "ttft_mean_s_turns_2_on": statistics.mean(ttft),
+        "ttft_p90_s_turns_2_on": ttft[int(0.9 * (len(ttft) - 1))],
+        # turns 2.. that found less than half their prompt cached: recomputed elsewhere
+        "misses_turns_2_on": sum(r["cached"] < r["prompt"] / 2 for r in later),
+        "throughput_tok_s": tokens / phase["wall_s"], "wall_s": phase["wall_s"],
+        "computed_share": {w: round(n / done, 3) for w, n in sorted(per_worker.items())},
+        "max_queued_s": max((r["queued_s"] or 0) for r in recs),
+    }
+
+
+def start_stack(tmp: Path, workers: int) -> tuple[subprocess.Popen[bytes],
+                                                  subprocess.Popen[bytes], str, str]:
+    rport, port = free_port(), free_port()
+    redis_proc = subprocess.Popen(["redis-server", "--port", str(rport), "--save", "",
+                                   "--appendonly", "no", "--dir", str(tmp)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{rport}/0"
+    env = dict(os.environ, FERRY_DEVICE="cpu", FERRY_KV_CACHE_BLOCKS="4096",
+               FERRY_PREFIX_AFFINITY="1")
+    log = (tmp / "up.log").open("wb")
+    up = subprocess.Popen([sys.executable, "-m", "ferry.cli", "up", "--workers", str(workers),
+                           "--port", str(port), "--redis-url", url, "--metrics-port", "0"],
+                          stdout=log, stderr=subprocess.STDOUT, env=env,
+                          start_new_session=True, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if up.poll() is not None:
+            raise RuntimeError(f"ferry up exited; see {tmp / 'up.log'}")
+        try:
+            ready = httpx.get(base + "/readyz", timeout=2)
+            if ready.status_code == 200 and int(ready.json().get("workers", 0)) >= workers:
+                return up, redis_proc, url, base
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("ferry up did not become ready")
+
+
+def routes(r: Any, keys: Keys) -> dict[str, dict[str, int]]:
+    """Every live worker's affinity counters, from its heartbeat."""
+    out = {}
+    for w in sorted(x.decode() for x in r.smembers(keys.workers)):
+        raw = r.get(keys.worker(w))
+        if raw:
+            stats = decode_heartbeat(raw).stats
+            out[w] = {k: int(stats.get(f"affinity_{k}", 0))
+                      for k in ("pulled", "stolen", "unmarked")}
+    return out
+
+
+def routed(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
+           ) -> dict[str, int]:
+    """Requests pulled during a phase, fleet-wide, by route (a restarted worker counts
+    from zero)."""
+    total = dict.fromkeys(("pulled", "stolen", "unmarked"), 0)
+    for w, counts in after.items():
+        for k, v in counts.items():
+            total[k] += v - before.get(w, {}).get(k, 0)
+    return total
+
+
+def worker_pid(up_pid: int, index: int) -> int:
+    """The live process of worker ``index`` of the ``ferry up`` with pid ``up_pid``."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if f"up-{up_pid}-{index}" in args and " worker" in args:
+            return int(pid)
+    raise RuntimeError(f"worker {index} of {up_pid} not found")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-words", type=int, default=560)  # ~1,000 tokens
+    parser.add_argument("--steal-ms", type=int, default=250)
+    parser.add_argument("--phases", default="off,on,single,skewed,kill")
+    parser.add_argument("--out", default=str(RESULT))
+    args = parser.parse_args()
+    rng = random.Random(0)
+    n, turns = args.conversations, args.turns
+    sets = {p: [f"[{p} {c}] " + system_prompt(rng, args.system_words) for c in range(n)]
+            for p in ("off", "on", "single")}
+    hot = system_prompt(rng, args.system_words)
+    sets["skewed"] = [hot] * n
+    sets["kill"] = sets["on"]
+    started, results, phases = time.monotonic(), {}, {}
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        up, redis_proc, url, _base = start_stack(tmp, 2)
+        try:
+            r = redis.Redis.from_url(url)
+            keys = FerryClient(r).keys
+            workers = sorted(w.decode() for w in r.smembers(keys.workers))
+            warm = FerryClient(r, affinity=AffinitySettings(enabled=False))
+            for i in range(4):  # one-time costs out of the way
+                warm.generate(GenerateRequest(prompt=f"warm {i} " * 50, params=SamplingParams(
+                    max_tokens=4)), timeout=600)
+            for p in args.phases.split(","):
+                settings = AffinitySettings(enabled=p != "off", steal_ms=args.steal_ms)
+                router: Router = Pinned(workers[0]) if p == "single" else \
+                    Router(keys, settings)
+                hook = None
+                if p == "kill":
+                    total, fired = n * turns, threading.Event()
+
+                    def hook(done: int, total: int = total, fired: threading.Event = fired
+                             ) -> None:
+                        if done >= total // 2 and not fired.is_set():
+                            fired.set()
+                            pid = worker_pid(up.pid, 0)
+                            os.kill(pid, signal.SIGKILL)
+                            print(f"kill -9 of worker 0 (pid {pid}) after {done} requests",
+                                  flush=True)
+                print(f"phase {p} ...", flush=True)
+                before = routes(r, keys)
+                phases[p] = run_phase(url, p, sets[p], turns, router, hook,
+                                      tag="on" if p == "kill" else p)
+                time.sleep(1.5)  # a heartbeat after the last request
+                results[p] = summarize(phases[p])
+                results[p]["routes"] = routed(before, routes(r, keys))
+                print(p, json.dumps({k: v for k, v in results[p].items()}), flush=True)
+        finally:
+            os.killpg(up.pid, signal.SIGINT)
+            try:
+                up.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
+            redis_proc.kill()
+    out = report(results, phases, args)
+    out.update({"seconds": round(time.monotonic() - started, 1), "cpus": os.cpu_count(),
+                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+
+
+def report(results: dict[str, Any], phases: dict[str, Any], args: Any) -> dict[str, Any]:
+    checks: dict[str, Any] = {}
+    on, off, single = results.get("on"), results.get("off"), results.get("single")
+    if on and single:
+        checks["cached_vs_one_worker"] = round(
+            on["cached_tokens_turns_2_on"] / max(1, single["cached_tokens_turns_2_on"]), 3)
+    if on and off:
+        for stat in ("median", "mean", "p90"):
+            checks[f"ttft_{stat}_on_vs_off"] = round(on[f"ttft_{stat}_s_turns_2_on"]
+                                                     / off[f"ttft_{stat}_s_turns_2_on"], 3)
+        checks["throughput_on_vs_off"] = round(on["throughput_tok_s"]
+                                               / off["throughput_tok_s"], 3)
+    if "skewed" in results:
+        checks["skewed_computed_share"] = results["skewed"]["computed_share"]
+    if "kill" in results and "on" in phases:
+        undisturbed = {(r["conv"], r["turn"]): r["text"] for r in phases["on"]["records"]}
+        killed = {(r["conv"], r["turn"]): r["text"] for r in phases["kill"]["records"]}
+        checks["kill_all_finished"] = results["kill"]["finished"] == results["kill"]["requests"]
+        checks["kill_outputs_identical"] = sum(undisturbed.get(k) == v for k, v in killed.items())
+        checks["kill_requests"] = len(killed)
+        checks["kill_max_queued_s"] = results["kill"]["max_queued_s"]
+    print(f"{'phase':8} {'cached t2+':>10} {'of prompt':>10} {'misses':>6} {'ttft p50':>8} "
+          f"{'mean':>6} {'p90':>6} {'tok/s':>8} {'wall s':>7}  computed share")
+    for p, s in results.items():
+        print(f"{p:8} {s['cached_tokens_turns_2_on']:10d} {s['prompt_tokens_turns_2_on']:10d} "
+              f"{s['misses_turns_2_on']:6d} {s['ttft_median_s_turns_2_on']:8.3f} "
+              f"{s['ttft_mean_s_turns_2_on']:6.3f} {s['ttft_p90_s_turns_2_on']:6.3f} "
+              f"{s['throughput_tok_s']:8.1f} {s['wall_s']:7.1f}  {s['computed_share']} "
+              f"{s['routes']}")
+    print(json.dumps(checks, indent=1))
+    return {"bench": "affinity", "conversations": args.conversations, "turns": args.turns,
+            "system_words": args.system_words, "steal_ms": args.steal_ms, "model": "default",
+            "device": "cpu", "phases": results, "checks": checks,
+            "records": {p: [{k: v for k, v in r.items() if k != "text"} for r in ph["records"]]
+                        for p, ph in phases.items()}}
+
+
+if __name__ == "__main__":
+    main()
