@@ -22,6 +22,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 from ferry.fleet import collect
 from ferry.recovery import RestartRecord
 from protocol.aclient import AsyncFerryClient
+from protocol.affinity.board import queue_advertise
 from protocol.keys import Keys
 from protocol.models import GenerateRequest, WorkerHeartbeat
 from protocol.store import Ttls, ensure_group, remove_heartbeat, write_heartbeat
@@ -401,3 +402,20 @@ def test_tokenizer_routes_as_gateway_and_worker_users(server: AclRedis) -> None:
     _denied(g.set, KEYS.tokenizer_requests("m"), b"x")
     _denied(w.lrem, KEYS.tokenizer_requests("m"), 1, b"x")
     _denied(w.set, KEYS.tokenizer_reply("m", "r"), b"x")
+
+
+def test_affinity_board_written_by_workers_read_by_producers(server: AclRedis) -> None:
+    """A worker advertises, trims, expires and drops its prefix board; the gateway and the
+    batcher read it (ZMSCORE) and can change none of it."""
+    key = KEYS.affinity("w1")
+    worker = server.client("ferry-worker")
+    pipe = worker.pipeline(transaction=False)
+    queue_advertise(pipe, key, {"h1": 1.0, "h2": 2.0}, removed=["h0"], ttl_ms=5000, cap=4)
+    pipe.execute()
+    for user in ("ferry-gateway", "ferry-batcher"):
+        producer = server.client(user)
+        assert producer.zmscore(key, ["h1", "h2", "h3"]) == [1.0, 2.0, None]
+        _denied(producer.zadd, key, {"h9": 9.0})
+        _denied(producer.delete, key)
+    worker.delete(key)
+    assert server.client("ferry-gateway").zmscore(key, ["h1"]) == [None]
