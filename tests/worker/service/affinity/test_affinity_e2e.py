@@ -82,8 +82,9 @@ def test_next_turns_go_to_the_worker_holding_the_conversation(
     assert sum(int(b["affinity_pulled"]) for b in beats.values()) == 8
     assert all(int(b["affinity_stolen"]) == 0 for b in beats.values())
     r = redis.Redis.from_url(redis_server.url)
+    # every worker that served a conversation advertises it (all four may land on one)
     assert all(r.zcard(KEYS.affinity(w)) > 0 and 0 < r.pttl(KEYS.affinity(w)) <= 1500
-               for w in workers)
+               for w in set(holders.values()))
     # with affinity off the producer marks nothing; the request is served all the same
     off = _client(redis_server.url, 30_000, enabled=False)
     assert off.generate(_turn(0, 4, "c0-off"), timeout=120).finish_reason == "length"
