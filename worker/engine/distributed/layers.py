@@ -65,19 +65,22 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(nn.Module):
     """Each rank scores its vocabulary rows; the logits are gathered in vocabulary order.
 
-    Ranks hold equal row counts (the last padded) so the gather has one shape; the
-    padding is cut off after it.
+    A short last share is padded on the logits (not the weight) so the gather has one
+    shape; the padding is cut off after it. With tied embeddings the head reuses the
+    embedding's shard rather than holding a second copy.
     """
 
-    def __init__(self, full: nn.Linear, rank: int, size: int) -> None:
+    def __init__(self, full: nn.Linear, rank: int, size: int,
+                 tied: VocabParallelEmbedding | None = None) -> None:
         super().__init__()
         self.vocab_size = full.out_features
+        self.part = -(-self.vocab_size // size)
         start, end = vocab_range(self.vocab_size, rank, size)
-        part = -(-self.vocab_size // size)
-        rows = full.weight.detach()[start:end]
-        pad = rows.new_zeros(part - rows.shape[0], rows.shape[1])
-        self.weight = nn.Parameter(torch.cat([rows, pad]).clone(), requires_grad=False)
+        self.weight = (tied.weight if tied is not None else
+                       nn.Parameter(full.weight.detach()[start:end].clone(),
+                                    requires_grad=False))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [..., vocab / size]
+        logits = F.linear(hidden, self.weight)  # [..., rows of this rank]
+        logits = F.pad(logits, (0, self.part - logits.shape[-1]))  # [..., vocab / size]
         return all_gather_last(logits)[..., :self.vocab_size]  # [..., vocab]

@@ -15,6 +15,7 @@ collectives with the group's timeout. Llama-, Qwen3- and Mixtral-style modules:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,8 +77,17 @@ def _shard_attention(attn: Any, config: Any, tp: TPConfig) -> None:
     attn.num_key_value_groups = (q_heads[1] - q_heads[0]) // (kv[1] - kv[0])
 
 
-def shard_model(model: Any, tp: TPConfig) -> Any:
-    """Replace ``model``'s weights with rank ``tp.rank``'s shards (a no-op at size 1)."""
+def _noop(module: Any) -> None:
+    return None
+
+
+def shard_model(model: Any, tp: TPConfig, materialise: Callable[[Any], None] = _noop) -> Any:
+    """Replace ``model``'s weights with rank ``tp.rank``'s shards (a no-op at size 1).
+
+    ``materialise(module)`` runs on each module just before it is sharded: a loader that
+    built the model on the meta device fills that one module's full weights there, so no
+    more than one full weight exists at a time.
+    """
     if not tp.enabled:
         return model
     config: Any = model.config
@@ -85,16 +95,26 @@ def shard_model(model: Any, tp: TPConfig) -> Any:
     module: Any
     for module in list(model.modules()):
         if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
+            materialise(module)
             _shard_attention(module, config, tp)
         if isinstance(getattr(module, "gate_proj", None), nn.Linear):
+            materialise(module)
             module.gate_proj = ColumnParallelLinear(module.gate_proj, tp.rank, tp.size)
             module.up_proj = ColumnParallelLinear(module.up_proj, tp.rank, tp.size)
             module.down_proj = RowParallelLinear(module.down_proj, tp.rank, tp.size)
         experts = getattr(module, "experts", None)
         if experts is not None and hasattr(experts, "gate_up_proj"):
+            materialise(experts)
             module.experts = _ReducedExperts(experts, tp.rank, tp.size)
         if isinstance(getattr(module, "embed_tokens", None), nn.Embedding):
+            materialise(module.embed_tokens)
             module.embed_tokens = VocabParallelEmbedding(module.embed_tokens, tp.rank, tp.size)
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
-        model.lm_head = ParallelLMHead(model.lm_head, tp.rank, tp.size)
+        embed = model.get_input_embeddings()
+        tied = getattr(config, "tie_word_embeddings", False) and isinstance(
+            embed, VocabParallelEmbedding)
+        if not tied:
+            materialise(model.lm_head)
+        model.lm_head = ParallelLMHead(model.lm_head, tp.rank, tp.size,
+                                       tied=embed if tied else None)
     return model

@@ -60,3 +60,33 @@ def test_heads_that_do_not_divide_are_refused_before_any_weight_moves() -> None:
     model = _model("llama_gqa")
     with pytest.raises(TensorParallelError, match="size 3 does not divide the model's 4"):
         shard_model(model, TPConfig(size=3, rank=0))
+
+
+def _loaded_rank(rank: int, ckpt: str, init_method: str, result: str) -> None:
+    torch.set_num_threads(1)
+    from worker.engine.distributed.sharded_load import load_sharded
+    tp = TPConfig(size=SIZE, rank=rank)
+    init_group(tp, GroupSpec(init_method, 30.0), "cpu")
+    try:
+        ids = torch.tensor([[5, 17, 3, 60, 9, 44, 2, 31]])
+        model = load_sharded(ckpt, tp)
+        full = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager").eval()
+        with torch.no_grad():
+            got = model(ids, use_cache=False).logits
+            want = full(ids, use_cache=False).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        mine = sum(p.numel() * p.element_size() for p in model.parameters())
+        whole = sum(p.numel() * p.element_size() for p in full.parameters())
+        Path(f"{result}.{rank}").write_text(f"{mine / whole:.4f}")
+    finally:
+        close_group()
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "qwen3"])
+def test_each_rank_loads_only_its_shards(family: str, tmp_path: Path) -> None:
+    _model(family).save_pretrained(tmp_path / "ckpt")
+    result = tmp_path / "ratio"
+    mp.spawn(_loaded_rank, args=(str(tmp_path / "ckpt"), f"file://{tmp_path}/rdv",
+                                 str(result)), nprocs=SIZE, join=True)
+    for rank in range(SIZE):
+        assert float(Path(f"{result}.{rank}").read_text()) <= 0.55
