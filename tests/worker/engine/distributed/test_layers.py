@@ -1,5 +1,5 @@
 """Tensor-parallel layers on two gloo ranks equal the unsharded layers, and a dead rank
-turns into an error on the survivor within the group's timeout."""
+or hangs turns into an error on the survivor within the group's timeout."""
 
 from __future__ import annotations
 
@@ -83,3 +83,35 @@ def test_a_dead_rank_fails_the_collective_in_bounded_time(tmp_path: Path) -> Non
     outcome, seconds = result.read_text().rsplit(" ", 1)
     assert outcome.startswith("raised"), outcome
     assert float(seconds) <= 30.0
+
+
+def _hanging_rank(rank: int, init_method: str, result: str) -> None:
+    torch.set_num_threads(1)
+    init_group(TPConfig(size=SIZE, rank=rank), GroupSpec(init_method, 3.0), "cpu")
+    if rank == 1:
+        time.sleep(20)  # alive but never joins the collective: a hung rank
+        os._exit(0)
+    started = time.monotonic()
+    try:
+        torch.distributed.all_reduce(torch.ones(4))
+        outcome = "returned"
+    except RuntimeError:
+        outcome = "raised"
+    Path(result).write_text(f"{outcome} {time.monotonic() - started:.1f}")
+    os._exit(0)
+
+
+def test_a_hung_rank_fails_the_collective_at_the_timeout(tmp_path: Path) -> None:
+    result = tmp_path / "result"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_hanging_rank,
+                         args=(r, f"file://{tmp_path}/rendezvous", str(result)))
+             for r in range(SIZE)]
+    for p in procs:
+        p.start()
+    procs[0].join(timeout=60)
+    outcome, seconds = result.read_text().rsplit(" ", 1)
+    for p in procs:
+        p.join(timeout=60)
+    assert outcome == "raised", outcome
+    assert 2.0 <= float(seconds) <= 15.0
