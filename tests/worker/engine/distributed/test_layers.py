@@ -1,5 +1,5 @@
-"""Tensor-parallel layers on two gloo ranks equal the unsharded layers, and a dead rank
-or hangs turns into an error on the survivor within the group's timeout."""
+"""Tensor-parallel layers on two gloo ranks equal the unsharded layers, and a rank that
+dies or hangs turns into an error on the survivor within the group's timeout."""
 
 from __future__ import annotations
 
