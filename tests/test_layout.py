@@ -44,6 +44,10 @@ FORBIDDEN = {
                              "worker.engine.sched.running_walk",
                              "worker.engine.sched.batch_rows", "worker.engine.engine"),
     "worker.engine.runner": ("worker.engine.sample", "worker.engine.engine"),
+    # tensor parallelism: the group, the shard plan and the layers know no engine step
+    "worker.engine.distributed": ("worker.engine.sched", "worker.engine.runner",
+                                  "worker.engine.sample", "worker.engine.output",
+                                  "worker.engine.engine"),
     "worker.engine.structured": ("worker.engine.sched", "worker.engine.runner",
                                  "worker.engine.sample", "worker.engine.engine"),
     "worker.service": ("gateway", "ferry"),

@@ -1,0 +1,68 @@
+"""The tensor-parallel process group on torch.distributed: NCCL on CUDA, gloo on CPU.
+
+Every collective carries the group's timeout, so a rank that dies or hangs turns into an
+error on the others within a bounded time instead of a worker stuck forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from worker.engine.distributed.tp_config import TPConfig
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """How the ranks of one worker meet: a rendezvous address and a collective timeout."""
+
+    init_method: str  # e.g. "tcp://127.0.0.1:29517" or "file:///tmp/ferry-tp"
+    timeout_s: float = 30.0
+
+
+def backend_for(device_type: str) -> str:
+    """NCCL for CUDA tensors, gloo for everything else."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_group(tp: TPConfig, spec: GroupSpec, device_type: str) -> None:
+    """Join this process to the worker's tensor-parallel group (a no-op at size 1)."""
+    if not tp.enabled:
+        return
+    dist.init_process_group(
+        backend=backend_for(device_type), init_method=spec.init_method,
+        world_size=tp.size, rank=tp.rank, timeout=timedelta(seconds=spec.timeout_s))
+
+
+def close_group() -> None:
+    """Leave the group, if this process joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks in place (the row-parallel layers' one reduction)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's equal-shaped ``x`` along the last dimension, rank order."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Rank ``src``'s ``obj`` on every rank (how rank 0 hands its step to the others)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,86 @@
+"""The tensor-parallel layers: each holds one rank's shard and does one collective.
+
+Column-parallel linears (q/k/v, gate/up) keep their output split and need no collective;
+row-parallel linears (o, down) sum partial outputs with one all-reduce; the embedding and
+LM head split the vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.engine.distributed.group import all_gather_last, all_reduce_sum
+from worker.engine.distributed.sharding import column_shard, row_shard, vocab_range
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y[..., shard] = x @ W[shard].T``: the output features of this rank, no collective."""
+
+    def __init__(self, full: nn.Linear, rank: int, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(column_shard(full.weight.detach(), rank, size).clone(),
+                                   requires_grad=False)
+        bias = full.bias
+        self.bias = (None if bias is None else
+                     nn.Parameter(column_shard(bias.detach(), rank, size).clone(),
+                                  requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [..., out / size]
+
+
+class RowParallelLinear(nn.Module):
+    """``y = sum over ranks of x[..., shard] @ W[:, shard].T``, plus the bias once."""
+
+    def __init__(self, full: nn.Linear, rank: int, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(row_shard(full.weight.detach(), rank, size).clone(),
+                                   requires_grad=False)
+        self.bias = (None if full.bias is None else
+                     nn.Parameter(full.bias.detach().clone(), requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce_sum(F.linear(x, self.weight))  # [..., out]
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank embeds the ids in its vocabulary range, zeros elsewhere; one all-reduce."""
+
+    def __init__(self, full: nn.Embedding, rank: int, size: int) -> None:
+        super().__init__()
+        self.start, self.end = vocab_range(full.num_embeddings, rank, size)
+        self.weight = nn.Parameter(full.weight.detach()[self.start:self.end].clone(),
+                                   requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.start) & (ids < self.end)  # [...]
+        local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
+        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce_sum(out)  # [..., hidden]
+
+
+class ParallelLMHead(nn.Module):
+    """Each rank scores its vocabulary rows; the logits are gathered in vocabulary order.
+
+    A short last share is padded on the logits (not the weight) so the gather has one
+    shape; the padding is cut off after it. With tied embeddings the head reuses the
+    embedding's shard rather than holding a second copy.
+    """
+
+    def __init__(self, full: nn.Linear, rank: int, size: int,
+                 tied: VocabParallelEmbedding | None = None) -> None:
+        super().__init__()
+        self.vocab_size = full.out_features
+        self.part = -(-self.vocab_size // size)
+        start, end = vocab_range(self.vocab_size, rank, size)
+        self.weight = (tied.weight if tied is not None else
+                       nn.Parameter(full.weight.detach()[start:end].clone(),
+                                    requires_grad=False))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)  # [..., rows of this rank]
+        logits = F.pad(logits, (0, self.part - logits.shape[-1]))  # [..., vocab / size]
+        return all_gather_last(logits)[..., :self.vocab_size]  # [..., vocab]

@@ -1,0 +1,120 @@
+"""Shard a transformers decoder in place for one rank: our own plan, by module name.
+
+Our own plan rather than transformers' ``tp_plan``: the paged path needs each rank's
+attention to see whole local heads (and KV heads replicated when there are fewer than
+ranks, which transformers' plans do not do), and the row-parallel outputs summed by our
+collectives with the group's timeout. Llama-, Qwen3- and Mixtral-style modules:
+
+- q_proj by query heads, k_proj/v_proj by KV heads (replicated below the size), o_proj
+  by rows: one all-reduce per attention block;
+- gate_proj/up_proj by columns, down_proj by rows: one all-reduce per MLP;
+- fused experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) by the
+  intermediate size: one all-reduce per MoE block;
+- embed_tokens and lm_head by vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.engine.distributed.group import all_reduce_sum
+from worker.engine.distributed.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from worker.engine.distributed.sharding import even_range, head_shard, kv_head_range
+from worker.engine.distributed.tp_config import TPConfig, check_heads
+
+
+class _HeadLinear(nn.Module):
+    """A q/k/v projection cut to heads ``[start, end)``."""
+
+    def __init__(self, full: nn.Linear, head_dim: int, heads: tuple[int, int]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(head_shard(full.weight.detach(), head_dim, heads).clone(),
+                                   requires_grad=False)
+        self.bias = (None if full.bias is None else nn.Parameter(
+            head_shard(full.bias.detach(), head_dim, heads).clone(), requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)  # [..., local heads * d]
+
+
+class _ReducedExperts(nn.Module):
+    """Fused experts holding one rank's intermediate slice; their sum is all-reduced."""
+
+    def __init__(self, experts: Any, rank: int, size: int) -> None:
+        super().__init__()
+        inter = experts.down_proj.shape[-1]
+        start, end = even_range(inter, rank, size)
+        gate_up = experts.gate_up_proj.detach()  # [E, 2I, H]
+        shard = torch.cat([gate_up[:, start:end], gate_up[:, inter + start:inter + end]], 1)
+        experts.gate_up_proj = nn.Parameter(shard.clone(), requires_grad=False)
+        experts.down_proj = nn.Parameter(experts.down_proj.detach()[..., start:end].clone(),
+                                         requires_grad=False)
+        experts.intermediate_dim = end - start
+        self.inner = experts
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return all_reduce_sum(self.inner(*args, **kwargs))  # [tokens, hidden]
+
+
+def _shard_attention(attn: Any, config: Any, tp: TPConfig) -> None:
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = attn.head_dim
+    q_heads = even_range(heads, tp.rank, tp.size)
+    kv = kv_head_range(kv_heads, tp.rank, tp.size)
+    attn.q_proj = _HeadLinear(attn.q_proj, head_dim, q_heads)
+    attn.k_proj = _HeadLinear(attn.k_proj, head_dim, kv)
+    attn.v_proj = _HeadLinear(attn.v_proj, head_dim, kv)
+    attn.o_proj = RowParallelLinear(attn.o_proj, tp.rank, tp.size)
+    attn.num_key_value_groups = (q_heads[1] - q_heads[0]) // (kv[1] - kv[0])
+
+
+def _noop(module: Any) -> None:
+    return None
+
+
+def shard_model(model: Any, tp: TPConfig, materialise: Callable[[Any], None] = _noop) -> Any:
+    """Replace ``model``'s weights with rank ``tp.rank``'s shards (a no-op at size 1).
+
+    ``materialise(module)`` runs on each module just before it is sharded: a loader that
+    built the model on the meta device fills that one module's full weights there, so no
+    more than one full weight exists at a time.
+    """
+    if not tp.enabled:
+        return model
+    config: Any = model.config
+    check_heads(tp.size, config.num_attention_heads, config.num_key_value_heads)
+    module: Any
+    for module in list(model.modules()):
+        if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
+            materialise(module)
+            _shard_attention(module, config, tp)
+        if isinstance(getattr(module, "gate_proj", None), nn.Linear):
+            materialise(module)
+            module.gate_proj = ColumnParallelLinear(module.gate_proj, tp.rank, tp.size)
+            module.up_proj = ColumnParallelLinear(module.up_proj, tp.rank, tp.size)
+            module.down_proj = RowParallelLinear(module.down_proj, tp.rank, tp.size)
+        experts = getattr(module, "experts", None)
+        if experts is not None and hasattr(experts, "gate_up_proj"):
+            materialise(experts)
+            module.experts = _ReducedExperts(experts, tp.rank, tp.size)
+        if isinstance(getattr(module, "embed_tokens", None), nn.Embedding):
+            materialise(module.embed_tokens)
+            module.embed_tokens = VocabParallelEmbedding(module.embed_tokens, tp.rank, tp.size)
+    if isinstance(getattr(model, "lm_head", None), nn.Linear):
+        embed = model.get_input_embeddings()
+        tied = getattr(config, "tie_word_embeddings", False) and isinstance(
+            embed, VocabParallelEmbedding)
+        if not tied:
+            materialise(model.lm_head)
+        model.lm_head = ParallelLMHead(model.lm_head, tp.rank, tp.size,
+                                       tied=embed if tied else None)
+    return model

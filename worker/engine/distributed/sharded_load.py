@@ -1,0 +1,77 @@
+"""Load one rank's shards of a safetensors checkpoint without the whole model in memory.
+
+The model is built on the meta device; each module that the shard plan cuts is filled
+from the (memory-mapped) checkpoint just before it is cut, so at most one full weight is
+resident besides this rank's shards. Modules left whole (norms, routers) are filled last,
+and the rotary embedding, whose buffers no checkpoint holds, is rebuilt on the host.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from worker.engine.distributed.shard_model import shard_model
+from worker.engine.distributed.tp_config import TPConfig
+
+_TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+class _Checkpoint:
+    """Tensor names to their safetensors file, read one tensor at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self.files: dict[str, Any] = {}
+        self.where: dict[str, str] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            handle = safe_open(str(file), framework="pt")
+            self.files[str(file)] = handle
+            for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                self.where[key] = str(file)
+        if not self.where:
+            raise FileNotFoundError(f"no .safetensors files under {path}")
+
+    def get(self, name: str) -> torch.Tensor:
+        key = name if name in self.where else _TIED.get(name, name)
+        if key not in self.where:
+            raise KeyError(f"the checkpoint has no tensor {name!r}")
+        return self.files[self.where[key]].get_tensor(key)
+
+
+def _filler(ckpt: _Checkpoint, names: dict[int, str], dtype: torch.dtype) -> Any:
+    def fill(module: nn.Module) -> None:
+        prefix = names[id(module)]
+        for local, param in list(module.named_parameters(recurse=True)):
+            if param.device.type != "meta":
+                continue
+            owner = module.get_submodule(local.rpartition(".")[0]) if "." in local else module
+            full = ckpt.get(f"{prefix}.{local}").to(dtype)
+            setattr(owner, local.rpartition(".")[2], nn.Parameter(full, requires_grad=False))
+    return fill
+
+
+def load_sharded(path: str | Path, tp: TPConfig, dtype: torch.dtype = torch.float32,
+                 attn_implementation: str = "eager") -> Any:
+    """Rank ``tp.rank``'s model from a local safetensors checkpoint (dense families)."""
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path)
+    config._attn_implementation = attn_implementation
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    ckpt = _Checkpoint(path)
+    names = {id(m): name for name, m in model.named_modules()}
+    fill = _filler(ckpt, names, dtype)
+    shard_model(model, tp, materialise=fill)
+    for name, module in list(model.named_modules()):
+        names[id(module)] = name
+        if name.endswith("rotary_emb"):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, type(module)(config=config))
+        elif any(p.device.type == "meta" for p in module.parameters(recurse=False)):
+            _filler(ckpt, names, dtype)(module)
+    return model.eval()
