@@ -14,6 +14,7 @@ import torch
 
 from worker.engine.config import ModelConfig
 from worker.engine.runner.attention import interface as attention
+from worker.engine.runner.attention.layer_features import prepare_layers
 from worker.engine.runner.cpu.gemv_calibration import set_gemv_rows
 from worker.engine.runner.cpu.packed_linear import PackedLinear, pack_linears
 from worker.engine.runner.cpu.step_threads import serial_tokens
@@ -105,6 +106,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except OSError as exc:
         raise ValueError(f"cannot load model weights or tokenizer from {path!r}: {exc}") from exc
     model = model.to(device).eval()  # type: ignore[arg-type]
+    prepare_layers(model)
     gemv_rows: dict[str, int] = {}
     if device.type == "cpu" and cfg.pack_weights and pack_linears(model):
         packed = [m for m in model.modules() if isinstance(m, PackedLinear)]

@@ -17,6 +17,11 @@ import torch
 from kernels import cpu_decode_attention
 from worker.engine.health import EngineHealth
 from worker.engine.runner.attention import torch_backends as attention_torch
+from worker.engine.runner.attention.layer_features import (
+    CHUNK_ATTR,
+    TEMPERATURE_ATTR,
+    temperature_scales,
+)
 from worker.engine.runner.attention.metadata import AttentionBackend, ForwardContext
 
 ATTENTION_NAME = "ferry_paged"
@@ -75,17 +80,27 @@ def ferry_paged_attention(
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The function transformers calls in every attention layer; returns [1, T, Hq, D]."""
+    """The function transformers calls in every attention layer; returns [1, T, Hq, D].
+    ``s_aux``: gpt-oss's attention sinks, one logit per query head. The module may carry
+    a chunk size and a NoPE temperature (``layer_features.prepare_layers``)."""
     ctx: ForwardContext | None = kwargs.get("ferry_ctx")
     if ctx is None:
         raise RuntimeError("ferry_paged attention called without a ForwardContext")
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    temperature = getattr(module, TEMPERATURE_ATTR, None)
+    if temperature is not None:
+        if ctx.positions is None:
+            raise RuntimeError("a layer scales queries by position, and the step has none")
+        scales = temperature_scales(ctx.positions, *temperature).view(1, 1, -1, 1)
+        query = (query * scales).to(query.dtype)  # [1, Hq, T, D]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     out = ctx.backend.forward(
-        q, k, v, ctx.kv_caches[layer], ctx.meta, scale, sliding_window, softcap
+        q, k, v, ctx.kv_caches[layer], ctx.meta, scale, sliding_window, softcap,
+        sinks=s_aux, chunk=getattr(module, CHUNK_ATTR, None),
     )
     return out.unsqueeze(0), None
 
