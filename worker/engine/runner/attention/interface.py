@@ -25,6 +25,32 @@ from worker.engine.runner.attention.layer_features import (
 from worker.engine.runner.attention.metadata import AttentionBackend, ForwardContext
 
 ATTENTION_NAME = "ferry_paged"
+# Keyword arguments transformers' layers pass along that carry nothing attention needs
+# (bookkeeping for other parts of the forward). Any other keyword with a value is a
+# feature Ferry does not implement, and the call is refused (``check_kwargs``).
+IGNORED_KWARGS = frozenset({"ferry_ctx", "position_ids", "use_cache", "output_attentions",
+                            "output_router_logits", "cache_position", "position_embeddings"})
+
+
+class UnsupportedAttention(ValueError):
+    """A layer asked the attention function for a feature Ferry does not implement."""
+
+
+def check_kwargs(module: torch.nn.Module, attention_mask: torch.Tensor | None,
+                 kwargs: dict[str, Any]) -> None:
+    """Refuse a mask tensor (Ferry's masks are causal, windowed or chunked, built from
+    the metadata) and keyword arguments it would silently drop."""
+    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if attention_mask is not None:
+        raise UnsupportedAttention(f"{where} passes an attention mask tensor; Ferry builds "
+                                   "its own causal masks")
+    if kwargs.get("is_causal") is False:
+        raise UnsupportedAttention(f"{where} asks for non-causal (bidirectional) attention")
+    unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED_KWARGS
+                     and k != "is_causal" and v is not None and v is not False)
+    if unknown:
+        raise UnsupportedAttention(f"{where} passes attention keyword arguments Ferry does "
+                                   f"not implement: {', '.join(unknown)}")
 
 
 def make_backend(
@@ -89,6 +115,10 @@ def ferry_paged_attention(
     ctx: ForwardContext | None = kwargs.get("ferry_ctx")
     if ctx is None:
         raise RuntimeError("ferry_paged attention called without a ForwardContext")
+    if attention_mask is not None or not IGNORED_KWARGS.issuperset(kwargs):
+        check_kwargs(module, attention_mask, kwargs)
+    if dropout:
+        raise UnsupportedAttention(f"attention dropout {dropout} (a model in training mode)")
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     temperature = getattr(module, TEMPERATURE_ATTR, None)
