@@ -6,6 +6,7 @@ group) and stream that head's keys/values from the paged cache in ``BLOCK_N``-to
 tiles, keeping a flash-attention online softmax in fp32:
 
     s     = (q . k) * scale            (optionally cap * tanh(s / cap))
+    (keys hidden by causality, a sliding window or a local-attention chunk: s = -inf)
     m'    = max(m, rowmax(s))
     l     = l * 2^(m - m') + rowsum(2^(s - m'))
     acc   = acc * 2^(m - m') + 2^(s - m') @ v
@@ -60,6 +61,7 @@ def attend_kv_range(
     kv_lo,  # first key position to visit
     kv_hi,  # one past the last key position to visit (<= context length)
     window,  # sliding window (used when SLIDING)
+    chunk,  # local-attention chunk size (used when CHUNKED): keys of the row's own chunk
     k_cache_ptr,
     v_cache_ptr,  # [num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM]
     block_table_ptr,  # this sequence's row of the block table
@@ -78,6 +80,7 @@ def attend_kv_range(
     SLIDING: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     UPCAST: tl.constexpr,
+    CHUNKED: tl.constexpr = False,
 ):
     """Online softmax over keys [kv_lo, kv_hi); returns (acc [M, D] fp32, l [M], m [M])."""
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -105,6 +108,8 @@ def attend_kv_range(
             allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
         if SLIDING:
             allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
+        if CHUNKED:
+            allowed = allowed & (offs_n[None, :] >= (q_pos // chunk * chunk)[:, None])
         s = tl.where(allowed, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [M]
@@ -117,3 +122,13 @@ def attend_kv_range(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def normalise_rows(acc, l_i, m_i, sink):
+    """acc / l with an attention sink (``sink`` [M], log2 domain) joining each row's
+    denominator: a logit with no value. Rows that saw no key (m = -inf) give 0."""
+    top = tl.maximum(m_i, sink)  # finite: the sink is
+    alpha = tl.exp2(m_i - top)  # 0 for a row with no key
+    total = l_i * alpha + tl.exp2(sink - top)
+    return acc * (alpha / total)[:, None]

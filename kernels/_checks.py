@@ -118,3 +118,17 @@ def soft_cap_arg(logits_soft_cap: float | None) -> float:
     if logits_soft_cap is None:
         return 0.0
     return max(0.0, float(logits_soft_cap))
+
+
+def sinks_arg(sinks: torch.Tensor | None, num_q_heads: int,
+              device: torch.device) -> torch.Tensor | None:
+    """Attention-sink logits as the kernels read them: [num_q_heads] contiguous fp32."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (num_q_heads,):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a [{num_q_heads}] tensor (one per query head), "
+                         f"got {shape}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device}, the queries on {device}")
+    return sinks.detach().to(torch.float32).contiguous()

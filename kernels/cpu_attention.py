@@ -26,12 +26,13 @@ def paged_decode_sdpa(
     scale: float,
     max_seq_len: int,
     sliding_window: int | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Gather each sequence's blocks, then one masked SDPA over the batch; [S, Hq, D]."""
     num_seqs, num_q_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     nb = max(1, -(-max_seq_len // block_size))
-    mask = decode_key_mask(nb * block_size, seq_lens, sliding_window)  # [S, L]
+    mask = decode_key_mask(nb * block_size, seq_lens, sliding_window, chunk_size)  # [S, L]
     hidden = (~mask).view(-1).nonzero().squeeze(1)  # flat [S*L] positions
     k = _zeroed(gather_kv(k_cache, block_tables, nb), hidden).transpose(1, 2)  # [S, Hkv, L, D]
     v = _zeroed(gather_kv(v_cache, block_tables, nb), hidden).transpose(1, 2)

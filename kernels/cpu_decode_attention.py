@@ -8,8 +8,9 @@ head dim 64, fp32 cache, one layer, 2 threads): 2.2 ms (17 GB/s of K/V), against
 for gather + SDPA and 44 ms for the reference (``ops/bench/engine/cpu_ops.py``).
 
 Equal to ``kernels.reference.paged_decode_attention`` within fp32 rounding, sliding
-window and logit soft cap included. The cache may be float32 or bfloat16; queries of any
-float dtype are computed in fp32 and the output has the query's dtype.
+window, logit soft cap, attention sinks and chunked local attention included. The cache
+may be float32 or bfloat16; queries of any float dtype are computed in fp32 and the
+output has the query's dtype.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _kernel() -> Callable[..., int]:
     fn = load("paged_decode_cpu.cpp").ferry_paged_decode
     fn.restype = _I
     fn.argtypes = [_P, _P, _P, _I64, _P, _I64, _I64, _P, _P,
-                   _I, _I, _I, _I, _I, _F, _I, _F, _I]
+                   _I, _I, _I, _I, _I, _F, _I, _F, _I, _P, _I]
     return fn  # type: ignore[no-any-return]
 
 
@@ -63,6 +64,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_q_heads] attention-sink logits
+    chunk_size: int | None = None,  # chunked local attention
 ) -> torch.Tensor:
     """One query token per sequence over its paged context; returns [S, Hq, D]."""
     chk.check_tensor("q", q, ndim=3, dtypes=chk.FLOAT_DTYPES)
@@ -83,13 +86,15 @@ def paged_decode_attention(
         raise ValueError(f"the CPU kernel needs CPU tensors, got {q.device}")
     q32 = q.to(torch.float32).contiguous()
     lens = seq_lens.contiguous()
+    sinks32 = chk.sinks_arg(sinks, num_q_heads, q.device)
     res = torch.empty_like(q32)
     rc = _kernel()(
         q32.data_ptr(), k.data_ptr(), v.data_ptr(), num_blocks, block_tables.data_ptr(),
         block_tables.shape[1], block_tables.stride(0), lens.data_ptr(), res.data_ptr(),
         num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, float(scale),
         chk.window_arg(sliding_window), chk.soft_cap_arg(logits_soft_cap),
-        _CACHE_CODE[k.dtype],
+        _CACHE_CODE[k.dtype], None if sinks32 is None else sinks32.data_ptr(),
+        chk.window_arg(chunk_size),
     )
     if rc != 0:
         raise ValueError(f"paged_decode_attention (cpu): {_ERRORS.get(rc, f'error {rc}')}")
@@ -132,7 +137,7 @@ class DecodeCall:
         rc = self.fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
                      self.args[0], self.args[1], self.args[2], self.args[3], res.data_ptr(),
                      num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, self.scale,
-                     0, 0.0, _CACHE_CODE[k_cache.dtype])
+                     0, 0.0, _CACHE_CODE[k_cache.dtype], None, 0)
         if rc != 0:
             raise ValueError(f"paged_decode_attention (cpu): {_ERRORS.get(rc, f'error {rc}')}")
         return res

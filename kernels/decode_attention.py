@@ -45,7 +45,12 @@ import triton
 import triton.language as tl
 
 from kernels import _checks as chk
-from kernels._attention_core import attend_kv_range, dot_needs_upcast, pow2_at_least
+from kernels._attention_core import (
+    attend_kv_range,
+    dot_needs_upcast,
+    normalise_rows,
+    pow2_at_least,
+)
 
 DEFAULT_NUM_SMS = 132  # H100 SXM; used when the tensors are not on a CUDA device
 WAVES = 2
@@ -123,9 +128,11 @@ def _decode_split_kernel(
     seq_lens_ptr,  # [S] int32
     out_ptr,  # WRITE_PARTIAL: [S, Hq, num_splits, D] fp32; else [S, Hq, D]
     lse_ptr,  # WRITE_PARTIAL: [S, Hq, num_splits] fp32 (log2 domain); else unused
+    sinks_ptr,  # HAS_SINKS: [Hq] fp32 attention-sink logits (added by stage 2 when split)
     scale,
     soft_cap,
     window,
+    chunk,
     num_splits,
     stride_qs,
     stride_qh,
@@ -145,6 +152,8 @@ def _decode_split_kernel(
     SOFT_CAP: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,
     UPCAST: tl.constexpr,
+    CHUNKED: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -153,6 +162,8 @@ def _decode_split_kernel(
     kv_lo = 0
     if SLIDING:
         kv_lo = tl.maximum(seq_len - window, 0)
+    if CHUNKED:  # the last token's own chunk only
+        kv_lo = tl.maximum(kv_lo, (seq_len - 1) // chunk * chunk)
     per_split = tl.cdiv(tl.cdiv(seq_len - kv_lo, num_splits), BLOCK_N) * BLOCK_N
     lo = kv_lo + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
@@ -165,7 +176,7 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + q_off, mask=mask, other=0.0)  # [G, D]
 
     acc, l_i, m_i = attend_kv_range(
-        q, lo, lo, hi, window, k_cache_ptr, v_cache_ptr,
+        q, lo, lo, hi, window, chunk, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq * stride_bt, kv_head, stride_kb, stride_kt, stride_kh,
         scale, soft_cap,
         BLOCK_M=GROUP_PAD, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
@@ -173,6 +184,9 @@ def _decode_split_kernel(
     )  # fmt: skip
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split has l = 0 and acc = 0
     o = acc / l_safe[:, None]  # [G, D]
+    if HAS_SINKS and not WRITE_PARTIAL:
+        sink = tl.load(sinks_ptr + heads, mask=offs_g < GROUP, other=0.0) * 1.4426950408889634
+        o = normalise_rows(acc, l_i, m_i, sink)
     if WRITE_PARTIAL:
         row = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [G]
         tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
@@ -188,12 +202,14 @@ def _decode_reduce_kernel(
     part_ptr,  # [S, Hq, num_splits, D] fp32, each split's normalised output
     lse_ptr,  # [S, Hq, num_splits] fp32, each split's log2-sum-exp (-inf if empty)
     out_ptr,  # [S, Hq, D]
+    sinks_ptr,  # HAS_SINKS: [Hq] fp32 attention-sink logits
     num_splits,
     stride_os,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -204,10 +220,15 @@ def _decode_reduce_kernel(
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(lse_ptr + row0 + offs_s, mask=mask_s, other=float("-inf"))  # [P]
     m = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [P], 0 for empty splits
+    sink = float("-inf")
+    if HAS_SINKS:  # one more term in the denominator, with no value
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    weight = tl.exp2(lse - m_shift)  # [P], 0 for empty splits
     part_off = (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
     parts = tl.load(part_ptr + part_off, mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    total = tl.sum(weight, 0)
+    total = tl.sum(weight, 0) + tl.exp2(sink - m_shift)
     o = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)  # [D]
     o_off = seq * stride_os + head * stride_oh + offs_d
     tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=mask_d)
@@ -227,6 +248,8 @@ def paged_decode_attention(
     logits_soft_cap: float | None = None,
     max_seq_len: int | None = None,
     cuda_graph: bool = False,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Triton version of ``kernels.reference.paged_decode_attention`` (same semantics).
 
@@ -248,9 +271,12 @@ def paged_decode_attention(
     )  # fmt: skip
     window = chk.window_arg(sliding_window)
     soft_cap = chk.soft_cap_arg(logits_soft_cap)
+    chunk = chk.window_arg(chunk_size)
+    sinks = chk.sinks_arg(sinks, num_q_heads, q.device)
     if num_kv_splits is None:
         context = max_seq_len or block_tables.shape[1] * block_size
         context = min(context, window) if window else context
+        context = min(context, chunk) if chunk else context
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, context, _num_sms(q.device),
                                              eager=not cuda_graph)
     if not (isinstance(num_kv_splits, int) and 1 <= num_kv_splits <= MAX_FORCED_SPLITS):
@@ -258,7 +284,8 @@ def paged_decode_attention(
                          f"got {num_kv_splits!r}")  # fmt: skip
     if num_seqs > 0:
         _launch(q, k_cache, v_cache, block_tables, seq_lens, out, float(scale), window,
-                soft_cap, num_kv_splits, reuse_workspace=not cuda_graph)  # fmt: skip
+                soft_cap, num_kv_splits, reuse_workspace=not cuda_graph, chunk=chunk,
+                sinks=sinks)  # fmt: skip
     return out
 
 
@@ -274,6 +301,8 @@ def _launch(
     soft_cap: float,
     num_kv_splits: int,
     reuse_workspace: bool,
+    chunk: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Stage 1, then (with more than one split) the stage-2 merge, on validated inputs."""
     num_seqs, num_q_heads, head_dim = q.shape
@@ -287,18 +316,20 @@ def _launch(
         dest, lse = out, out  # lse is unused without splits
     _decode_split_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, dest, lse,
-        scale, soft_cap, window, num_kv_splits,
+        q if sinks is None else sinks, scale, soft_cap, window, chunk, num_kv_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=pow2_at_least(group, 16),
         BLOCK_N=64 if head_dim_pad <= 128 else 32,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=block_size,
         SLIDING=window > 0, SOFT_CAP=soft_cap > 0, WRITE_PARTIAL=partial,
-        UPCAST=dot_needs_upcast(q.dtype), num_warps=4,
+        UPCAST=dot_needs_upcast(q.dtype), CHUNKED=chunk > 0, HAS_SINKS=sinks is not None,
+        num_warps=4,
     )  # fmt: skip
     if partial:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            dest, lse, out, num_kv_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            SPLITS_PAD=pow2_at_least(num_kv_splits, 2), num_warps=4,
+            dest, lse, out, q if sinks is None else sinks, num_kv_splits,
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=pow2_at_least(num_kv_splits, 2), HAS_SINKS=sinks is not None,
+            num_warps=4,
         )  # fmt: skip

@@ -31,7 +31,12 @@ import triton
 import triton.language as tl
 
 from kernels import _checks as chk
-from kernels._attention_core import attend_kv_range, dot_needs_upcast, pow2_at_least
+from kernels._attention_core import (
+    attend_kv_range,
+    dot_needs_upcast,
+    normalise_rows,
+    pow2_at_least,
+)
 
 BLOCK_M_ROWS = 64  # query rows (tokens x group) per program; not yet tuned on a GPU
 
@@ -69,9 +74,11 @@ def _prefill_kernel(
     block_tables_ptr,  # [S, max_blocks] int32
     query_start_loc_ptr,  # [S + 1] int32
     seq_lens_ptr,  # [S] int32
+    sinks_ptr,  # HAS_SINKS: [Hq] fp32 attention-sink logits
     scale,
     soft_cap,
     window,
+    chunk,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -91,6 +98,8 @@ def _prefill_kernel(
     SLIDING: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     UPCAST: tl.constexpr,
+    CHUNKED: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -116,15 +125,21 @@ def _prefill_kernel(
     kv_lo = 0
     if SLIDING:
         kv_lo = tl.maximum(tile_first - window + 1, 0)
-    acc, l_i, _ = attend_kv_range(
-        q, q_pos, kv_lo, kv_hi, window, k_cache_ptr, v_cache_ptr,
+    if CHUNKED:  # the chunk of the tile's first token; later rows mask further
+        kv_lo = tl.maximum(kv_lo, tile_first // chunk * chunk)
+    acc, l_i, m_i = attend_kv_range(
+        q, q_pos, kv_lo, kv_hi, window, chunk, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq * stride_bt, kv_head, stride_kb, stride_kt, stride_kh,
         scale, soft_cap,
         BLOCK_M=BLOCK_Q * GROUP_PAD, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
         HEAD_DIM_PAD=HEAD_DIM_PAD, PAGE_SIZE=PAGE_SIZE, CAUSAL=True, SLIDING=SLIDING,
-        SOFT_CAP=SOFT_CAP, UPCAST=UPCAST,
+        SOFT_CAP=SOFT_CAP, UPCAST=UPCAST, CHUNKED=CHUNKED,
     )  # fmt: skip
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [M, D]
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=offs_m % GROUP_PAD < GROUP, other=0.0)
+        o = normalise_rows(acc, l_i, m_i, sink * 1.4426950408889634)  # [M, D]
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [M, D]
     o_off = tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -164,6 +179,8 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     max_query_len: int | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Triton version of ``kernels.reference.paged_prefill_attention`` (same semantics).
 
@@ -179,7 +196,9 @@ def paged_prefill_attention(
     )  # fmt: skip
     window = chk.window_arg(sliding_window)
     soft_cap = chk.soft_cap_arg(logits_soft_cap)
+    chunk = chk.window_arg(chunk_size)
     num_tokens, num_q_heads, head_dim = q.shape
+    sinks = chk.sinks_arg(sinks, num_q_heads, q.device)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -193,13 +212,13 @@ def paged_prefill_attention(
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-        float(scale), soft_cap, window, num_seqs,
+        q if sinks is None else sinks, float(scale), soft_cap, window, chunk, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         BLOCK_N=64 if head_dim_pad <= 128 else 32,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=block_size,
         SLIDING=window > 0, SOFT_CAP=soft_cap > 0, UPCAST=dot_needs_upcast(q.dtype),
-        num_warps=4,
+        CHUNKED=chunk > 0, HAS_SINKS=sinks is not None, num_warps=4,
     )  # fmt: skip
     return out

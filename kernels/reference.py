@@ -66,15 +66,26 @@ def gather_kv(
 
 
 def decode_key_mask(
-    num_keys: int, seq_lens: torch.Tensor, sliding_window: int | None
+    num_keys: int, seq_lens: torch.Tensor, sliding_window: int | None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """[S, num_keys] True where key position is visible to the sequence's last token."""
+    """[S, num_keys] True where key position is visible to the sequence's last token
+    (``chunk_size``: chunked local attention, only keys of the query's own chunk)."""
     pos = torch.arange(num_keys, device=seq_lens.device).view(1, -1)
     lens = seq_lens.to(torch.long).view(-1, 1)
     allowed = pos < lens
     if sliding_window is not None and sliding_window > 0:
         allowed &= pos >= lens - sliding_window
+    if chunk_size is not None and chunk_size > 0:
+        allowed &= pos >= (lens - 1) // chunk_size * chunk_size
     return allowed
+
+
+def chunk_start(pos: torch.Tensor, chunk_size: int | None) -> torch.Tensor | None:
+    """First position of each position's attention chunk (None without chunking)."""
+    if chunk_size is None or chunk_size <= 0:
+        return None
+    return pos // chunk_size * chunk_size
 
 
 def _softcap(scores: torch.Tensor, logits_soft_cap: float | None) -> torch.Tensor:
@@ -90,11 +101,20 @@ def _attend(
     allowed: torch.Tensor,  # [S, 1, 1, Lq, Lk] bool
     scale: float,
     logits_soft_cap: float | None,
+    sinks: torch.Tensor | None = None,  # [Hq] logits that join every row's softmax
 ) -> torch.Tensor:
-    """Masked softmax attention with fp32 accumulation; returns [S, Hkv, G, Lq, D]."""
+    """Masked softmax attention with fp32 accumulation; returns [S, Hkv, G, Lq, D].
+
+    A sink (gpt-oss) is one more logit per head in the softmax's denominator with no
+    value: it only takes probability mass away from the keys."""
     scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale  # [S, Hkv, G, Lq, Lk]
     scores = _softcap(scores, logits_soft_cap)
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        s, hkv, g, lq, _ = scores.shape
+        sink = sinks.float().view(1, hkv, g, 1, 1).expand(s, hkv, g, lq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return torch.matmul(torch.nan_to_num(probs, nan=0.0), v.unsqueeze(2))
     probs = torch.softmax(scores, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)  # rows with no allowed key (never in valid input)
     return torch.matmul(probs, v.unsqueeze(2))
@@ -111,6 +131,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_q_heads] attention-sink logits
+    chunk_size: int | None = None,  # chunked local attention
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole paged context.
 
@@ -125,12 +147,12 @@ def paged_decode_attention(
     k = gather_kv(k_cache, block_tables, nb).float().transpose(1, 2)  # [S, Hkv, L, D]
     v = gather_kv(v_cache, block_tables, nb).float().transpose(1, 2)
     qg = q.float().view(num_seqs, num_kv_heads, group, 1, head_dim)  # [S, Hkv, G, 1, D]
-    allowed = decode_key_mask(nb * block_size, seq_lens, sliding_window)  # [S, L]
+    allowed = decode_key_mask(nb * block_size, seq_lens, sliding_window, chunk_size)  # [S, L]
     # hidden keys and values zeroed, not only masked: a freed block's leftovers past a
     # row's length may hold another request's NaN, and 0·NaN is NaN
     k.masked_fill_(~allowed.view(num_seqs, 1, -1, 1), 0.0)
     v.masked_fill_(~allowed.view(num_seqs, 1, -1, 1), 0.0)
-    res = _attend(qg, k, v, allowed.view(num_seqs, 1, 1, 1, -1), scale, logits_soft_cap)
+    res = _attend(qg, k, v, allowed.view(num_seqs, 1, 1, 1, -1), scale, logits_soft_cap, sinks)
     res = res.view(num_seqs, num_q_heads, head_dim).to(q.dtype)
     if out is not None:
         out.copy_(res)
@@ -150,13 +172,16 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_q_heads] attention-sink logits
+    chunk_size: int | None = None,  # chunked local attention
 ) -> torch.Tensor:
     """Ragged query tokens, each sequence attending causally to its paged context.
 
     Sequence i owns q rows [query_start_loc[i], query_start_loc[i+1]); those are the
     last ``q_len`` positions of its ``seq_lens[i]``-token context, so query j sits at
     absolute position ``seq_len - q_len + j`` and sees keys at positions <= that
-    (and > position - sliding_window when a window is set).
+    (and > position - sliding_window when a window is set; with ``chunk_size``, only
+    keys of its own chunk: ``k // chunk_size == position // chunk_size``).
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -181,7 +206,11 @@ def paged_prefill_attention(
         allowed = k_pos <= q_pos  # [Lq, L]
         if sliding_window is not None and sliding_window > 0:
             allowed &= k_pos > q_pos - sliding_window
-        res = _attend(qi, k, v, allowed.view(1, 1, 1, q_len, ctx_len), scale, logits_soft_cap)
+        first = chunk_start(q_pos, chunk_size)
+        if first is not None:
+            allowed &= k_pos >= first
+        res = _attend(qi, k, v, allowed.view(1, 1, 1, q_len, ctx_len), scale, logits_soft_cap,
+                      sinks)
         # [1, Hkv, G, Lq, D] -> [Lq, Hq, D]
         result[q_lo:q_hi] = res[0].permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim).to(
             result.dtype

@@ -14,6 +14,8 @@
 //                     contiguous
 //   block_tables:     [S, table_stride] int32 (row stride table_stride)
 //   seq_lens:         [S] int32, context length including the current token
+//   sinks:            [Hq] float32 attention-sink logits (gpt-oss), or null
+// chunk > 0 is chunked local attention (Llama 4): the last token's own chunk only.
 // Plain C ABI (loaded with ctypes): no torch headers, so it compiles in about a second.
 
 #include <algorithm>
@@ -58,7 +60,8 @@ struct Shape {
   int num_kv_heads, group, head_dim, block_size;
   int64_t table_stride;
   float scale, soft_cap;
-  int window;
+  int window, chunk;
+  const float* sinks;  // [Hq] or null
 };
 
 // Below any real score; used instead of -inf because the kernel builds with -ffast-math.
@@ -235,7 +238,8 @@ void attend_seq(const Shape& sh, const float* q, const T* k_cache, const T* v_ca
   float* run_sum = run_max + Hq;
   float* correction = run_sum + Hq;
   std::fill(run_max, run_max + Hq, kNoScore);
-  const int first = sh.window > 0 ? std::max(0, seq_len - sh.window) : 0;
+  int first = sh.window > 0 ? std::max(0, seq_len - sh.window) : 0;
+  if (sh.chunk > 0) first = std::max(first, (seq_len - 1) / sh.chunk * sh.chunk);
   const int last_page = (seq_len - 1) / BS;
   for (int b = first / BS; b <= last_page; ++b) {
     const T* kp = k_cache + table[b] * page_elems;
@@ -258,7 +262,12 @@ void attend_seq(const Shape& sh, const float* q, const T* k_cache, const T* v_ca
     page_values(sh, vp, lo, hi, scores, correction, acc);
   }
   for (int h = 0; h < Hq; ++h) {
-    const float inv = run_sum[h] > 0.0f ? 1.0f / run_sum[h] : 0.0f;
+    float inv = run_sum[h] > 0.0f ? 1.0f / run_sum[h] : 0.0f;
+    if (sh.sinks != nullptr) {  // one more logit in the denominator, with no value
+      const float top = std::max(run_max[h], sh.sinks[h]);
+      const float alpha = std::exp(run_max[h] - top);
+      inv = alpha / (run_sum[h] * alpha + std::exp(sh.sinks[h] - top));
+    }
     for (int d = 0; d < D; ++d) out[h * D + d] = acc[h * D + d] * inv;
   }
 }
@@ -328,7 +337,7 @@ int ferry_paged_decode(const float* q, const void* k_cache, const void* v_cache,
                        int64_t table_stride, const int32_t* seq_lens, float* out,
                        int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
                        int block_size, float scale, int sliding_window, float soft_cap,
-                       int cache_is_bf16) {
+                       int cache_is_bf16, const float* sinks, int chunk) {
   if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || head_dim <= 0 ||
       block_size <= 0 || num_seqs < 0)
     return 1;
@@ -336,7 +345,7 @@ int ferry_paged_decode(const float* q, const void* k_cache, const void* v_cache,
                                block_size, num_blocks);
   if (bad) return bad;
   const Shape sh{num_kv_heads, num_q_heads / num_kv_heads, head_dim, block_size,
-                 table_stride, scale, soft_cap, sliding_window};
+                 table_stride, scale, soft_cap, sliding_window, chunk, sinks};
   if (cache_is_bf16 == 2)
     decode(sh, num_seqs, q, static_cast<const uint8_t*>(k_cache),
            static_cast<const uint8_t*>(v_cache), block_tables, seq_lens, out);

@@ -37,6 +37,7 @@ import numpy as np
 import structlog
 import torch
 
+from worker.engine.runner.attention.layer_features import model_body
 from worker.engine.runner.attention.metadata import AttentionMetadata, ForwardContext
 from worker.engine.runner.transfer import host_to_device
 
@@ -157,7 +158,7 @@ class DecodeGraphs:
 
     def _context(self, size: int, cuda_graph: bool = True) -> ForwardContext:
         return ForwardContext(meta=self._meta(size, cuda_graph), kv_caches=self.runner.kv_caches,
-                              backend=self.runner.backend)
+                              backend=self.runner.backend, positions=self.positions[:size])
 
     def _forward(self, size: int) -> None:
         """The model body over the first ``size`` static rows, into ``hidden[:size]``: what
@@ -165,7 +166,7 @@ class DecodeGraphs:
         if self.lora is not None:
             self.lora.step.meta = self.lora.graph_metadata(self.lora_slots[:size])
         try:
-            out = self.runner.model.base_model(
+            out = model_body(self.runner.model)(
                 input_ids=self.ids[None, :size], position_ids=self.positions[None, :size],
                 use_cache=False, ferry_ctx=self._context(size))
         finally:

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 from worker.engine.config import ModelConfig
+from worker.engine.runner import model_check
 from worker.engine.runner.attention import interface as attention
+from worker.engine.runner.attention.layer_features import prepare_layers
 from worker.engine.runner.cpu.gemv_calibration import set_gemv_rows
 from worker.engine.runner.cpu.packed_linear import PackedLinear, pack_linears
 from worker.engine.runner.cpu.step_threads import serial_tokens
@@ -94,6 +96,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except Exception as exc:  # transformers raises OSError/ValueError/KeyError variants
         raise ValueError(f"cannot load model config from {path!r}: {exc}") from exc
     _check_servable(hf_config)
+    model_check.check_config(hf_config, path)
+    model_check.check_weights(path, path)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
     attention.register()
@@ -107,11 +111,14 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         raise ValueError(f"cannot load model weights or tokenizer from {path!r}: {exc}") from exc
     model = model.to(device).eval()  # type: ignore[arg-type]
     use_ferry_experts(model)  # MoE layers: fused kernel on CUDA, grouped path on CPU
+    prepare_layers(model)
+    shape = model_shape(hf_config, cfg.max_model_len)
+    model_check.probe_attention(model, path, shape.num_layers, shape.num_kv_heads,
+                                shape.head_dim, device)
     gemv_rows: dict[str, int] = {}
     if device.type == "cpu" and cfg.pack_weights and pack_linears(model):
         packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
         gemv_rows = set_gemv_rows(packed, cfg.packed_gemv_rows, serial_tokens(model))
-    shape = model_shape(hf_config, cfg.max_model_len)
     return LoadedModel(model, tokenizer, shape, device, dtype, _eos_ids(model, tokenizer),
                        gemv_rows)
 

@@ -23,6 +23,7 @@ from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.manager import LoraManager
 from worker.engine.runner.attention.interface import make_backend
 from worker.engine.runner.attention.kv_scales import use_checkpoint_kv_scales
+from worker.engine.runner.attention.layer_features import model_body
 from worker.engine.runner.attention.metadata import AttentionMetadata, ForwardContext, KVCache
 from worker.engine.runner.block_table_buffer import BlockTableBuffer
 from worker.engine.runner.cpu.lean_decode import build_lean_decode
@@ -243,9 +244,10 @@ class ModelRunner:
             sample_rows = torch.cat([sample_rows, to_device(extra_rows, torch.long, self.device)])
         if self.lean is not None and self.lean.usable(meta, self.kv_caches):
             return self.lean(input_ids, positions, meta, self.kv_caches, sample_rows)
-        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend,
+                             positions=positions)
         if sample_rows.numel() == 0:
-            self.model.base_model(
+            model_body(self.model)(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                 ferry_ctx=ctx,
             )

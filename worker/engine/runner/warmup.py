@@ -24,6 +24,7 @@ import structlog
 import torch
 
 from worker.engine.health import is_device_fault
+from worker.engine.runner.attention.layer_features import model_body
 from worker.engine.runner.attention.metadata import AttentionMetadata, ForwardContext
 from worker.engine.runner.attention.torch_backends import TorchAttentionBackend
 
@@ -74,10 +75,11 @@ def _forward(runner: Any, q_len: int, *, decode: bool, hint: int) -> None:
         decode_buckets=[(0, 1, q_len)] if decode else [], max_query_len=q_len,
         max_seq_len=q_len, query_start_host=[0, q_len], seq_lens_host=[q_len],
     )
-    ctx = ForwardContext(meta=meta, kv_caches=runner.kv_caches, backend=runner.backend)
-    runner.model.base_model(input_ids=torch.zeros(1, q_len, dtype=torch.long, device=dev),
-                            position_ids=torch.arange(q_len, device=dev)[None],
-                            use_cache=False, ferry_ctx=ctx)
+    positions = torch.arange(q_len, device=dev)
+    ctx = ForwardContext(meta=meta, kv_caches=runner.kv_caches, backend=runner.backend,
+                         positions=positions)
+    model_body(runner.model)(input_ids=torch.zeros(1, q_len, dtype=torch.long, device=dev),
+                             position_ids=positions[None], use_cache=False, ferry_ctx=ctx)
 
 
 

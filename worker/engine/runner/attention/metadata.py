@@ -55,6 +55,8 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None,
         soft_cap: float | None,
+        sinks: torch.Tensor | None = None,  # [Hq] attention-sink logits (gpt-oss)
+        chunk: int | None = None,  # chunked local attention (Llama 4)
     ) -> torch.Tensor: ...  # [T, Hq, D]
 
 
@@ -65,3 +67,6 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_caches: list[KVCache]  # one per layer
     backend: AttentionBackend
+    # [T] each token's absolute position: layers that scale queries by position (Llama 4's
+    # NoPE temperature) read it here; None where no such layer runs
+    positions: torch.Tensor | None = None

@@ -10,9 +10,15 @@ They differ only in the decode rows:
   sequence's pages in place, exactly up to its length.
 * ``torch`` (no compiler needed; the fallback): gather + one masked SDPA per bucket of
   length-sorted rows, each bucket padded only to its own longest sequence.
+
+Soft caps and attention sinks, which SDPA has no argument for, run on the reference
+(``kernels/reference.py``); chunked local attention is one more mask term everywhere.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,34 +27,54 @@ from kernels import cpu_attention, cpu_decode_attention, reference
 from worker.engine.runner.attention.metadata import AttentionMetadata
 
 
+@dataclass(frozen=True)
+class Masking:
+    """What one layer's attention hides or adds besides causality."""
+
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    sinks: torch.Tensor | None = None  # [Hq]
+    chunk: int | None = None
+
+    @property
+    def sdpa_unfit(self) -> bool:
+        """SDPA has no soft cap and no sink: the reference computes those layers."""
+        return bool(self.soft_cap) or self.sinks is not None
+
+    def reference_kwargs(self) -> dict[str, Any]:
+        return dict(sliding_window=self.sliding_window, logits_soft_cap=self.soft_cap,
+                    sinks=self.sinks, chunk_size=self.chunk)
+
+
 class TorchAttentionBackend:
     name = "torch"
 
-    def forward(self, q, k, v, cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, cache, meta, scale, sliding_window, soft_cap,  # type: ignore[no-untyped-def]
+                sinks=None, chunk=None):
+        mask = Masking(sliding_window, soft_cap, sinks, chunk)
         k_cache, v_cache = cache
         reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window, soft_cap)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, mask)
         for i in range(nd, len(meta.seq_lens_host)):
             lo, hi = meta.query_start_host[i], meta.query_start_host[i + 1]
             out[lo:hi] = _prefill_one(q[lo:hi], k[lo:hi], v[lo:hi], k_cache, v_cache, meta, i,
-                                      scale, sliding_window, soft_cap)
+                                      scale, mask)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
+    def _decode(self, q, k_cache, v_cache, meta, scale, mask):  # type: ignore[no-untyped-def]
         out = torch.empty_like(q)
         for lo, hi, max_len in meta.decode_buckets:
             tables, lens = meta.block_tables[lo:hi], meta.seq_lens[lo:hi]
-            if soft_cap:
+            if mask.sdpa_unfit:
                 out[lo:hi] = reference.paged_decode_attention(
-                    q[lo:hi], k_cache, v_cache, tables, lens, scale,
-                    sliding_window=sliding_window, logits_soft_cap=soft_cap,
-                )
+                    q[lo:hi], k_cache, v_cache, tables, lens, scale, **mask.reference_kwargs())
             else:
                 out[lo:hi] = cpu_attention.paged_decode_sdpa(
-                    q[lo:hi], k_cache, v_cache, tables, lens, scale, max_len, sliding_window
+                    q[lo:hi], k_cache, v_cache, tables, lens, scale, max_len,
+                    mask.sliding_window, chunk_size=mask.chunk,
                 )
         return out
 
@@ -92,14 +118,17 @@ def short_chunks(meta: AttentionMetadata) -> tuple[list[int], list[int], list[in
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def forward(self, q, k, v, cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, cache, meta, scale, sliding_window, soft_cap,  # type: ignore[no-untyped-def]
+                sinks=None, chunk=None):
         """As the torch backend, but short chunks over a cached prefix (verification rows
         of speculative decoding) join the decodes in one kernel call instead of one SDPA
         each (a per-sequence loop that costs more than the rows' arithmetic)."""
         k_cache, v_cache = cache
         tokens, seqs, lens = short_chunks(meta)
         if not tokens or soft_cap or k_cache.dtype not in cpu_decode_attention.CACHE_DTYPES:
-            return super().forward(q, k, v, cache, meta, scale, sliding_window, soft_cap)
+            return super().forward(q, k, v, cache, meta, scale, sliding_window, soft_cap,
+                                   sinks, chunk)
+        mask = Masking(sliding_window, soft_cap, sinks, chunk)
         reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -109,26 +138,23 @@ class CpuAttentionBackend(TorchAttentionBackend):
         seq_lens = torch.cat([meta.seq_lens[:nd],
                               meta.seq_lens.new_tensor(lens)])  # [R]
         out[rows] = cpu_decode_attention.paged_decode_attention(
-            q[rows], k_cache, v_cache, tables, seq_lens, scale,
-            sliding_window=sliding_window, logits_soft_cap=soft_cap,
-        )
+            q[rows], k_cache, v_cache, tables, seq_lens, scale, **mask.reference_kwargs())
         done = set(seqs)
         for i in range(nd, len(meta.seq_lens_host)):
             if i in done:
                 continue
             lo, hi = meta.query_start_host[i], meta.query_start_host[i + 1]
             out[lo:hi] = _prefill_one(q[lo:hi], k[lo:hi], v[lo:hi], k_cache, v_cache, meta, i,
-                                      scale, sliding_window, soft_cap)
+                                      scale, mask)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
+    def _decode(self, q, k_cache, v_cache, meta, scale, mask):  # type: ignore[no-untyped-def]
         if k_cache.dtype not in cpu_decode_attention.CACHE_DTYPES:  # a float16 cache
-            return super()._decode(q, k_cache, v_cache, meta, scale, sliding_window, soft_cap)
+            return super()._decode(q, k_cache, v_cache, meta, scale, mask)
         nd = meta.num_decodes
         return cpu_decode_attention.paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-            sliding_window=sliding_window, logits_soft_cap=soft_cap,
-        )
+            **mask.reference_kwargs())
 
 
 def _prefill_one(
@@ -140,17 +166,15 @@ def _prefill_one(
     meta: AttentionMetadata,
     seq: int,
     scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
+    mask: Masking,
 ) -> torch.Tensor:
     """Attention for one sequence's prefill chunk; returns [Lq, Hq, D]."""
     ctx = meta.seq_lens_host[seq]
-    if soft_cap:  # SDPA has no soft cap: the reference handles it (Gemma 2 only)
+    if mask.sdpa_unfit:  # soft caps (Gemma 2), sinks (gpt-oss): the reference
         return reference.paged_prefill_attention(
             q, k_cache, v_cache, meta.block_tables[seq:seq + 1],
             meta.query_start_loc.new_tensor([0, q.shape[0]]), meta.seq_lens[seq:seq + 1],
-            scale, sliding_window=sliding_window, logits_soft_cap=soft_cap,
-        )
+            scale, **mask.reference_kwargs())
     if ctx > q.shape[0]:  # a cached prefix: attend to the whole context from the pages
         nb = -(-ctx // k_cache.shape[1])
         pages = meta.block_tables[seq, :nb].to(torch.long)  # [nb]
@@ -158,8 +182,8 @@ def _prefill_one(
         k = k_cache.index_select(0, pages).flatten(0, 1)[:ctx].to(q.dtype)  # [L, Hkv, D]
         v = v_cache.index_select(0, pages).flatten(0, 1)[:ctx].to(q.dtype)
         if q.dtype == torch.float32 and q.shape[0] * q.shape[1] * ctx <= MATMUL_SCORES_MAX:
-            return prefix_attention(q, k, v, scale, sliding_window)
-    return causal_sdpa(q, k, v, scale, sliding_window)
+            return prefix_attention(q, k, v, scale, mask.sliding_window, mask.chunk)
+    return causal_sdpa(q, k, v, scale, mask.sliding_window, mask.chunk)
 
 
 def prefix_attention(
@@ -168,6 +192,7 @@ def prefix_attention(
     v: torch.Tensor,  # [L, Hkv, D]
     scale: float,
     sliding_window: int | None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a chunk over a cached prefix as two batched matmuls and a
     masked softmax; [Lq, Hq, D]. Why not SDPA: with the explicit mask a chunk over a prefix
@@ -184,6 +209,8 @@ def prefix_attention(
     hidden = k_pos > q_pos  # [Lq, L]: the future
     if sliding_window is not None and sliding_window > 0:
         hidden |= k_pos <= q_pos - sliding_window
+    if chunk:
+        hidden |= k_pos < q_pos // chunk * chunk
     scores.view(num_kv, group, q_len, ctx).masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # every row keeps its own token: no empty row
     out = torch.bmm(probs, v.transpose(0, 1))  # [Hkv, G*Lq, D]
@@ -196,17 +223,21 @@ def causal_sdpa(
     v: torch.Tensor,  # [L, Hkv, D]
     scale: float,
     sliding_window: int | None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """Causal (optionally windowed) SDPA with queries aligned to the end; [Lq, Hq, D]."""
+    """Causal (optionally windowed or chunked) SDPA with queries aligned to the end;
+    [Lq, Hq, D]."""
     q_len, ctx = q.shape[0], k.shape[0]
     mask = None
     windowed = sliding_window is not None and sliding_window > 0
-    if q_len != ctx or windowed:  # SDPA's is_causal aligns queries to the start
+    if q_len != ctx or windowed or chunk:  # SDPA's is_causal aligns queries to the start
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device).view(-1, 1)
         k_pos = torch.arange(ctx, device=q.device).view(1, -1)
         mask = k_pos <= q_pos
         if windowed:
             mask &= k_pos > q_pos - sliding_window  # type: ignore[operator]
+        if chunk:
+            mask &= k_pos >= q_pos // chunk * chunk  # type: ignore[operator]
     res = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
         is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1],

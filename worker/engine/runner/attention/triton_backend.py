@@ -15,7 +15,8 @@ class TritonAttentionBackend:
 
     name = "triton"
 
-    def forward(self, q, k, v, cache, meta, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, cache, meta, scale, sliding_window, soft_cap,  # type: ignore[no-untyped-def]
+                sinks=None, chunk=None):
         k_cache, v_cache = cache
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -25,12 +26,13 @@ class TritonAttentionBackend:
                 q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
                 out=out[:nd], sliding_window=sliding_window, logits_soft_cap=soft_cap,
                 max_seq_len=meta.max_decode_seq_len, cuda_graph=meta.cuda_graph,
+                sinks=sinks, chunk_size=chunk,
             )
         if nd < meta.seq_lens.shape[0]:
             paged_prefill_attention(
                 q[nd:], k_cache, v_cache, meta.block_tables[nd:],
                 meta.query_start_loc[nd:] - nd, meta.seq_lens[nd:], scale, out=out[nd:],
                 sliding_window=sliding_window, logits_soft_cap=soft_cap,
-                max_query_len=meta.max_query_len,
+                max_query_len=meta.max_query_len, sinks=sinks, chunk_size=chunk,
             )
         return out

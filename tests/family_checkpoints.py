@@ -1,0 +1,91 @@
+"""Tiny seeded checkpoints of every model family Ferry serves, with the features that
+set each family apart shrunk until they bite at test sizes: sliding windows of 16,
+Llama 4's attention chunks of 16 and NoPE temperature floor of 4, gpt-oss's sinks drawn
+N(0, 1), Gemma 2's soft caps small enough to bend the scores.
+
+Every family: 2 layers, hidden 64, 4 query heads over 2 KV heads of 16 dims (where the
+config lets the head size be set), MoE blocks of 4 experts choosing 2.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from tests.checkpoints import build_tokenizer
+
+_GQA: dict[str, Any] = dict(num_attention_heads=4, num_key_value_heads=2)
+_MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+_WINDOW = 16
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": dict(cls="LlamaConfig", **_GQA, head_dim=16),  # the lean decode path's
+    "llama_rope3": dict(cls="LlamaConfig", **_GQA, head_dim=16,
+                  rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
+                                       low_freq_factor=1.0, high_freq_factor=4.0,
+                                       original_max_position_embeddings=64)),
+    "mistral": dict(cls="MistralConfig", **_GQA, head_dim=16, sliding_window=_WINDOW),
+    "qwen2": dict(cls="Qwen2Config", **_GQA, tie_word_embeddings=True),
+    "qwen3": dict(cls="Qwen3Config", **_GQA, head_dim=16,
+                  rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                       original_max_position_embeddings=64)),
+    "gemma2": dict(cls="Gemma2Config", **_GQA, head_dim=16, sliding_window=_WINDOW,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                   query_pre_attn_scalar=16),
+    "gemma3": dict(cls="Gemma3TextConfig", **_GQA, head_dim=16, sliding_window=_WINDOW,
+                   layer_types=["sliding_attention", "full_attention"],
+                   query_pre_attn_scalar=16),
+    "phi3": dict(cls="Phi3Config", **_GQA),
+    "olmo2": dict(cls="Olmo2Config", **_GQA),
+    "granite": dict(cls="GraniteConfig", **_GQA, embedding_multiplier=2.0,
+                    residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0),
+    "cohere": dict(cls="CohereConfig", **_GQA, logit_scale=0.5),
+    "cohere2": dict(cls="Cohere2Config", **_GQA, sliding_window=_WINDOW,
+                    layer_types=["sliding_attention", "full_attention"], logit_scale=0.5),
+    "starcoder2": dict(cls="Starcoder2Config", **_GQA, sliding_window=_WINDOW),
+    "gpt_neox": dict(cls="GPTNeoXConfig", num_attention_heads=4, rotary_pct=0.5),
+    "smollm3": dict(cls="SmolLM3Config", **_GQA, no_rope_layer_interval=2),
+    "glm4": dict(cls="Glm4Config", **_GQA, head_dim=16),
+    "mixtral": dict(cls="MixtralConfig", **_GQA, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(cls="Qwen2MoeConfig", **_GQA, **_MOE, shared_expert_intermediate_size=64),
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", **_GQA, **_MOE, head_dim=16),
+    "olmoe": dict(cls="OlmoeConfig", **_GQA, num_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(cls="GptOssConfig", **_GQA, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=_WINDOW,
+                    layer_types=["sliding_attention", "full_attention"]),
+    # layer 0 chunked with rope, layer 1 NoPE (global) with temperature tuning
+    "llama4": dict(cls="Llama4TextConfig", **_GQA, head_dim=16, num_local_experts=4,
+                   num_experts_per_tok=1, intermediate_size_mlp=128, attention_chunk_size=16,
+                   no_rope_layers=[1, 0], floor_scale=4, attn_scale=0.5, use_qk_norm=True),
+}
+
+
+def build_family(name: str, root: Path, *, seed: int = 0, max_pos: int = 512) -> str:
+    """Write family ``name``'s checkpoint plus tokenizer under ``root``; returns its path."""
+    import torch
+    import transformers
+
+    path = root / name
+    if (path / "config.json").exists():
+        return str(path)
+    spec = dict(FAMILIES[name])
+    tokenizer = build_tokenizer()
+    config = getattr(transformers, spec.pop("cls"))(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, max_position_embeddings=max_pos,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id, **spec,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # larger weights than the init so outputs are not all near-ties
+        for pname, p in model.named_parameters():
+            if pname.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+            elif p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
