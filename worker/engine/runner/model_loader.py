@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from worker.engine.config import ModelConfig
+from worker.engine.runner import quant
 from worker.engine.runner.attention import interface as attention
 from worker.engine.runner.cpu.gemv_calibration import set_gemv_rows
 from worker.engine.runner.cpu.packed_linear import PackedLinear, pack_linears
@@ -93,6 +94,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except Exception as exc:  # transformers raises OSError/ValueError/KeyError variants
         raise ValueError(f"cannot load model config from {path!r}: {exc}") from exc
     _check_servable(hf_config)
+    scheme = quant.prepare(cfg.quantization, hf_config, path)  # refuses what is not served
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
     attention.register()
@@ -100,11 +102,15 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attention.ATTENTION_NAME,
             trust_remote_code=cfg.trust_remote_code,
+            **({"config": hf_config} if scheme is not None else {}),
         )
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except OSError as exc:
         raise ValueError(f"cannot load model weights or tokenizer from {path!r}: {exc}") from exc
     model = model.to(device).eval()  # type: ignore[arg-type]
+    if scheme is not None:
+        with torch.no_grad():
+            quant.apply(model, scheme, path)
     gemv_rows: dict[str, int] = {}
     if device.type == "cpu" and cfg.pack_weights and pack_linears(model):
         packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
