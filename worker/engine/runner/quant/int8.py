@@ -4,8 +4,8 @@ CPU: ``torch._weight_int8pack_mm`` with bf16 activations. Measured on the 2-core
 machine for a 4096x1024 weight at one row: 76 us, against 1,411 us for the same op with
 fp32 activations and 269 us for fp32 ``F.linear`` (``ops/bench/techniques/quant.py``
 prints the model-level numbers), so an fp32 model's activations are cast to bf16 for the
-product and back. Elsewhere (CUDA): the weight is widened to the activations' dtype per
-call and the scale applied to the output, the same arithmetic.
+product and back. Above ``KERNEL_ROWS`` rows, and on CUDA: the weight is widened to the
+activations' dtype per call and the scale applied to the output, the same arithmetic.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ from torch import nn
 from torch.nn import functional as F
 
 INT8_MAX = 127.0
+# CPU: above this many rows (prefill chunks, large batches) the weight is widened to the
+# activations' dtype for MKL's sgemm: the packed int8 kernel is a matrix-vector kernel at
+# heart, several times slower than sgemm at 128+ rows (ops/bench/techniques/quant.py)
+KERNEL_ROWS = 32
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +58,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu":
+        if flat.device.type == "cpu" and flat.shape[0] <= KERNEL_ROWS:
             out = torch._weight_int8pack_mm(flat.to(torch.bfloat16), self.qweight,
                                             self.scale_bf16).to(x.dtype)
         else:
