@@ -99,11 +99,12 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
     attention.register()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attention.ATTENTION_NAME,
-            trust_remote_code=cfg.trust_remote_code,
-            **({"config": hf_config} if scheme is not None else {}),
-        )
+        with quant.loading(scheme):  # a quantized checkpoint's tensors: read by quant.apply
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attention.ATTENTION_NAME,
+                trust_remote_code=cfg.trust_remote_code,
+                **({"config": hf_config} if scheme is not None else {}),
+            )
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except OSError as exc:
         raise ValueError(f"cannot load model weights or tokenizer from {path!r}: {exc}") from exc

@@ -8,7 +8,7 @@ fit: ``torch._scaled_mm`` for FP8 on CPU and CUDA alike, ``torch._weight_int8pac
 ``torch._weight_int4pack_mm_for_cpu`` for weight-only integers on CPU.
 """
 
-from worker.engine.runner.quant.apply import apply, prepare
+from worker.engine.runner.quant.apply import apply, loading, prepare
 from worker.engine.runner.quant.config import (
     METHODS,
     SUPPORTED_CHECKPOINT_METHODS,
@@ -17,4 +17,4 @@ from worker.engine.runner.quant.config import (
 )
 
 __all__ = ["METHODS", "SUPPORTED_CHECKPOINT_METHODS", "QuantScheme", "QuantizationError",
-           "apply", "prepare"]
+           "apply", "loading", "prepare"]

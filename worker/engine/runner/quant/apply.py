@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import structlog
@@ -49,6 +51,24 @@ def prepare(method: str | None, hf_config: Any, path: str) -> QuantScheme | None
     if hasattr(hf_config, "quantization_config"):
         del hf_config.quantization_config
     return scheme
+
+
+@contextmanager
+def loading(scheme: QuantScheme | None) -> Iterator[None]:
+    """Around transformers' ``from_pretrained``: a quantized checkpoint's tensors are
+    unexpected keys to the float model it builds (``apply`` reads them), so its load report
+    listing them is silenced."""
+    if scheme is None or scheme.source == "load":
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def ignored(name: str, patterns: tuple[str, ...]) -> bool:
