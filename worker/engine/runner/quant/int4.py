@@ -5,7 +5,9 @@ Every source (quantized here, AWQ, GPTQ) is unpacked at load to one canonical fo
 (q - zero) * scale), then repacked for the kernel. CPU: ``torch._weight_int4pack_mm_for_cpu``
 with bf16 activations (its fp32 path measured ~45x slower), whose dequantization is
 ``(q - 8) * s + z'``, so ``z' = (8 - zero) * scale``. Elsewhere (CUDA): the weight is
-dequantized to the activations' dtype per call (correct, not fast).
+dequantized to the activations' dtype per call (correct, not fast); so is the CPU's above
+``KERNEL_ROWS`` rows (a prefill chunk), unpacked straight from the kernel's layout, where
+MKL's sgemm beats the packed kernel.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from worker.engine.runner.quant.int8 import KERNEL_ROWS
+
+_BLOCK_N = 64  # the CPU packing's row block: byte k * 32 + j holds rows j (low), 32 + j
 
 
 def quantize_groups(weight: torch.Tensor, group: int,
@@ -61,7 +67,21 @@ class Int4Linear(nn.Module):
         q = torch.stack([lo, hi], dim=-1).view(self.out_features, self.in_features)
         return q.float(), self.scales_zeros[..., 0], self.scales_zeros[..., 1]
 
+    def _unpacked_cpu(self) -> torch.Tensor:
+        """[N, K] fp32 weights straight from the CPU kernel's packing (N a multiple of 64):
+        each block of 64 rows is K x 32 bytes, row j in the low nibble, row 32 + j in the
+        high one; then (q - 8) * s + z' per group, the kernel's own dequantization."""
+        n, k, g = self.out_features, self.in_features, self.group
+        blocks = self.packed.view(n // _BLOCK_N, k, 32)
+        q = torch.cat([blocks & 0xF, blocks >> 4], dim=2)  # [N/64, K, 64]
+        q = q.permute(0, 2, 1).reshape(n, k // g, g).float()
+        sz = self.scales_zeros.float()  # [K/g, N, 2]
+        scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [N, K/g, 1]
+        return ((q - 8.0) * scale + zero).view(n, k)
+
     def dequantized(self) -> torch.Tensor:  # [N, K] fp32: the reference weight
+        if self.packed.device.type == "cpu" and self.out_features % _BLOCK_N == 0:
+            return self._unpacked_cpu()
         if self.packed.device.type == "cpu":
             eye = torch.eye(self.in_features)  # the kernel applied to each unit row
             w_t = torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group,
@@ -74,7 +94,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu":
+        if flat.device.type == "cpu" and (flat.shape[0] <= KERNEL_ROWS
+                                          or self.out_features % _BLOCK_N):
             out = torch._weight_int4pack_mm_for_cpu(
                 flat.to(torch.bfloat16), self.packed, self.group, self.scales_zeros,
             ).to(x.dtype)
