@@ -42,6 +42,7 @@ SECTIONS = [
     ("worker/engine/runner", "the model, its inputs and its forward"),
     ("worker/engine/runner/attention", "paged attention and its backends"),
     ("worker/engine/runner/cpu", "the lean CPU path"),
+    ("worker/engine/runner/quant", "quantized weights: FP8 W8A8, INT8 and INT4 weight-only"),
     ("worker/engine/distributed", "tensor parallelism: the group, the shards, the layers"),
     ("worker/engine/sample", "sampling a step's logits"),
     ("worker/engine/structured", "constrained decoding"),

@@ -246,6 +246,9 @@ def up(
     max_loras: MaxLoras = None,
     max_lora_rank: MaxLoraRank = None,
     lora_root: LoraRoots = None,
+    quantization: Annotated[str | None, typer.Option(
+        envvar="FERRY_QUANTIZATION", help="Workers quantize the weights at load: fp8, int8, "
+        "int4 (docs/quantization.md).")] = None,
     demo: Annotated[bool, typer.Option(help="Stream a few prompts, then stop.")] = False,
     demo_max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     ready_timeout_s: Annotated[float, typer.Option()] = 600.0,
@@ -255,6 +258,8 @@ def up(
     if served_model_name:  # both the gateway and the workers read it from the environment
         os.environ["FERRY_SERVED_MODEL_NAME"] = served_model_name
     os.environ.update(lora_env(lora, enable_lora, max_loras, max_lora_rank, lora_root))
+    if quantization:  # the workers read it from the environment
+        os.environ["FERRY_QUANTIZATION"] = quantization
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
     tmp = Path(tempfile.mkdtemp(prefix="ferry-up-"))

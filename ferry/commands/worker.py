@@ -86,6 +86,10 @@ SpecFleet = Annotated[bool, _opt(
     "--spec-fleet/--no-spec-fleet")]
 SpecFleetEntries = Annotated[int, _opt("FERRY_SPEC_FLEET_ENTRIES", "Outputs the fleet's "
                                        "draft stream keeps (about; the oldest go first).")]
+Quantization = Annotated[str | None, _opt(
+    "FERRY_QUANTIZATION", "Quantize the checkpoint's weights at load: fp8 (W8A8), int8 or "
+    "int4 (weight-only); a quantized checkpoint (compressed-tensors, ModelOpt, AWQ, GPTQ) "
+    "is read as it is without it.")]
 WaitTimeoutMs = Annotated[int, _opt("FERRY_REDIS_WAIT_TIMEOUT_MS", "Cluster: WAIT timeout.")]
 OutputProc = Annotated[bool, _opt(
     "FERRY_OUTPUT_PROCESS", "Detokenize, build events and write them to Redis in a second "
@@ -120,7 +124,7 @@ def worker(
     lora: Lora = None, lora_roots: LoraRoots = None, lora_dir: LoraDir = None,
     speculative: Speculative = None, spec_fleet: SpecFleet = True,
     spec_fleet_entries: SpecFleetEntries = 4096, output_process: OutputProc = True,
-    output_hang_s: OutputHangS = 5.0,
+    output_hang_s: OutputHangS = 5.0, quantization: Quantization = None,
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
     from protocol.cluster.nodes import Replication
@@ -134,6 +138,8 @@ def worker(
         os.environ["FERRY_LORA_MODULES"] = ",".join(lora)
     if speculative:  # the engine config reads it, like the other speculation settings
         os.environ["FERRY_SPECULATIVE"] = speculative
+    if quantization:  # the engine config reads it from the environment
+        os.environ["FERRY_QUANTIZATION"] = quantization
     try:
         config = engine_config(
             model, device=device, max_num_seqs=max_num_seqs, kv_cache_blocks=kv_cache_blocks,

@@ -41,6 +41,10 @@ class ModelConfig:
     # CPU: the steps of a Llama model take worker/engine/runner/cpu/lean_decode.py (the same ops
     # without the modules' Python); False keeps them on the modules
     lean_decode: bool = True
+    # Quantize a 16/32-bit checkpoint's weights at load: fp8 | int8 | int4
+    # (worker/engine/runner/quant/); None: as the checkpoint is (a quantized checkpoint's
+    # own quantization_config is read either way)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         rows = self.packed_gemv_rows
@@ -165,6 +169,7 @@ class EngineConfig:
             packed_gemv_rows=_gemv_rows(env.get("FERRY_PACKED_GEMV_ROWS")),
             enforce_eager=_bool("FERRY_ENFORCE_EAGER"),
             lean_decode=_bool("FERRY_LEAN_DECODE"),
+            quantization=env.get("FERRY_QUANTIZATION") or None,
             max_model_len=_int("FERRY_MAX_MODEL_LEN"),
             block_size=_int("FERRY_BLOCK_SIZE"),
             num_blocks=_int("FERRY_KV_CACHE_BLOCKS"),

@@ -28,11 +28,11 @@ import torch
 from worker.engine.runner.attention.interface import UnsupportedAttention
 from worker.engine.runner.attention.layer_features import model_body, text_config
 from worker.engine.runner.attention.metadata import AttentionMetadata, ForwardContext
+from worker.engine.runner.quant.config import SUPPORTED_CHECKPOINT_METHODS
 
-# The one list of quantization methods Ferry serves (``quantization_config.quant_method``);
-# the quantized-serving code adds each method here as it implements it. Empty: every
-# quantized checkpoint is refused.
-SUPPORTED_QUANT_METHODS: frozenset[str] = frozenset()
+# The checkpoint formats Ferry serves (``quantization_config.quant_method``) are the quant
+# package's: every other one is refused here by name.
+SUPPORTED_QUANT_METHODS = SUPPORTED_CHECKPOINT_METHODS
 _FP8_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E4M3FN", "F8_E5M2FNUZ", "F8_E4M3FNUZ")
 _SCALE_SUFFIXES = ("_scale", "_scale_inv", "_scales")
 
@@ -72,7 +72,8 @@ def _check_quant(quant: Any, model: str) -> None:
     method = quant.get("quant_method") if isinstance(quant, dict) else \
         getattr(quant, "quant_method", None)
     method = getattr(method, "value", method)  # a QuantizationMethod enum
-    if not isinstance(method, str) or method not in known_quant_methods():
+    if not isinstance(method, str) or (method not in known_quant_methods()
+                                       and method not in SUPPORTED_QUANT_METHODS):
         raise UnservableModel(model, f"unknown quant_method {method!r}",
                               "quantization_config names a method transformers does not "
                               "know; loading it would silently drop the quantization")

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from worker.engine.config import ModelConfig
-from worker.engine.runner import model_check
+from worker.engine.runner import model_check, quant
 from worker.engine.runner.attention import interface as attention
 from worker.engine.runner.attention.layer_features import prepare_layers
 from worker.engine.runner.cpu.gemv_calibration import set_gemv_rows
@@ -98,19 +98,25 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     _check_servable(hf_config)
     model_check.check_config(hf_config, path)
     model_check.check_weights(path, path)
+    scheme = quant.prepare(cfg.quantization, hf_config, path)  # refuses what is not served
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
     attention.register()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attention.ATTENTION_NAME,
-            trust_remote_code=cfg.trust_remote_code,
-        )
+        with quant.loading(scheme):  # a quantized checkpoint's tensors: read by quant.apply
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attention.ATTENTION_NAME,
+                trust_remote_code=cfg.trust_remote_code,
+                **({"config": hf_config} if scheme is not None else {}),
+            )
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except OSError as exc:
         raise ValueError(f"cannot load model weights or tokenizer from {path!r}: {exc}") from exc
     model = model.to(device).eval()  # type: ignore[arg-type]
     use_ferry_experts(model)  # MoE layers: fused kernel on CUDA, grouped path on CPU
+    if scheme is not None:
+        with torch.no_grad():
+            quant.apply(model, scheme, path)
     prepare_layers(model)
     shape = model_shape(hf_config, cfg.max_model_len)
     model_check.probe_attention(model, path, shape.num_layers, shape.num_kv_heads,

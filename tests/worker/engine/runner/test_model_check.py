@@ -50,11 +50,24 @@ def test_mla_is_refused_by_name(tmp_path):
     assert str(tmp_path) in str(err.value)
 
 
-@pytest.mark.parametrize("method", ["fp8", "gptq", "awq", "bitsandbytes", "compressed-tensors"])
+@pytest.mark.parametrize("method", ["fp8", "bitsandbytes", "hqq", "eetq"])
 def test_every_quantization_not_supported_is_refused(llama, tmp_path, method):
     path = _copy_with_config(llama, tmp_path / "q", quantization_config={
         "quant_method": method, "bits": 4})
     with pytest.raises(model_check.UnservableModel, match=rf"quantization \({method}\)"):
+        _load(path)
+
+
+@pytest.mark.parametrize("method", sorted(model_check.SUPPORTED_QUANT_METHODS))
+def test_a_served_format_with_a_config_it_cannot_read_is_refused_by_name(llama, tmp_path,
+                                                                        method):
+    """The formats the quant package serves pass the check; a config of theirs that lacks
+    what the format needs is still a clear refusal, never a silent load."""
+    from worker.engine.runner.quant import QuantizationError
+
+    path = _copy_with_config(llama, tmp_path / "q", quantization_config={
+        "quant_method": method, "bits": 4})
+    with pytest.raises(QuantizationError):
         _load(path)
 
 
@@ -75,6 +88,7 @@ def test_a_supported_method_passes_the_config_check(monkeypatch):
     cfg = LlamaConfig(quantization_config={"quant_method": "fp8"})
     with pytest.raises(model_check.UnservableModel):
         model_check.check_config(cfg, "m")
+    assert "awq" in model_check.SUPPORTED_QUANT_METHODS  # the quant package's formats
     monkeypatch.setattr(model_check, "SUPPORTED_QUANT_METHODS", frozenset({"fp8"}))
     model_check.check_config(cfg, "m")
 

@@ -83,7 +83,10 @@ class LeanLlamaDecode:
     def __init__(self, model: Any, backend: AttentionBackend) -> None:
         inner = model.model
         cfg = model.config
-        self.embed = inner.embed_tokens.weight
+        # the embedding module's own forward (an int8 table dequantizes its rows there)
+        self.embed = inner.embed_tokens.forward
+        dtype = inner.norm.weight.dtype  # the model's dtype
+        self.vocab_size = int(cfg.vocab_size)
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         self.lm_head = model.lm_head.forward
         self.rotary = inner.rotary_emb
@@ -94,8 +97,8 @@ class LeanLlamaDecode:
         self.layers: list[_Layer] = [self._layer(layer) for layer in inner.layers]
         self.backend = backend
         self.native = backend.name == "cpu"  # the C++ kernel, called directly
-        self.cos = torch.empty(0, self.head_dim, dtype=self.embed.dtype)
-        self.sin = torch.empty(0, self.head_dim, dtype=self.embed.dtype)
+        self.cos = torch.empty(0, self.head_dim, dtype=dtype)
+        self.sin = torch.empty(0, self.head_dim, dtype=dtype)
 
     @staticmethod
     def _layer(layer: Any) -> _Layer:
@@ -117,7 +120,7 @@ class LeanLlamaDecode:
         if length <= have:
             return
         new = max(length, 2 * have, 64)
-        probe = self.embed[:1][None]  # [1, 1, H]: the module reads only its dtype/device
+        probe = self.cos.new_zeros(1, 1, 1)  # the module reads only its dtype/device
         cos, sin = self.rotary(probe, torch.arange(have, new)[None])  # [1, new - have, D]
         self.cos = torch.cat([self.cos, cos[0]])  # [new, D]
         self.sin = torch.cat([self.sin, sin[0]])
@@ -161,11 +164,11 @@ class LeanLlamaDecode:
         slots = meta.slot_mapping.to(torch.long)
         attend = self._decode_call(meta) if (
             self.native and self._kernel_rows_only(meta)) else None
-        h = F.embedding(input_ids, self.embed)  # [T, H]
+        h = self.embed(input_ids)  # [T, H]
         for i, layer in enumerate(self.layers):
             h = self._layer_forward(h, layer, cos, sin, slots, kv_caches[i], meta, attend)
         if not sample_rows.numel():  # a chunk that samples nothing: the layers' K/V only
-            return h.new_empty(0, self.embed.shape[0])
+            return h.new_empty(0, self.vocab_size)
         h = _rms_norm(h, *self.norm)
         return self.lm_head(h[sample_rows])  # type: ignore[no-any-return]
 

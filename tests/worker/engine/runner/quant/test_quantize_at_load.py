@@ -1,0 +1,84 @@
+"""``quantization=fp8|int8|int4`` quantizes a float checkpoint at load (the same setting as
+``--quantization`` and ``FERRY_QUANTIZATION``); greedy tokens agree with a float model
+holding the dequantized weights under vLLM's top-5 rule, and the weights take the bytes
+the method promises."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.worker.engine.runner.quant.agreement import (
+    GREEDY,
+    PROMPTS,
+    assert_top5_agreement,
+    checkpoint,
+    fp8_reference_forward,
+    generate,
+)
+from worker.engine.config import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("quant-at-load")
+
+
+def _dequantized_copy(model: Any, src: str, out: Path) -> str:
+    """``src`` with every quantized module's weight replaced by its dequantized value."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(Path(src) / "model.safetensors"))
+    for name, module in model.named_modules():
+        if hasattr(module, "dequantized"):
+            state[f"{name}.weight"] = module.dequantized().contiguous()
+    emb = model.get_input_embeddings()
+    if hasattr(emb, "table"):  # int8 embedding (and the tied head's rows)
+        state["model.embed_tokens.weight"] = emb.table.dequantized().contiguous()
+    shutil.copytree(src, out)
+    save_file(state, str(out / "model.safetensors"))
+    return str(out)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral"])
+@pytest.mark.parametrize("method", ["fp8", "int8", "int4"])
+def test_quantized_at_load_serves_like_its_dequantized_weights(
+        root: Path, arch: str, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.engine.llm import LLM
+
+    src = checkpoint(arch, root)
+    llm = LLM(src, kv_cache_blocks=64, quantization=method)
+    model = llm.engine.runner.model
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert {"fp8": "Fp8Linear", "int8": "Int8Linear", "int4": "Int4Linear"}[method] in kinds
+    assert "Linear" not in kinds or arch == "mixtral" or method == "fp8"
+    got = [o.choices[0] for o in llm.generate(PROMPTS, GREEDY)]
+    if method == "fp8":  # W8A8: the same layers in fp32 torch (agreement.py)
+        from worker.engine.runner.quant.fp8 import Fp8Linear
+
+        monkeypatch.setattr(Fp8Linear, "forward", fp8_reference_forward)
+        assert_top5_agreement(got, generate(src, quantization="fp8"))
+        return
+    reference = _dequantized_copy(model, src, root / f"{arch}-{method}-ref")
+    assert_top5_agreement(got, generate(reference))
+
+
+def test_the_setting_reaches_the_engine_config_from_the_environment() -> None:
+    config = EngineConfig.from_env("some/model", {"FERRY_QUANTIZATION": "int8"})
+    assert config.model.quantization == "int8"
+    assert EngineConfig.from_env("some/model", {}).model.quantization is None
+
+
+def test_int4_weights_are_packed_nibbles() -> None:
+    from worker.engine.runner.quant.int4 import Int4Linear, quantize_groups
+
+    weight = torch.randn(64, 128)
+    q, scale, zero = quantize_groups(weight, 32)
+    layer = Int4Linear(q, scale, zero, 32, None)
+    assert layer.packed.numel() == 64 * 128 // 2 and layer.packed.dtype == torch.uint8
+    want = ((q.view(64, 4, 32) - zero[..., None]) * scale[..., None]).view(64, 128)
+    torch.testing.assert_close(layer.dequantized(), want, rtol=0, atol=2e-2)

@@ -1,0 +1,110 @@
+"""INT4 weight-only linear layers: groups of input columns with a scale and a zero point.
+
+Every source (quantized here, AWQ, GPTQ) is unpacked at load to one canonical form, q
+[N, K] with values 0..15 and per-group fp32 ``scale``/``zero`` [N, K/g] (weight =
+(q - zero) * scale), then repacked for the kernel. CPU: ``torch._weight_int4pack_mm_for_cpu``
+with bf16 activations (its fp32 path measured ~45x slower), whose dequantization is
+``(q - 8) * s + z'``, so ``z' = (8 - zero) * scale``. Elsewhere (CUDA): the weight is
+dequantized to the activations' dtype per call (correct, not fast); so is the CPU's above
+``KERNEL_ROWS`` rows (a prefill chunk), unpacked straight from the kernel's layout, where
+MKL's sgemm beats the packed kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from worker.engine.runner.quant.int8 import KERNEL_ROWS
+
+_BLOCK_N = 64  # the CPU packing's row block: byte k * 32 + j holds rows j (low), 32 + j
+
+
+def quantize_groups(weight: torch.Tensor, group: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q [N, K] int32 in 0..15, scale [N, K/g], zero [N, K/g]): asymmetric
+    min/max per group (AWQ's recipe without its activation-aware search)."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group, group)
+    lo = w.amin(-1).clamp(max=0.0)
+    hi = w.amax(-1).clamp(min=0.0)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8)  # [N, K/g]
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.round(w / scale[..., None] + zero[..., None]).clamp(0, 15)
+    return q.view(n, k).to(torch.int32), scale, zero
+
+
+class Int4Linear(nn.Module):
+    """``y = x W^T + b`` with W = (q - zero) * scale per group of ``group`` input columns."""
+
+    weight = None
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 group: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.group = group
+        scale, zero = scale.float(), zero.float()  # [N, K/g]
+        if q.device.type == "cpu":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q.to(torch.int32).contiguous(), 1)  # [N, K/2] uint8
+            sz = torch.stack([scale, (8.0 - zero) * scale], dim=-1)  # [N, K/g, 2]
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous()
+                                 .to(torch.bfloat16))  # [K/g, N, 2]
+        else:
+            nibbles = q.to(torch.uint8)
+            self.register_buffer("packed", nibbles[:, 0::2] | (nibbles[:, 1::2] << 4))
+            self.register_buffer("scales_zeros", torch.stack([scale, zero], dim=-1))
+        self.bias = None if bias is None else bias.detach().clone()
+
+    def _unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [N, K] fp32, scale, zero [N, K/g]) from the device layout (CUDA path)."""
+        lo, hi = self.packed & 0xF, self.packed >> 4
+        q = torch.stack([lo, hi], dim=-1).view(self.out_features, self.in_features)
+        return q.float(), self.scales_zeros[..., 0], self.scales_zeros[..., 1]
+
+    def _unpacked_cpu(self) -> torch.Tensor:
+        """[N, K] fp32 weights straight from the CPU kernel's packing (N a multiple of 64):
+        each block of 64 rows is K x 32 bytes, row j in the low nibble, row 32 + j in the
+        high one; then (q - 8) * s + z' per group, the kernel's own dequantization."""
+        n, k, g = self.out_features, self.in_features, self.group
+        blocks = self.packed.view(n // _BLOCK_N, k, 32)
+        q = torch.cat([blocks & 0xF, blocks >> 4], dim=2)  # [N/64, K, 64]
+        q = q.permute(0, 2, 1).reshape(n, k // g, g).float()
+        sz = self.scales_zeros.float()  # [K/g, N, 2]
+        scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [N, K/g, 1]
+        return ((q - 8.0) * scale + zero).view(n, k)
+
+    def dequantized(self) -> torch.Tensor:  # [N, K] fp32: the reference weight
+        if self.packed.device.type == "cpu" and self.out_features % _BLOCK_N == 0:
+            return self._unpacked_cpu()
+        if self.packed.device.type == "cpu":
+            eye = torch.eye(self.in_features)  # the kernel applied to each unit row
+            w_t = torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group,
+                                                    self.scales_zeros.float())  # [K, N]
+            return w_t.float().t().contiguous()
+        q, scale, zero = self._unpacked()
+        n, k = q.shape
+        w = (q.view(n, k // self.group, self.group) - zero[..., None]) * scale[..., None]
+        return w.view(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        flat = x.reshape(-1, self.in_features)
+        if flat.device.type == "cpu" and (flat.shape[0] <= KERNEL_ROWS
+                                          or self.out_features % _BLOCK_N):
+            out = torch._weight_int4pack_mm_for_cpu(
+                flat.to(torch.bfloat16), self.packed, self.group, self.scales_zeros,
+            ).to(x.dtype)
+        else:
+            out = F.linear(flat, self.dequantized().to(x.dtype))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int4 group={self.group}")
