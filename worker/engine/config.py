@@ -28,7 +28,8 @@ class ModelConfig:
     # auto: triton on CUDA; on CPU the C++ decode kernel (cpu), or pure torch without a
     # compiler
     attention_backend: AttentionBackendName = "auto"
-    # CPU: linear layers on oneDNN with weights packed at load (worker/packed_linear.py)
+    # CPU: linear layers on oneDNN with weights packed at load
+    # (worker/engine/runner/cpu/packed_linear.py)
     pack_weights: bool = True
     # CPU, packed weights: up to this many rows a projection takes F.linear instead (the
     # faster side differs by CPU); None: measured at load
@@ -60,7 +61,7 @@ class CacheConfig:
     memory_bytes: int | None = None  # default: 2 GiB on CPU, 90% of free memory on CUDA
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | bfloat16 | float16 | float32
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
-    # The KV cache's host tier (kv_host_tier.py): evicted cached blocks copied to host
+    # The KV cache's host tier (kv/host_tier.py): evicted cached blocks copied to host
     # memory and restored instead of recomputed. None: on CUDA 10% of the memory available
     # at start, at most 16 GiB, on a CPU none; 0: off.
     host_memory_bytes: int | None = None
@@ -88,10 +89,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
-    # multi-LoRA (#30): None = off; the adapters registered at start (name, path)
+    # multi-LoRA: None = off; the adapters registered at start (name, path)
     lora: LoraConfig | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
-    # suffix decoding (#29): off unless asked for (worker/engine/speculative/)
+    # suffix decoding: off unless asked for (worker/engine/speculative/)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from worker.engine.config import EngineConfig
+from worker.engine import EngineConfig
 from worker.service.redis.connection import WorkerSettings
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def run_worker(
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
-    from worker.engine.engine import Engine
+    from worker.engine import Engine
     from worker.service.metrics.prometheus import WorkerMetrics
     from worker.service.service import WorkerService
 
