@@ -48,6 +48,10 @@ FORBIDDEN = {
     "worker.engine.distributed": ("worker.engine.sched", "worker.engine.runner",
                                   "worker.engine.sample", "worker.engine.output",
                                   "worker.engine.engine"),
+    # the scheduler decides rows and token counts: it knows no model runner and no
+    # sampler (the sampler's per-row constants ride on its rows as ``RowColumns``)
+    "worker.engine.sched": ("worker.engine.runner", "worker.engine.sample",
+                            "worker.engine.engine", "worker.engine.inflight"),
     "worker.engine.structured": ("worker.engine.sched", "worker.engine.runner",
                                  "worker.engine.sample", "worker.engine.engine"),
     "worker.service": ("gateway", "ferry"),
@@ -158,6 +162,23 @@ def test_layers_import_downward_only() -> None:
             wrong += [f"{name} -> {dep}" for dep in sorted(deps)
                       if any(_within(dep, b) for b in banned)]
     assert wrong == []
+
+
+def test_the_service_reaches_the_engine_through_its_public_api() -> None:
+    """``worker.service`` imports ``worker.engine`` itself (the names its ``__init__``
+    exports), never one of its modules: the engine's rooms may move behind that API."""
+    wrong = [f"{name} -> {dep}" for name, deps in sorted(_graph().items())
+             if _within(name, "worker.service")
+             for dep in sorted(deps) if _within(dep, "worker.engine") and dep != "worker.engine"]
+    assert wrong == []
+
+
+def test_the_engine_api_names_resolve() -> None:
+    """Every name ``worker.engine`` exports is found in the module it names."""
+    import worker.engine as api
+
+    missing = [name for name in api.__all__ if getattr(api, name, None) is None]
+    assert missing == [] and sorted(api.__all__) == sorted(api._EXPORTS)
 
 
 def test_the_checker_sees_a_cycle() -> None:

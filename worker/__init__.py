@@ -14,8 +14,9 @@ if TYPE_CHECKING:
     from protocol.sampling import SamplingParams
     from worker.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from worker.engine.engine import Engine
+    from worker.engine.engine_stats import EngineStats
     from worker.engine.llm import LLM
-    from worker.engine.output.outputs import CompletionOutput, EngineStats, StepOutput
+    from worker.engine.output.outputs import CompletionOutput, StepOutput
 
 _EXPORTS = {
     "LLM": "worker.engine.llm",
@@ -25,7 +26,7 @@ _EXPORTS = {
     "CacheConfig": "worker.engine.config",
     "SchedulerConfig": "worker.engine.config",
     "CompletionOutput": "worker.engine.output.outputs",
-    "EngineStats": "worker.engine.output.outputs",
+    "EngineStats": "worker.engine.engine_stats",
     "StepOutput": "worker.engine.output.outputs",
     "SamplingParams": "protocol.sampling",
 }

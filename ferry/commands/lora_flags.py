@@ -1,6 +1,6 @@
-"""``ferry up``'s LoRA flags as the variables its workers read at start
-(``FERRY_LORA_MODULES``, ``FERRY_ENABLE_LORA``, ``FERRY_MAX_LORAS``, ``FERRY_MAX_LORA_RANK``,
-and ``FERRY_LORA_ROOTS``, which its gateway reads too).
+"""``ferry up``'s LoRA flags, handed on as the ``ferry worker`` flags of each worker it
+starts (``--lora``, ``--enable-lora``, ``--max-loras``, ``--max-lora-rank``,
+``--lora-roots``) and, for the roots, as its gateway's ``FERRY_LORA_ROOTS``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-# ``ferry up``'s options (the variables below are what its workers read)
+# ``ferry up``'s options
 LoraModules = Annotated[list[str] | None, typer.Option(
     "--lora", help="NAME=PATH: a LoRA adapter every worker serves as model NAME "
     "(repeatable; enables LoRA; FERRY_LORA_MODULES).")]
@@ -24,13 +24,26 @@ MaxLoraRank = Annotated[int | None, typer.Option(
     min=1, help="Largest adapter rank accepted (FERRY_MAX_LORA_RANK).")]
 
 
-def lora_env(modules: list[str] | None, enable: bool, max_loras: int | None,
-             max_rank: int | None, roots: list[str] | None = None) -> dict[str, str]:
-    """The workers' LoRA variables for the flags given (each worker reads them at start)."""
+def lora_args(modules: list[str] | None, enable: bool, max_loras: int | None,
+              max_rank: int | None, roots: list[str] | None = None) -> list[str]:
+    """The ``ferry worker`` flags for the LoRA flags given (none given: none, so each
+    worker's own ``FERRY_*`` variables stay in force)."""
     bad = [m for m in modules or () if not all(p.strip() for p in m.partition("=")[::2])]
     if bad:
         raise typer.BadParameter(f"NAME=PATH, got {bad[0]!r}", param_hint="--lora")
-    env = {"FERRY_LORA_MODULES": ",".join(modules or ()), "FERRY_MAX_LORAS": max_loras,
-           "FERRY_MAX_LORA_RANK": max_rank, "FERRY_ENABLE_LORA": int(enable or bool(modules)),
-           "FERRY_LORA_ROOTS": ",".join(roots or ())}
-    return {name: str(value) for name, value in env.items() if value}
+    args = [arg for module in modules or () for arg in ("--lora", module)]
+    if enable or modules:
+        args.append("--enable-lora")
+    if max_loras:
+        args += ["--max-loras", str(max_loras)]
+    if max_rank:
+        args += ["--max-lora-rank", str(max_rank)]
+    if roots:
+        args += ["--lora-roots", ",".join(roots)]
+    return args
+
+
+def gateway_lora_env(roots: list[str] | None) -> dict[str, str]:
+    """The gateway's part: the adapter roots it checks paths against (it reads
+    ``FERRY_LORA_ROOTS``; given to its process alone, not written to this one's)."""
+    return {"FERRY_LORA_ROOTS": ",".join(roots)} if roots else {}

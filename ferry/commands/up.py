@@ -36,7 +36,8 @@ from ferry.commands.lora_flags import (
     LoraRoots,
     MaxLoraRank,
     MaxLoras,
-    lora_env,
+    gateway_lora_env,
+    lora_args,
 )
 from ferry.demo import stream_demo
 from ferry.local_cluster import ClusterLayout
@@ -137,22 +138,24 @@ def _print_banner(sup: Supervisor, url: str, redis_url: str, slots: list[WorkerS
                ' -d \'{"prompt": "def fibonacci(n):", "max_tokens": 32, "stream": true}\'')
 
 
-def _start_gateway(sup: Supervisor, recovery: Recovery, args: list[str]) -> None:
+def _start_gateway(sup: Supervisor, recovery: Recovery, args: list[str],
+                   env: dict[str, str]) -> None:
     def on_exit(exit: Exit) -> str | None:
         return recovery.record_exit(exit, "gateway") if exit.restart_in_s is not None else None
 
     cmd = [*FERRY, "gateway", *args]
-    sup.start(ChildSpec("gateway", lambda _n: cmd, stop_order=1, on_exit=on_exit))
+    sup.start(ChildSpec("gateway", lambda _n: cmd, dict(os.environ, **env) if env else None,
+                        stop_order=1, on_exit=on_exit))
 
 
 def _start_workers(sup: Supervisor, recovery: Recovery, url: str, model: str | None,
-                   metrics_ports: list[int], redis_args: list[str], metrics_host: str
-                   ) -> list[WorkerSlot]:
+                   metrics_ports: list[int], redis_args: list[str], metrics_host: str,
+                   worker_args: list[str]) -> list[WorkerSlot]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     threads = max(1, (os.cpu_count() or 1) // len(metrics_ports))
     env.setdefault("FERRY_TORCH_THREADS", str(threads))
     base = (*FERRY, "worker", "--redis-url", url, *redis_args,
-            *(("--model", model) if model else ()))
+            *(("--model", model) if model else ()), *worker_args)
     slots = [WorkerSlot(recovery.launcher, i, base, port, recovery, metrics_host)
              for i, port in enumerate(metrics_ports)]
     for slot in slots:  # workers drain for up to 60 s on SIGTERM (their own drain is 30 s)
@@ -255,11 +258,10 @@ def up(
 ) -> None:
     """Start Redis (unless --redis-url), the gateway and N workers; restart what dies;
     stop all on Ctrl-C."""
-    if served_model_name:  # both the gateway and the workers read it from the environment
-        os.environ["FERRY_SERVED_MODEL_NAME"] = served_model_name
-    os.environ.update(lora_env(lora, enable_lora, max_loras, max_lora_rank, lora_root))
-    if quantization:  # the workers read it from the environment
-        os.environ["FERRY_QUANTIZATION"] = quantization
+    named = ["--served-model-name", served_model_name] if served_model_name else []
+    worker_args = [*named, *lora_args(lora, enable_lora, max_loras, max_lora_rank, lora_root)]
+    if quantization:  # every worker quantizes the checkpoint at load
+        worker_args += ["--quantization", quantization]
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
     tmp = Path(tempfile.mkdtemp(prefix="ferry-up-"))
@@ -278,9 +280,9 @@ def up(
         gateway_url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
         _start_gateway(sup, recovery, [
             "--redis-url", url, "--host", host, "--port", str(port), "--workers", str(gateways),
-            *redis_args])
+            *redis_args, *named], gateway_lora_env(lora_root))
         slots = _start_workers(sup, recovery, url, model, _metrics_ports(metrics_port, workers),
-                               redis_args, metrics_host)
+                               redis_args, metrics_host, worker_args)
         _start_batchers(sup, recovery, url, batchers, redis_args)
         _wait_ready(sup, gateway_url, workers, ready_timeout_s)
         sup.supervising = True

@@ -7,7 +7,6 @@ is imported at module level; torch loads when the command runs.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -95,6 +94,12 @@ OutputProc = Annotated[bool, _opt(
     "FERRY_OUTPUT_PROCESS", "Detokenize, build events and write them to Redis in a second "
     "process, off the engine's GIL (default); --no-output-process: in the engine's own.",
     "--output-process/--no-output-process")]
+EnableLora = Annotated[bool | None, _opt(
+    "FERRY_ENABLE_LORA", "LoRA on without adapters at start, for /v1/load_lora_adapter.",
+    "--enable-lora/--no-enable-lora")]
+MaxLoras = Annotated[int | None, _opt("FERRY_MAX_LORAS", "Adapters on the device at once.")]
+MaxLoraRank = Annotated[int | None, _opt("FERRY_MAX_LORA_RANK", "Largest adapter rank "
+                                         "accepted.")]
 OutputHangS = Annotated[float, _opt(
     "FERRY_OUTPUT_HANG_S", "An output process that answers nothing for this long (stopped, "
     "deadlocked) is killed and the worker exits 71, as when it dies.")]
@@ -125,25 +130,24 @@ def worker(
     speculative: Speculative = None, spec_fleet: SpecFleet = True,
     spec_fleet_entries: SpecFleetEntries = 4096, output_process: OutputProc = True,
     output_hang_s: OutputHangS = 5.0, quantization: Quantization = None,
+    enable_lora: EnableLora = None,
+    max_loras: MaxLoras = None, max_lora_rank: MaxLoraRank = None,
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
     from protocol.cluster.nodes import Replication
     from protocol.dead_letters import DeadLetterBounds
     from protocol.lora.paths import adapter_roots, parse_roots
     from protocol.store import Ttls
-    from worker.service.main import engine_config, run_worker
+    from worker.engine.config import EngineConfig
+    from worker.service.main import run_worker
     from worker.service.redis.connection import WorkerSettings, default_worker_id
 
-    if lora:  # the engine's config reads it from the environment, as in a container
-        os.environ["FERRY_LORA_MODULES"] = ",".join(lora)
-    if speculative:  # the engine config reads it, like the other speculation settings
-        os.environ["FERRY_SPECULATIVE"] = speculative
-    if quantization:  # the engine config reads it from the environment
-        os.environ["FERRY_QUANTIZATION"] = quantization
-    try:
-        config = engine_config(
-            model, device=device, max_num_seqs=max_num_seqs, kv_cache_blocks=kv_cache_blocks,
-            attention_backend=attention_backend,
+    try:  # the flags over the FERRY_* variables the engine has no flag for
+        config = EngineConfig.from_env(
+            model, device=device, max_num_seqs=max_num_seqs, num_blocks=kv_cache_blocks,
+            attention_backend=attention_backend, lora_modules=lora or None,
+            speculative=speculative, enable_lora=enable_lora, max_loras=max_loras,
+            max_lora_rank=max_lora_rank, quantization=quantization,
         )
         settings = WorkerSettings(
             redis_url=redis_url, prefix=prefix, worker_id=worker_id or default_worker_id(),

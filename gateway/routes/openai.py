@@ -8,7 +8,7 @@ before the first token — the prompt's length, an out-of-vocabulary id, a gramm
 vocabulary cannot follow — is a 4xx the client's SDK can act on, not an in-band error
 after a 200. The held events are the response's first chunks; nothing waits longer than
 it would have (docs/operations.md measures it), and past ``stream_hold_s`` (a long queue)
-the 200 goes out and a late refusal comes in-band as before.
+the 200 goes out and a late refusal comes in-band, as an event of the stream.
 """
 
 from __future__ import annotations

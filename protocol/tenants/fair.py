@@ -1,6 +1,6 @@
 """The fair backlog: a weighted fair share of every lane for every tenant, kept in Redis.
 
-Producers no longer XADD a request to its lane stream: they push it onto its tenant's
+Producers do not XADD a request to its lane stream: they push it onto its tenant's
 *backlog* for that lane (a LIST), and register the tenant in the lane's *ready* set (a
 ZSET scored by the tenant's virtual token counter, as in VTC: "Fairness in Serving Large
 Language Models", OSDI 2024). A worker pulls through one script (``PULL_LUA``) that picks

@@ -1,4 +1,4 @@
-"""A batch that breaks the batcher ends, and one tenant cannot hold every batcher slot (#27).
+"""A batch that breaks the batcher ends, and one tenant cannot hold every batcher slot.
 
 Real uvicorn and Redis, an in-process batcher (``BatcherThread``) and the scripted fake
 worker, two tenants (``FERRY_API_KEYS=key-a,key-b``). The attack: lines nested 50,000

@@ -1,4 +1,4 @@
-"""Bodies nested too deep are a 400, found before anything recurses over them (#27).
+"""Bodies nested too deep are a 400, found before anything recurses over them.
 
 ``json.loads`` raises ``RecursionError`` near a thousand levels; the gateway answered such a
 body with a 500 on every route that parses one. Now each answers 400

@@ -1,8 +1,9 @@
 """Frozen engine configuration: one small typed object per concern, one ``from_env``.
 
 Passing these objects (instead of loose keyword arguments) keeps constructors short and
-makes the whole set of knobs visible in one place; ``EngineConfig.from_env`` is how
-worker processes started by docker-compose or Kubernetes read them.
+makes the whole set of knobs visible in one place. Each setting's one default is its dataclass
+field's; ``EngineConfig.from_env`` reads the ``FERRY_*`` variables with a command line's
+flags on top, which is how ``ferry worker`` builds the config it hands the engine.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class ModelConfig:
     # auto: triton on CUDA; on CPU the C++ decode kernel (cpu), or pure torch without a
     # compiler
     attention_backend: AttentionBackendName = "auto"
-    # CPU: linear layers on oneDNN with weights packed at load (worker/packed_linear.py)
+    # CPU: linear layers on oneDNN with weights packed at load
+    # (worker/engine/runner/cpu/packed_linear.py)
     pack_weights: bool = True
     # CPU, packed weights: up to this many rows a projection takes F.linear instead (the
     # faster side differs by CPU); None: measured at load
@@ -65,7 +67,7 @@ class CacheConfig:
     # value, unit scale: twice the sequences of a 16-bit cache; docs/engine.md)
     kv_cache_dtype: str = "auto"
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
-    # The KV cache's host tier (kv_host_tier.py): evicted cached blocks copied to host
+    # The KV cache's host tier (kv/host_tier.py): evicted cached blocks copied to host
     # memory and restored instead of recomputed. None: on CUDA 10% of the memory available
     # at start, at most 16 GiB, on a CPU none; 0: off.
     host_memory_bytes: int | None = None
@@ -93,10 +95,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
-    # multi-LoRA (#30): None = off; the adapters registered at start (name, path)
+    # multi-LoRA: None = off; the adapters registered at start (name, path)
     lora: LoraConfig | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
-    # suffix decoding (#29): off unless asked for (worker/engine/speculative/)
+    # suffix decoding: off unless asked for (worker/engine/speculative/)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
@@ -143,58 +145,70 @@ class EngineConfig:
         )
 
     @classmethod
-    def from_env(cls, model: str | None = None, env: dict[str, str] | None = None) -> EngineConfig:
-        """Read ``FERRY_*`` variables (the names in docs/operations.md)."""
-        env = dict(os.environ if env is None else env)
-        model = model or env.get("FERRY_MODEL") or _default_model()
+    def from_env(cls, model: str | None = None, env: dict[str, str] | None = None,
+                 **flags: object) -> EngineConfig:
+        """The ``FERRY_*`` variables (the names in docs/operations.md) as options, with
+        ``flags`` (the ``create`` options a command line gave; None: not given) on top.
 
-        def _int(name: str) -> int | None:
-            raw = env.get(name)
-            return int(raw) if raw not in (None, "") else None
-
-        def _bool(name: str) -> bool | None:
-            raw = env.get(name, "").strip().lower()
-            if raw in ("", "auto"):
-                return None
-            if raw not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                raise ValueError(f"{name} must be 1 or 0, got {raw!r}")
-            return raw in ("1", "true", "yes", "on")
-
-        cfg = cls.create(
-            model,
-            dtype=env.get("FERRY_DTYPE"),
-            device=env.get("FERRY_DEVICE"),
-            attention_backend=env.get("FERRY_ATTENTION_BACKEND"),
-            pack_weights=_bool("FERRY_PACK_WEIGHTS"),
-            packed_gemv_rows=_gemv_rows(env.get("FERRY_PACKED_GEMV_ROWS")),
-            enforce_eager=_bool("FERRY_ENFORCE_EAGER"),
-            lean_decode=_bool("FERRY_LEAN_DECODE"),
-            quantization=env.get("FERRY_QUANTIZATION") or None,
-            max_model_len=_int("FERRY_MAX_MODEL_LEN"),
-            block_size=_int("FERRY_BLOCK_SIZE"),
-            num_blocks=_int("FERRY_KV_CACHE_BLOCKS"),
-            memory_bytes=_int("FERRY_KV_CACHE_BYTES"),
-            host_memory_bytes=_int("FERRY_KV_HOST_BYTES"),
-            kv_cache_dtype=env.get("FERRY_KV_CACHE_DTYPE"),
-            enable_prefix_caching=_bool("FERRY_PREFIX_CACHING"),
-            max_num_seqs=_int("FERRY_MAX_NUM_SEQS"),
-            max_num_batched_tokens=_int("FERRY_MAX_NUM_BATCHED_TOKENS"),
-            async_scheduling=_bool("FERRY_ASYNC_SCHEDULING"),
-            enable_lora=_bool("FERRY_ENABLE_LORA"),
-            max_loras=_int("FERRY_MAX_LORAS"),
-            max_lora_rank=_int("FERRY_MAX_LORA_RANK"),
-            max_cpu_loras=_int("FERRY_MAX_CPU_LORAS"),
-            lora_modules=env.get("FERRY_LORA_MODULES") or None,
-            speculative=env.get("FERRY_SPECULATIVE") or None,
-            num_speculative_tokens=_int("FERRY_NUM_SPECULATIVE_TOKENS"),
-            spec_max_batch=_int("FERRY_SPEC_MAX_BATCH"),
-            store_tokens=_int("FERRY_SPEC_STORE_TOKENS"),
-            store_ttl_s=store_ttl_setting(env.get("FERRY_SPEC_STORE_TTL_S")),
-        )
-        return cfg
+        A setting neither names keeps its dataclass default: the one place it is set.
+        """
+        options = env_options(dict(os.environ if env is None else env))
+        options.update({key: value for key, value in flags.items() if value is not None})
+        model = model or str(options.pop("model", "") or "") or _default_model()
+        options.pop("model", None)
+        return cls.create(model, **options)
 
     def with_model(self, model: str) -> EngineConfig:
         return replace(self, model=replace(self.model, model=model))
+
+
+def env_options(env: dict[str, str]) -> dict[str, object]:
+    """The ``create`` options the ``FERRY_*`` variables in ``env`` set (unset: absent)."""
+
+    def _int(name: str) -> int | None:
+        raw = env.get(name)
+        return int(raw) if raw not in (None, "") else None
+
+    def _bool(name: str) -> bool | None:
+        raw = env.get(name, "").strip().lower()
+        if raw in ("", "auto"):
+            return None
+        if raw not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ValueError(f"{name} must be 1 or 0, got {raw!r}")
+        return raw in ("1", "true", "yes", "on")
+
+    options: dict[str, object | None] = dict(
+        model=env.get("FERRY_MODEL") or None,
+        dtype=env.get("FERRY_DTYPE"),
+        device=env.get("FERRY_DEVICE"),
+        attention_backend=env.get("FERRY_ATTENTION_BACKEND"),
+        pack_weights=_bool("FERRY_PACK_WEIGHTS"),
+        packed_gemv_rows=_gemv_rows(env.get("FERRY_PACKED_GEMV_ROWS")),
+        enforce_eager=_bool("FERRY_ENFORCE_EAGER"),
+        lean_decode=_bool("FERRY_LEAN_DECODE"),
+        quantization=env.get("FERRY_QUANTIZATION") or None,
+        max_model_len=_int("FERRY_MAX_MODEL_LEN"),
+        block_size=_int("FERRY_BLOCK_SIZE"),
+        num_blocks=_int("FERRY_KV_CACHE_BLOCKS"),
+        memory_bytes=_int("FERRY_KV_CACHE_BYTES"),
+        host_memory_bytes=_int("FERRY_KV_HOST_BYTES"),
+        kv_cache_dtype=env.get("FERRY_KV_CACHE_DTYPE"),
+        enable_prefix_caching=_bool("FERRY_PREFIX_CACHING"),
+        max_num_seqs=_int("FERRY_MAX_NUM_SEQS"),
+        max_num_batched_tokens=_int("FERRY_MAX_NUM_BATCHED_TOKENS"),
+        async_scheduling=_bool("FERRY_ASYNC_SCHEDULING"),
+        enable_lora=_bool("FERRY_ENABLE_LORA"),
+        max_loras=_int("FERRY_MAX_LORAS"),
+        max_lora_rank=_int("FERRY_MAX_LORA_RANK"),
+        max_cpu_loras=_int("FERRY_MAX_CPU_LORAS"),
+        lora_modules=env.get("FERRY_LORA_MODULES") or None,
+        speculative=env.get("FERRY_SPECULATIVE") or None,
+        num_speculative_tokens=_int("FERRY_NUM_SPECULATIVE_TOKENS"),
+        spec_max_batch=_int("FERRY_SPEC_MAX_BATCH"),
+        store_tokens=_int("FERRY_SPEC_STORE_TOKENS"),
+        store_ttl_s=store_ttl_setting(env.get("FERRY_SPEC_STORE_TTL_S")),
+    )
+    return {key: value for key, value in options.items() if value is not None}
 
 
 def _speculative(options: dict[str, object]) -> SpeculativeConfig:

@@ -16,24 +16,23 @@ from typing import Any
 from protocol.sampling import SamplingParams
 from worker.engine.choices import CandidateGroups, candidate_id, candidate_params
 from worker.engine.config import EngineConfig
-from worker.engine.engine_stats import engine_stats
+from worker.engine.engine_stats import EngineStats, StepTimer, engine_stats
 from worker.engine.health import raise_if_device_fault
 from worker.engine.inflight import InflightStep
 from worker.engine.inputs.prompts import PromptBuilder, PromptLimits, PromptOptions
 from worker.engine.kv.block_manager import BlockManager
 from worker.engine.kv.host_tier import HostTier, host_tier_bytes
 from worker.engine.lora.engine_hooks import adapter_for, enable_lora
-from worker.engine.output.outputs import EngineStats
 from worker.engine.output.step_batch import EngineEnd, StepBatch, StreamRegistry
 from worker.engine.request import FinishReason, Request
 from worker.engine.request_ends import RequestEnds
 from worker.engine.runner.model_runner import ModelRunner
 from worker.engine.runner.warmup import warm_up_sampling
 from worker.engine.sample.prompt_logprobs import PromptScoring, take
+from worker.engine.sample.rows import ONE_BY_ONE, SamplerColumns
 from worker.engine.sample.sampler import Sampler, SamplingRow
 from worker.engine.sched.scheduler import Scheduler, SchedulerOutput
 from worker.engine.speculative.engine_hooks import SpecDecoding
-from worker.engine.step_timer import StepTimer
 from worker.engine.structured.decoding import StructuredOutputs
 
 _GRAMMAR_WAIT_S = 0.005  # idle loop: how long to wait for a pending grammar compile
@@ -53,7 +52,9 @@ class Engine(RequestEnds):
         )
         tier_bytes = host_tier_bytes(config.cache.host_memory_bytes, self.runner.device)
         self.block_manager.attach_tier(HostTier.for_pool(self.runner.kv_pool, tier_bytes))
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.columns = SamplerColumns()  # the sampler's constants, by the batch's rows
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
+                                   columns=(self.columns,))
         self.lora = enable_lora(self.runner, self.scheduler, config)  # None: LoRA off
         self.prompts = PromptBuilder(self.tokenizer, PromptLimits(
             vocab_size=self.runner.shape.vocab_size, max_model_len=self.max_model_len,
@@ -112,7 +113,7 @@ class Engine(RequestEnds):
         cache_scope: str | None = None,
     ) -> Request:
         """Queue a prompt that ``self.prompts.build`` already tokenized and validated (on
-        any thread): the engine loop's cost no longer depends on the prompt's text size.
+        any thread), so the engine loop's cost does not depend on the prompt's text size.
 
         With ``n > 1`` or ``best_of``, one engine request per candidate (``choices.py``);
         a resumed request gives each candidate's tokens so far (``prior_by_choice``) and the
@@ -169,34 +170,36 @@ class Engine(RequestEnds):
                 self.spec.propose()  # drafts: the scheduler gives them their tokens
             sched = self.scheduler.schedule()
             outputs.cached = self.streams.cached_of(self.scheduler.take_first_scheduled())
-        if sched.is_empty:
-            if self._inflight is not None:
-                outputs = self._read_back(outputs)
-            elif outputs.is_empty and self.structured.has_pending:
-                self.structured.wait(_GRAMMAR_WAIT_S)  # [structured output] nothing else to do
-            outputs.opened = self.streams.take_opened()
-            return outputs
+        if not sched.is_empty:
+            self._run(sched, outputs)
+        elif self._inflight is not None:
+            self._read_back(outputs)
+        elif outputs.is_empty and self.structured.pending:
+            self.structured.wait(_GRAMMAR_WAIT_S)  # [structured output] nothing else to do
+        outputs.opened = self.streams.take_opened()
+        return outputs
+
+    def _run(self, sched: SchedulerOutput, outputs: StepBatch) -> None:
+        """Run a scheduled step into ``outputs``: a verifying step at once, a plain one
+        launched (the step before read back first), and read back at once without
+        overlap. A failed forward fails its batch, not the worker, unless the device
+        itself is gone."""
         self.steps += 1
         try:
             if sched.drafts:  # a verifying step: synchronous (overlap is off)
                 assert self.spec is not None
                 self.spec.run(sched, outputs)
-                outputs.opened = self.streams.take_opened()
-                return outputs
+                return
             launched = self._launch(sched, outputs)
-        except Exception as exc:  # a failed forward fails its batch, not the worker...
-            raise_if_device_fault(exc)  # ...unless the device itself is gone
-            if self._inflight is not None:
-                outputs = self._read_back(outputs)
-            outputs.opened = self.streams.take_opened()
-            return outputs.extend_ends(self._fail_batch(sched, exc))
-        if self._inflight is not None:
-            outputs = self._read_back(outputs)
+        except Exception as exc:
+            raise_if_device_fault(exc)
+            self._read_back(outputs)
+            outputs.extend_ends(self._fail_batch(sched, exc))
+            return
+        self._read_back(outputs)  # the step launched before, if any
         self._inflight = launched
         if not self.overlap:
-            outputs = self._read_back(outputs)
-        outputs.opened = self.streams.take_opened()
-        return outputs
+            self._read_back(outputs)
 
     def _launch(self, sched: SchedulerOutput, outputs: StepBatch) -> InflightStep:
         """Forward and sample without waiting for the device; placeholders for the tokens.
@@ -208,10 +211,14 @@ class Engine(RequestEnds):
         sampling = sched.sampling
         prev = self._inflight
         rows = SamplingRow.rows_of(sampling, prev)
-        table = sched.sampling_table()  # their constants as arrays (before ``advance``)
-        known = prev is not None and sched.needs_known_tokens()
-        mask = None if known else self.structured.start_bitmask(sampling)  # overlaps forward
-        extra = self.scoring.plan(sched)  # prompt logprobs: None unless a request asks
+        at = sched.sampling_rows()  # their constants as arrays (before ``advance``)
+        table = None if at is None else self.columns.take(at, self.scheduler.batch.tokens[at])
+        constrained = sched.needs_known_tokens()  # a grammar or a multi-token bad word
+        known = prev is not None and constrained
+        # the masks overlap the forward; no row constrained: none to make
+        mask = self.structured.start_bitmask(sampling) if constrained and not known else None
+        # prompt logprobs: only while a request still waits for them
+        extra = self.scoring.plan(sched) if self.scoring.pending else None
         with self.timer.phase("forward"):
             logits = self.runner.execute(sched, self.block_manager, prev,
                                          extra.rows if extra is not None else None)
@@ -220,21 +227,23 @@ class Engine(RequestEnds):
             logits, prompt = self.scoring.collect(extra, logits, len(sampling))
         if known:  # the forward runs meanwhile; then the masks from the known tokens
             self.scheduler.advance(sched)
-            self._read_back(outputs)
+            self._read_back(outputs)  # the step before (``known`` implies one)
             for row, request in zip(rows, sampling, strict=True):
                 row.refresh(request)
             mask = self.structured.start_bitmask(sampling)  # [structured output]
-        assert mask is not None
         with self.timer.phase("sample"):
-            sample = self.sampler.launch(logits, rows, mask.get(), table)
+            sample = self.sampler.launch(logits, rows, mask.get() if mask is not None else None,
+                                         table)
         if not known and self.overlap:  # after sampling: rows may hold the token lists
             self.scheduler.advance(sched)  # (no overlap: with its tokens, advance_resolve)
         return InflightStep(sched, sample, None, prompt, known or self.overlap, table)
 
-    def _read_back(self, batch: StepBatch) -> StepBatch:
-        """Wait for the launched step's tokens, then the finish checks; rows into ``batch``."""
+    def _read_back(self, batch: StepBatch) -> None:
+        """Wait for the launched step's tokens (none launched: nothing to do), then the
+        finish checks; its rows into ``batch``."""
         step, self._inflight = self._inflight, None
-        assert step is not None
+        if step is None:
+            return
         with self.timer.phase("update"):
             try:
                 result = step.sample.result()
@@ -242,22 +251,25 @@ class Engine(RequestEnds):
                     self.scoring.finish(step.prompt)
             except Exception as exc:  # an asynchronous device error surfaces here
                 raise_if_device_fault(exc)
-                return batch.extend_ends(self._fail_batch(step.sched, exc))
-            self._update(batch, step.sched, result.token_ids, result.logprobs, step)
-            return batch
+                batch.extend_ends(self._fail_batch(step.sched, exc))
+                return
+            self.apply_tokens(batch, step.sched, result.token_ids, result.logprobs, step)
 
     def _grammar_failures(self) -> list[EngineEnd]:
         """[structured output] Finish requests whose grammar failed to compile: their fault."""
+        if not self.structured.pending:  # no grammar compiling: nothing to look at
+            return []
         ends = []
         for request in self.structured.poll():
             self.scheduler.finish(request, FinishReason.ERROR, error=request.grammar.error)
             ends.append(self._final(request, error_kind="invalid_request"))
         return ends
 
-    def _update(self, batch: StepBatch, sched: SchedulerOutput, tokens: list[int],
-                logprobs: list[Any], step: InflightStep | None = None) -> None:
-        """The step's tokens into its requests (finish checks over arrays) and ``batch``;
-        ``step``: the launched step (it may advance with them, and knows its rows' flags).
+    def apply_tokens(self, batch: StepBatch, sched: SchedulerOutput, tokens: list[int],
+                     logprobs: list[Any], step: InflightStep | None = None) -> None:
+        """A step's sampled tokens into its requests (finish checks over arrays) and
+        ``batch``. ``step``: the launched step (it may advance with them, and knows its
+        rows' flags); None: ``sched`` has advanced already (a verified speculative step).
 
         Rows with no logprobs, grammar or prompt logprobs (most of a large batch) go in
         as whole lists; the others one at a time, in row order either way."""
@@ -265,8 +277,11 @@ class Engine(RequestEnds):
             else self.scheduler.advance_resolve(sched, tokens)
         requests = got.requests
         self.tokens_generated += len(requests)
-        one_by_one = step.one_by_one() if step is not None else any(
-            r.grammar is not None or r.prompt_logprobs is not None for r in requests)
+        if step is not None and step.table is not None:  # the rows' flags of the launch
+            one_by_one = step.table.any(ONE_BY_ONE)
+        else:
+            one_by_one = any(r.grammar is not None or r.prompt_logprobs is not None
+                             for r in (step.sched.sampling if step is not None else requests))
         if not one_by_one and not any(logprobs):
             stream_of = self.streams.by_request
             first = len(batch.streams)

@@ -1,15 +1,83 @@
-"""The engine's counters as one ``EngineStats`` (heartbeats, Prometheus, ``ferry top``).
+"""The engine's counters: ``EngineStats`` (heartbeats, Prometheus, ``ferry top``), how
+one is read from an engine, and ``StepTimer``, the wall time of each step phase.
 
 Gathered here rather than in ``engine.py`` because they read every part of the engine
 (scheduler, block manager and its host tier, the runner's health) and change with each
-feature that adds a counter, while the engine's loop does not.
+feature that adds a counter, while the engine's loop does not. Imports nothing heavy: the
+service's metrics read ``EngineStats`` without torch.
 """
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from worker.engine.output.outputs import EngineStats
+
+@dataclass
+class EngineStats:
+    """A snapshot for heartbeats, metrics and ``ferry top``."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    num_preemptions: int
+    tokens_generated: int
+    steps: int
+    prefix_cache_queries: int = 0  # tokens looked up when requests were admitted
+    prefix_cache_hits: int = 0  # of which found in the prefix cache (not computed)
+    kv_blocks_cached: int = 0  # blocks holding a reusable prefix (held or evictable)
+    # The KV host tier (kv/host_tier.py): hits taken from it (tokens, also counted in
+    # prefix_cache_hits), blocks it holds, its size in blocks (0: off).
+    prefix_cache_host_hits: int = 0
+    kv_host_blocks_cached: int = 0
+    kv_host_blocks_total: int = 0
+    # Degraded states (worker/engine/health.py: DEGRADED_REASONS), empty when healthy, and
+    # whether pure-decode steps replay CUDA graphs.
+    degraded: tuple[str, ...] = ()
+    decode_graphs_active: bool = False
+    # Speculative decoding: draft tokens verified, of which accepted, and the
+    # row-steps that carried drafts (each yields accepted + 1 tokens), and the draft tokens
+    # cut before verification because a request's grammar rejected them
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_draft_rows: int = 0
+    spec_store_rows: int = 0  # ... whose draft came from past outputs (fleet's too)
+    spec_grammar_cut_tokens: int = 0
+    spec_backoff_cut_tokens: int = 0  # ... and because the back-off found them not worth it
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a drafted row gets per step on average (1 to k + 1; 0: no drafts)."""
+        return (self.spec_accepted_tokens + self.spec_draft_rows) / self.spec_draft_rows \
+            if self.spec_draft_rows else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries \
+            if self.prefix_cache_queries else 0.0
+
+
+class StepTimer:
+    """Cumulative wall time per engine phase, for profiles and the step-time metric."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] += time.perf_counter() - start
+
+    def reset(self) -> None:
+        self.totals.clear()
 
 
 def engine_stats(engine: Any) -> EngineStats:
@@ -22,7 +90,7 @@ def engine_stats(engine: Any) -> EngineStats:
         tokens_generated=engine.tokens_generated, steps=engine.steps,
         prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits,
         kv_blocks_cached=bm.num_cached_blocks, **_tier_stats(engine), **_spec_stats(engine),
-        degraded=health.degraded, decode_graphs_active=health.decode_graphs_active,
+        degraded=tuple(sorted(health.reasons)), decode_graphs_active=health.decode_graphs_active,
     )
 
 

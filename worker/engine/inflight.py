@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.engine.sample.columns import ONE_BY_ONE, SamplingTable
 from worker.engine.sample.prompt_logprobs import PendingPrompt
+from worker.engine.sample.rows import RowConstants
 from worker.engine.sample.sampler import PendingSample
 from worker.engine.sched.schedule_output import SchedulerOutput
 
@@ -39,15 +39,7 @@ class InflightStep:
     prompt: PendingPrompt | None = None  # its prompt logprobs, on their way back
     # False: read back at once (no overlap), it advances with its tokens (advance_resolve)
     advanced: bool = True
-    table: SamplingTable | None = None  # its sampling rows' constants (sampling_table.py)
-
-    def one_by_one(self) -> bool:
-        """Whether a sampling row's tokens go into the batch one at a time (a grammar,
-        prompt logprobs): from the rows' constants of the launch, else the requests."""
-        if self.table is not None:
-            return self.table.any(ONE_BY_ONE)
-        return any(r.grammar is not None or r.prompt_logprobs is not None
-                   for r in self.sched.sampling)
+    table: RowConstants | None = None  # its sampling rows' constants (sample/rows.py)
 
     @property
     def row_of(self) -> dict[str, int]:
@@ -55,20 +47,3 @@ class InflightStep:
         if self.given_row_of is None:
             self.given_row_of = {r.request_id: i for i, r in enumerate(self.sched.sampling)}
         return self.given_row_of
-
-
-def needs_known_tokens(sched: SchedulerOutput) -> bool:
-    """Whether a sampling row of this step reads its request's earlier tokens on the host
-    (a grammar, a multi-token bad word): the step before is read back before it samples
-    (after its forward is launched)."""
-    for item in sched.scheduled:
-        if item.sample and (item.request.grammar is not None
-                            or item.request.bans_follow_output):
-            return True
-    return False
-
-
-def without_finished(sched: SchedulerOutput) -> SchedulerOutput:
-    """The step less the requests that finished while it waited (their blocks are freed)."""
-    kept = [item for item in sched.scheduled if not item.request.is_finished]
-    return SchedulerOutput(kept, sum(item.num_new_tokens for item in kept), sched.preempted)

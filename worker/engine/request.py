@@ -86,7 +86,7 @@ class Request:
     prompt_logprobs_sent: bool = False
     # params.bad_words as token sequences (worker/engine/inputs/bad_words.py)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
-    # multi-LoRA (#30): the adapter the request runs with (a LoraAdapter: its host
+    # multi-LoRA: the adapter the request runs with (a LoraAdapter: its host
     # weights, kept even if the adapter is unloaded before the request ends)
     lora: Any = None
     # the request's sampling_row.SamplingRow, made at its first sampling step and kept

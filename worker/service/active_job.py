@@ -7,7 +7,8 @@ choices (or ``best_of`` candidates) has one ``ChoiceProgress`` per candidate: st
 events carry the choice's ``index``, the event ending a choice its
 ``choice_finish_reason``, and the terminal event comes once every candidate has ended,
 listing the choices (for ``best_of``, the ``n`` with the highest cumulative logprob, the
-only ones ever sent). With ``n = 1`` the events are exactly what they always were.
+only ones ever sent). With ``n = 1`` a job is one candidate and its events carry no choice
+fields.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from protocol.models import (
     Usage,
     state_for_finish,
 )
-from worker.engine.output.outputs import StepOutput
+from worker.engine import StepOutput
 from worker.service.jobs import (
     Admission,
     Outgoing,

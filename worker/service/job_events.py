@@ -2,7 +2,7 @@
 
 Kept apart from ``job_table.py`` (admission, cancels, deadlines, slots: the engine's side)
 and torch-free, so that the same code builds the events in the worker's output process
-(``FERRY_OUTPUT_PROCESS``, the default: ``output_service.py``) and in the engine loop
+(``FERRY_OUTPUT_PROCESS``, the default: ``output_proc/service.py``) and in the engine loop
 (``FERRY_OUTPUT_PROCESS=0``, in-process). ``on_end`` is where each side learns a
 request's terminal event was built (in-process: free its slot, record its outcome; the
 output process: tell the engine process); ``abort`` stops a request's other candidates
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from protocol.models import ErrorKind, FinishReason
-from worker.engine.output.outputs import StepOutput
+from worker.engine import StepOutput
 from worker.service.active_job import ActiveJob
 from worker.service.jobs import Outgoing, TokenText
 

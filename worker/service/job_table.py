@@ -16,11 +16,7 @@ from typing import Any
 
 from protocol.models import ErrorKind, FinishReason
 from protocol.tenants.cache_scope import cache_partition
-from worker.engine.engine import Engine
-from worker.engine.inputs.prompts import PromptError
-from worker.engine.lora.engine_hooks import UnknownAdapter
-from worker.engine.output.outputs import StepOutput
-from worker.engine.output.text_output import TextOutputs
+from worker.engine import Engine, PromptError, StepOutput, TextOutputs, UnknownAdapter
 from worker.service.active_job import ActiveJob
 from worker.service.intake.slots import Slots
 from worker.service.job_events import JobEvents

@@ -10,37 +10,18 @@ from __future__ import annotations
 
 import signal
 import threading
-from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from worker.engine.config import EngineConfig
+from worker.engine import EngineConfig
 from worker.service.redis.connection import WorkerSettings
 
 if TYPE_CHECKING:
     from worker.service.outbox.thread import Observer
 
 log = structlog.get_logger("ferry.worker")
-
-
-def engine_config(
-    model: str | None, *, device: str | None = None, max_num_seqs: int | None = None,
-    kv_cache_blocks: int | None = None, attention_backend: str | None = None,
-) -> EngineConfig:
-    """``FERRY_*`` variables (``EngineConfig.from_env``), then explicit flags on top."""
-    config = EngineConfig.from_env(model)
-    model_cfg, cache, sched = config.model, config.cache, config.scheduler
-    if device is not None:
-        model_cfg = replace(model_cfg, device=device)
-    if attention_backend is not None:
-        model_cfg = replace(model_cfg, attention_backend=attention_backend)  # type: ignore[arg-type]
-    if kv_cache_blocks is not None:
-        cache = replace(cache, num_blocks=kv_cache_blocks)
-    if max_num_seqs is not None:
-        sched = replace(sched, max_num_seqs=max_num_seqs)
-    return replace(config, model=model_cfg, cache=cache, scheduler=sched)
 
 
 class _Signals:
@@ -81,7 +62,7 @@ def run_worker(
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
-    from worker.engine.engine import Engine
+    from worker.engine import Engine
     from worker.service.metrics.prometheus import WorkerMetrics
     from worker.service.service import WorkerService
 

@@ -1,7 +1,7 @@
 """The standalone output process's Redis writes: each pass's ``TokenEvent``s, one script call.
 
 What ``ops/bench/engine/host_step.py`` measures (the worker service's output process writes
-through its ``Outbox`` instead: ``output_service.py``). A pass that took several steps'
+through its ``Outbox`` instead: ``output_proc/service.py``). A pass that took several steps'
 batches publishes one event per stream (``coalesce``). Every event is pushed to its
 request's replay list, the list's TTL refreshed, and the event published on the request's
 channel, in that order, per event in pass order: the writes a pipeline of three commands
@@ -17,7 +17,7 @@ import dataclasses
 
 import msgpack
 
-from worker.engine.output.outputs import StepOutput
+from worker.engine import StepOutput
 
 MAX_EVENTS = 1024  # events per script call: bounds how long Redis is busy with one
 

@@ -22,8 +22,7 @@ import structlog
 
 from protocol.keys import Keys
 from protocol.store import ensure_group
-from worker.engine.engine import Engine
-from worker.engine.health import DeviceFault
+from worker.engine import DeviceFault, Engine
 from worker.service.affinity.setup import affinity_board
 from worker.service.intake.dead_letters import DeadLetters
 from worker.service.intake.fair_ledger import FairLedger
@@ -193,7 +192,8 @@ class WorkerService:
         while True:
             busy = self.engine.has_unfinished_requests()
             self._drain_mailbox(0.0 if busy else 0.05)
-            self.lora.apply()  # adapters the sync thread loaded or dropped
+            if self.lora.manager is not None:  # adapters the sync thread loaded or dropped
+                self.lora.apply()
             if self.drafts is not None:  # the fleet's outputs, a few per step when busy
                 self.drafts.drain(self.engine.spec.store, 8 if busy else 256)
             self.table.expire()
@@ -271,7 +271,7 @@ def _job_table(service: WorkerService, engine: Engine, settings: WorkerSettings)
             service.metrics, settings.worker_id, service.token_text, service.log)
     if not settings.output_process:
         return JobTable(*args)
-    from worker.engine.output.rust_decode import decode_spec
+    from worker.engine import decode_spec
     from worker.service.output_proc.remote_table import RemoteJobTable
 
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()

@@ -1,4 +1,4 @@
-"""GPU correctness (#33 item 1): the fast CUDA path against the plain one, per architecture.
+"""GPU correctness: the fast CUDA path against the plain one, per architecture.
 
     python ops/bench/engine/gpu_correctness.py [--device cuda] [--out FILE]
 

@@ -8,7 +8,7 @@ Workloads (seeded, greedy, every request exactly ``max_tokens``):
   the prefix cache shares it). The prompts fit, the decodes growing into the pool preempt
   running lines again and again; output tokens per second, and the tokens the forwards
   computed beyond each line's prompt and outputs (recomputed after preemption).
-* ``preemption_long`` (#32): the shape where swapping is meant to pay, long contexts of
+* ``preemption_long``: the shape where swapping is meant to pay, long contexts of
   their own (an agent's or a RAG request's context: nothing shared) with long outputs: 16
   lines (32 full) of 256 tokens each and 256 output tokens, pool a quarter of the demand.
   A preempted line's blocks are its own, so recompute re-prefills its whole context

@@ -122,7 +122,8 @@ def _start_gateway(stack: Stack, url: str) -> str:
 def worker_mode(path: str, url: str, worker_id: str, trace: str) -> int:
     """A ``ferry worker`` (same ``run_worker``, settings from the same FERRY_* variables)
     that also writes ``request_id seq emitted_at sent_at`` per event it sends."""
-    from worker.service.main import engine_config, run_worker
+    from worker.engine.config import EngineConfig
+    from worker.service.main import run_worker
     from worker.service.redis.connection import WorkerSettings
 
     out = open(trace, "w", buffering=1 << 20)  # noqa: SIM115 - closed below
@@ -136,7 +137,7 @@ def worker_mode(path: str, url: str, worker_id: str, trace: str) -> int:
     settings = WorkerSettings(redis_url=url, prefix=os.environ["FERRY_PREFIX"],
                               worker_id=worker_id, output_process=False)
     try:
-        config = engine_config(path)
+        config = EngineConfig.from_env(path)
         return run_worker(config, settings, torch_threads=1,
                           log_level="warning", observer=observe)
     finally:

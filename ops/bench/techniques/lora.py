@@ -6,7 +6,7 @@ The benchmark model (``workload.py``, ~30M parameters), greedy, every request in
 batch at once; each request of the LoRA run uses adapter ``i % 4``. Configurations
 alternate for ``--rounds`` rounds in one process with one torch thread; reported: median
 output tokens per second of wall time and of process CPU time (CPU time is the steadier
-measure on a shared machine, see ``engine_ab.py``), and the LoRA/base ratio (#30 asks
+measure on a shared machine, see ``engine_ab.py``), and the LoRA/base ratio (the issue asks
 for >= 0.8x).
 
     .venv/bin/python ops/bench/techniques/lora.py [--requests 16] [--rounds 3]

@@ -1,4 +1,4 @@
-"""Speculative decoding (suffix decoding, #29) on vs off, the same engine settings otherwise.
+"""Speculative decoding (suffix decoding) on vs off, the same engine settings otherwise.
 
 On the default model (``worker.models.default_model_path()``, a small Llama trained on the
 Python stdlib), CPU, greedy, every request exactly ``max_tokens`` long (64; 32 with

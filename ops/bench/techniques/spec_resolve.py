@@ -1,5 +1,5 @@
 """Batch-1 speculative retries: the one-pass resolve of accepted runs against the
-per-position loop it replaced (#29, ``worker/engine/speculative/resolve.py``), ABAB in one
+per-position loop it replaced (``worker/engine/speculative/resolve.py``), ABAB in one
 process, CPU time (``time.process_time``).
 
 Each round and variant: a fresh speculating engine (``spec_decode.py``'s settings,
@@ -44,7 +44,7 @@ def per_position(engine: Any, sampling: list[Request], accepted: list[list[int]]
             return
         step = SchedulerOutput([ScheduledRequest(r, 1, True) for r, _ in todo], len(todo))
         engine.scheduler.advance(step)
-        engine._update(outputs, step, [t for _, t in todo], [None] * len(todo))
+        engine.apply_tokens(outputs, step, [t for _, t in todo], [None] * len(todo))
         position += 1
 
 

@@ -30,11 +30,31 @@ def make_request(rid: str, prompt_len: int, max_tokens: int, priority: int = 0,
                    priority=priority, arrival_time=arrival)
 
 
+def resolve(sched: Scheduler, out: SchedulerOutput,
+            sampled: list[int | None]) -> list[tuple[Request, int]]:
+    """``resolve_sampled`` for an advanced step's ``sampled`` tokens, aligned with
+    ``out.scheduled`` (None where a row samples nothing, or a sampling row gets none).
+    Returns (request, token) for each request that got its token."""
+    rows = [(s, t) for s, t in zip(out.scheduled, sampled, strict=True) if s.sample]
+    if any(t is None for _, t in rows):  # a sampling row without its token gets none
+        out = SchedulerOutput([s for s, t in rows if t is not None])
+    tokens = [t for _, t in rows if t is not None]
+    got = sched.resolve_sampled(out, tokens)
+    return list(zip(got.requests, got.tokens, strict=True))
+
+
+def update(sched: Scheduler, out: SchedulerOutput,
+           sampled: list[int | None]) -> list[tuple[Request, int]]:
+    """One step whose tokens are known at once: ``advance``, then ``resolve``."""
+    sched.advance(out)
+    return resolve(sched, out, sampled)
+
+
 def run_step(sched: Scheduler) -> tuple[SchedulerOutput, list[tuple[Request, int]]]:
     out = sched.schedule()
     check_step(sched, out)
     sampled = [fake_token(s.request) if s.sample else None for s in out.scheduled]
-    return out, sched.update(out, sampled)
+    return out, update(sched, out, sampled)
 
 
 def check_step(sched: Scheduler, out: SchedulerOutput) -> None:

@@ -1,4 +1,4 @@
-"""One stream shard lost on a Redis Cluster must not take the fleet down (issue #27.10).
+"""One stream shard lost on a Redis Cluster must not take the fleet down.
 
 A real 3-master, 3-replica cluster, ``ferry gateway --redis-cluster`` and a real ``ferry
 worker --redis-cluster``; one master *and* its replica are frozen (SIGSTOP: they keep their

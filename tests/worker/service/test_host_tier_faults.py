@@ -1,4 +1,4 @@
-"""The KV host tier under a crash (#32): a worker whose small device pool preempts, with a
+"""The KV host tier under a crash: a worker whose small device pool preempts, with a
 host tier small enough to fill, is killed with SIGKILL while blocks move between the two;
 a new worker resumes every request from the replay logs.
 

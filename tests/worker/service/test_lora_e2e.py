@@ -1,4 +1,4 @@
-"""Multi-LoRA end to end (#30): a real ``ferry gateway`` and real ``ferry worker``
+"""Multi-LoRA end to end: a real ``ferry gateway`` and real ``ferry worker``
 processes on a private redis-server, adapters written as PEFT files at test time.
 
 What an operator sees: ``ferry worker --lora NAME=PATH`` serves that adapter from the

@@ -22,7 +22,7 @@ can share blocks another computes in that very step (each layer stores every tok
 K/V before any attention reads it); ``forget_step`` undoes this step's registrations when
 the forward fails, so no block is ever cached with contents that were not computed.
 
-With a host tier (``kv_host_tier.py``, ``attach_tier``), an evicted block with a hash is
+With a host tier (``kv/host_tier.py``, ``attach_tier``), an evicted block with a hash is
 copied to host memory first, and ``cached_prefix`` goes on looking there: a host hit is
 returned as its hash and ``allocate_slots`` gives it a fresh block that the copy fills.
 A finished request's partly filled last block is kept too (``block_partials.py``).

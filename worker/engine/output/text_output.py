@@ -5,7 +5,7 @@ stop strings, usage) that the engine produced itself before it emitted token ids
 needs a tokenizer and nothing of the engine, so the worker's output process runs the same
 code (``worker/service/output_proc/process.py``). ``TextOutputs`` binds it to an in-process
 engine for ``LLM``, ``ferry generate`` and tests: a stop string ends the request at once
-(``Engine.finish_stream``), exactly where the engine itself used to end it.
+(``Engine.finish_stream``), at the step whose token completed it.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def _stop_end(s: _Stream, stop_str: str | None) -> EngineEnd:
 
 
 class TextOutputs:
-    """An in-process engine's steps as text outputs, identical to the engine's own of old."""
+    """An in-process engine's steps as text outputs (``LLM``, ``ferry generate``, tests)."""
 
     _bound: weakref.WeakKeyDictionary[StepSource, TextOutputs] = weakref.WeakKeyDictionary()
 

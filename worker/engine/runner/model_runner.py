@@ -258,7 +258,7 @@ class ModelRunner:
         )
         return out.logits[0]  # type: ignore[no-any-return]
 
-    # --- multi-LoRA (#30): the model's projections read the step's token -> slot map ---
+    # --- multi-LoRA: the model's projections read the step's token -> slot map ---
 
     def enable_lora(self, cfg: LoraConfig) -> LoraManager:
         """Wrap the projections for LoRA (once). Given to the constructor, this runs before

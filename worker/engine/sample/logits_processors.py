@@ -1,6 +1,6 @@
 """Per-request transforms of a step's logits, vectorized over the batch on the device.
 
-Each function takes logits ``[B, V]`` and the step's ``SamplingRow``s and touches only the
+Each function takes logits ``[B, V]`` and the step's ``LogitsRow``s and touches only the
 rows that ask for it. What is built on the host is O(rows) or O(the tokens that matter)
 and goes up in one pinned, non-blocking copy per tensor (``transfer.to_device``); nothing
 reads a device value back, so a step launched while the previous one runs stays
@@ -18,13 +18,13 @@ import torch
 from protocol.sampling import SamplingParams
 from worker.engine.runner.transfer import host_to_device, to_device
 
-PROMPT_MASK = "prompt_mask"  # SamplingRow.cache key: [V] bool, the prompt's tokens
-OUTPUT_IDS = "penalty_output_ids"  # SamplingRow.cache key: (int64 buffer, tokens in it)
-ALLOWED_MASK = "allowed_mask"  # SamplingRow.cache key: [V] bool, its allowed_token_ids
+PROMPT_MASK = "prompt_mask"  # LogitsRow.cache key: [V] bool, the prompt's tokens
+OUTPUT_IDS = "penalty_output_ids"  # LogitsRow.cache key: (int64 buffer, tokens in it)
+ALLOWED_MASK = "allowed_mask"  # LogitsRow.cache key: [V] bool, its allowed_token_ids
 
 
-class SamplingRow(Protocol):
-    """What these transforms read of a row (``sampling_row.SamplingRow`` is one)."""
+class LogitsRow(Protocol):
+    """What these transforms read of a row (``rows.SamplingRow`` is one)."""
 
     params: SamplingParams
     prompt_token_ids: list[int]
@@ -39,13 +39,13 @@ def wants_penalties(params: Any) -> bool:
     return bool(params.wants_penalties)
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
     """Repetition (prompt + output, multiplicative) and presence/frequency (output only).
 
     Output tokens go up as one padded ``[P, L]`` tensor and are counted with one
     ``scatter_add``; each request's prompt mask is built on the device once and kept in its
     row cache (a prompt never changes). A row's token of the step still in flight is
-    counted on the device from that step's sampled tokens (``SamplingRow.pending_output``),
+    counted on the device from that step's sampled tokens (``LogitsRow.pending_output``),
     so a penalised row needs no read-back before it samples."""
     targets = [i for i, r in enumerate(rows) if r.penalised]
     if not targets:
@@ -83,7 +83,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     return logits.index_copy(0, index, sub)
 
 
-def _output_ids(row: SamplingRow, vocab: int) -> np.ndarray:
+def _output_ids(row: LogitsRow, vocab: int) -> np.ndarray:
     """[L] int64: the row's known output tokens (ids outside the vocabulary as ``vocab``),
     kept in its request's cache and extended by the tokens new since the last step, so a
     step's host work is O(new tokens) rather than O(output length) per penalised row.
@@ -105,7 +105,7 @@ def _output_ids(row: SamplingRow, vocab: int) -> np.ndarray:
     return buffer[:count]
 
 
-def _count_pending(counts: torch.Tensor, rows: Sequence[SamplingRow], vocab: int) -> None:
+def _count_pending(counts: torch.Tensor, rows: Sequence[LogitsRow], vocab: int) -> None:
     """Add, on the device, each row's token of the step still in flight (its
     ``pending_output``, still a placeholder on the host) to ``counts`` [P, V + 1]."""
     lines = [j for j, r in enumerate(rows) if r.pending_output is not None]
@@ -119,7 +119,7 @@ def _count_pending(counts: torch.Tensor, rows: Sequence[SamplingRow], vocab: int
                       torch.ones(len(lines), device=device), accumulate=True)
 
 
-def _token_mask(row: SamplingRow, key: str, token_ids: Sequence[int] | None, vocab: int,
+def _token_mask(row: LogitsRow, key: str, token_ids: Sequence[int] | None, vocab: int,
                 device: torch.device) -> torch.Tensor:
     """[V] bool: True at ``token_ids`` (those inside the vocabulary); built on the device
     once per request, then cached in the row under ``key`` (the prompt's tokens, the
@@ -134,7 +134,7 @@ def _token_mask(row: SamplingRow, key: str, token_ids: Sequence[int] | None, voc
     return mask  # type: ignore[no-any-return]
 
 
-def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
     """Add each row's ``logit_bias`` to its logits (greedy rows too: a bias of -100 bans a
     token, +100 all but forces it, which classification jobs rely on). logits: [B, V]."""
     row_idx: list[int] = []
@@ -156,7 +156,7 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     return logits
 
 
-def apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
     """-inf for every token outside each row's ``allowed_token_ids`` (vLLM's mask), in the
     rows that have one. logits: [B, V]; a row's [V] mask is built on the device once."""
     targets = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
@@ -170,7 +170,7 @@ def apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -
     return logits.index_copy(0, index, sub)
 
 
-def apply_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def apply_bad_words(logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
     """-inf for the last token of each banned sequence whose other tokens end the row's
     output so far (vLLM's rule: a one-token word always, a longer one only as its
     completion). logits: [B, V].
@@ -244,7 +244,7 @@ def _apply_bitmask_torch(
     return logits.index_copy(0, index, masked)
 
 
-def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
     """Mask (to -inf) the tokens each row's min-p, top-k and top-p exclude, in that order;
     top-p is renormalised over what top-k kept (as vLLM). logits: [B, V].
 

@@ -71,8 +71,9 @@ class PromptScoring:
         self.pending.pop(request_id, None)
 
     def plan(self, sched: SchedulerOutput) -> PromptPlan | None:
-        """Rows to keep this step; None at once when no request asks."""
-        return plan(sched) if self.pending else None
+        """Rows to keep this step (None: none of its rows needs them). The engine calls it
+        only while ``pending`` holds a request."""
+        return plan(sched)
 
     def collect(self, prompt_plan: PromptPlan, logits: torch.Tensor,
                 num_sampling: int) -> tuple[torch.Tensor, PendingPrompt]:

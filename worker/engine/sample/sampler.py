@@ -35,17 +35,6 @@ from kernels.sampling_noise import key_at, keys_at, random_key
 from kernels.sampling_reference import SamplingTensors
 from kernels.sampling_reference import sample as sample_reference
 from worker.engine.runner.transfer import ReadBack, host_to_device, to_device
-from worker.engine.sample.columns import (
-    BIAS,
-    LOGPROBS,
-    MASKED,
-    NOT_PLAIN_GREEDY,
-    PENALISED,
-    SAMPLED,
-    SEEDED,
-    RowFacts,
-    SamplingTable,
-)
 from worker.engine.sample.logits_processors import (
     apply_allowed_token_ids,
     apply_bad_words,
@@ -53,7 +42,18 @@ from worker.engine.sample.logits_processors import (
     apply_penalties,
     apply_token_bitmask,
 )
-from worker.engine.sample.sampling_row import SamplingRow
+from worker.engine.sample.rows import (
+    BIAS,
+    LOGPROBS,
+    MASKED,
+    NOT_PLAIN_GREEDY,
+    PENALISED,
+    SAMPLED,
+    SEEDED,
+    RowConstants,
+    RowFacts,
+    SamplingRow,
+)
 
 __all__ = ["PendingSample", "Sampler", "SamplerOutput", "SamplingRow", "sampling_tensors"]
 
@@ -102,14 +102,14 @@ class Sampler:
     def launch(
         self, logits: torch.Tensor, rows: list[SamplingRow],
         grammar_mask: tuple[list[int], torch.Tensor] | None = None,
-        table: SamplingTable | None = None,
+        table: RowConstants | None = None,
     ) -> PendingSample:
         """logits: [num_rows, vocab] (any float dtype, any device).
 
         ``grammar_mask``: (constrained row indices, their int32 bitmask), see
         ``apply_token_bitmask``; reported logprobs are the model's, before the masks
         (the grammar's, ``allowed_token_ids``, ``bad_words``). ``table``: the rows'
-        constants as arrays (``sampling_table.py``), read in place of the row objects'
+        constants as arrays (``sample/rows.py``), read in place of the row objects'
         attributes when given (the same values, so the same tokens).
         """
         facts = RowFacts(rows) if table is None else table
@@ -158,7 +158,7 @@ class Sampler:
             keys[seeded] = keys_at(mixes, indices)
         return keys
 
-    def table_keys(self, table: SamplingTable) -> np.ndarray:
+    def table_keys(self, table: RowConstants) -> np.ndarray:
         """``keys`` from the rows' columns: the same keys, the host generator drawn for the
         same rows in the same order."""
         seeded = table.flags & SEEDED
@@ -184,12 +184,12 @@ class Sampler:
 
 
 def sampling_tensors(rows: list[SamplingRow], keys: list[int] | np.ndarray,
-                     device: torch.device, table: SamplingTable | None = None,
+                     device: torch.device, table: RowConstants | None = None,
                      ) -> SamplingTensors:
     """The rows' parameters as the sampling pass reads them: two copies up, three more
     when a row has a logit bias. Greedy rows (temperature 0 or top-k 1) get temperature 0;
     top-k off is any value >= the vocabulary (2**24 here). ``table``: the same parameters
-    as arrays (``sampling_table.py``)."""
+    as arrays (``sample/rows.py``)."""
     host: Sequence[Sequence[float]] | np.ndarray
     if table is None:  # [B, 4] float32 from each row's bytes (~10x faster than np.array)
         host = tuple(map(_PARAMS_ROW, rows))

@@ -14,24 +14,39 @@ before every step).
 and stop ids are copied at admission, when the request's parameters are final, as token
 counts: ``min_known`` (known tokens from which EOS / stop ids count) and ``max_known``
 (known tokens at which it ends by length: ``max_tokens`` or the model's context).
+
+Other parts may keep their own per-row values by these rows (``RowColumns``: the engine
+gives the sampler's constants, ``sample/rows.py``); the batch only tells them when a
+request takes a row and when the rows grow, so the scheduler knows nothing of sampling.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from worker.engine.kv.host_tables import HostTables
 from worker.engine.request import PLACEHOLDER, Request
-from worker.engine.sample.columns import SamplerColumns, SamplingTable, flags_of
 
 _NO_TOKEN = -2  # pads a row's stop ids: never a sampled token, nor the placeholder
 _INT_FIELDS = ("computed", "tokens", "known", "last", "min_known", "max_known")
 
 
+class RowColumns(Protocol):
+    """Values another part keeps by these rows: set when a request is admitted to a row,
+    resized with the rows, and checked against the request by ``BatchRows.check``."""
+
+    def admit(self, row: int, request: Request) -> None: ...
+
+    def grow(self, size: int) -> None: ...
+
+    def check(self, row: int, request: Request) -> None: ...
+
+
 class BatchRows:
-    def __init__(self, max_model_len: int, rows: int = 64) -> None:
+    def __init__(self, max_model_len: int, rows: int = 64,
+                 columns: tuple[RowColumns, ...] = ()) -> None:
         self.max_model_len = max_model_len
         self.computed = np.zeros(rows, dtype=np.int64)  # Request.num_computed_tokens
         self.tokens = np.zeros(rows, dtype=np.int64)  # Request.num_tokens (placeholders too)
@@ -45,7 +60,9 @@ class BatchRows:
         # sampling reads earlier tokens' values on the host (grammar, multi-token bad word)
         self.needs_known = np.zeros(rows, dtype=bool)
         self.item = np.empty(rows, dtype=object)  # the row's decode ScheduledRequest
-        self.sampler = SamplerColumns(rows)  # the sampler's per-request constants
+        self.columns = columns  # others' per-row values (the sampler's constants)
+        for column in columns:
+            column.grow(rows)
 
     @property
     def rows(self) -> int:
@@ -68,7 +85,8 @@ class BatchRows:
         self.stop[row, :len(stops)] = stops
         self.needs_known[row] = request.grammar is not None or request.bans_follow_output
         self.item[row] = decode_item
-        self.sampler.admit(row, request)
+        for column in self.columns:
+            column.admit(row, request)
         self.sync(row, request)
 
     def sync(self, row: int, request: Request) -> None:
@@ -98,10 +116,6 @@ class BatchRows:
             return decode, grow, np.zeros_like(decode)
         # for a decode, the blocks it fills never exceed its table (with the fresh one)
         return decode, grow, decode & (known // block_size > host.registered[rows])
-
-    def sampling_table(self, rows: np.ndarray) -> SamplingTable:
-        """The sampler's constants of ``rows`` (rows about to sample, before ``advance``)."""
-        return self.sampler.take(rows, self.tokens[rows])
 
     def advance(self, rows: np.ndarray, num_new: np.ndarray, sampled: np.ndarray) -> None:
         """``rows`` computed ``num_new`` tokens; ``sampled`` rows got a placeholder."""
@@ -135,7 +149,8 @@ class BatchRows:
         item = np.empty(size, dtype=object)
         item[:len(self.item)] = self.item
         self.stop, self.item = stop, item
-        self.sampler.grow(size)
+        for column in self.columns:
+            column.grow(size)
 
     def check(self, running: list[Request], host: HostTables) -> None:
         """Raise AssertionError unless every running request's row equals its fields."""
@@ -147,5 +162,5 @@ class BatchRows:
                     request.num_known_tokens, request.all_token_ids[-1])
             assert got == want, f"{request.request_id}: row {got} != request {want}"
             assert self.item[row].request is request, f"{request.request_id}: decode item"
-            assert self.sampler.flags[row] == flags_of(request), \
-                f"{request.request_id}: sampler flags"
+            for column in self.columns:
+                column.check(row, request)

@@ -5,7 +5,7 @@ are taken whole, as array slices: a row among them that enters a fresh block or 
 for the prefix cache gets that done in place, in order, by the same block-manager calls
 ``Scheduler._allocate`` makes. Any other row (a prefill chunk, a request back from
 preemption, a decode with no free block left) goes through ``Scheduler._allocate`` on its
-own, exactly as before, and may preempt the lowest-priority rows from the end. The result
+own, and may preempt the lowest-priority rows from the end. The result
 is the step's rows as ``ScheduledRequest`` objects and as arrays (``finish``).
 """
 

@@ -14,7 +14,6 @@ import numpy as np
 
 from worker.engine.kv.host_tables import HostTables
 from worker.engine.request import Request
-from worker.engine.sample.columns import SamplingTable
 from worker.engine.sched.batch_rows import BatchRows
 
 _TABLE_MIN_ROWS = 8  # fewer sampling rows: the sampler asks the row objects
@@ -47,7 +46,7 @@ class SchedulerOutput:
     batch: BatchRows | None = None  # the scheduler's rows (their counters, newest tokens)
     host: HostTables | None = None  # the block manager's rows (block tables)
     releases: int = -1  # ``host.releases`` then: unchanged, every row is still its request's
-    # Speculative decoding (#29): per drafted request, the draft tokens its row computes
+    # Speculative decoding: per drafted request, the draft tokens its row computes
     # after its last known token (its ``num_new_tokens`` is 1 + their count)
     drafts: dict[str, list[int]] = field(default_factory=dict)
     _sampling: list[Request] | None = None
@@ -74,21 +73,20 @@ class SchedulerOutput:
 
     def needs_known_tokens(self) -> bool:
         """Whether a sampling row reads its request's earlier tokens on the host (a
-        grammar, a multi-token bad word): ``inflight.needs_known_tokens`` over the rows'
-        flags set at admission."""
+        grammar, a multi-token bad word), from the rows' flags set at admission."""
         if self.batch is None or self.rows is None or self.sample is None:
             return any(s.sample and _needs_known(s.request) for s in self.scheduled)
         return bool(self.batch.needs_known[self.rows[self.sample]].any())
 
-    def sampling_table(self) -> SamplingTable | None:
-        """The sampling rows' sampler constants, read from the rows' arrays at launch
-        (before ``advance``); None without arrays, once a row changed hands, or for a few
-        rows (a handful of attribute reads cost less than the gathers)."""
+    def sampling_rows(self) -> np.ndarray | None:
+        """The sampling rows' batch rows, in order, for reading values kept by row at
+        launch (before ``advance``: the sampler's constants); None without arrays, once a
+        row changed hands, or for a few rows (a handful of attribute reads cost less than
+        the gathers)."""
         if self.batch is None or self.rows is None or self.sample is None \
                 or len(self.sampling) < _TABLE_MIN_ROWS or not self.intact():
             return None
-        return self.batch.sampling_table(
-            self.rows if len(self.sampling) == len(self.rows) else self.rows[self.sample])
+        return self.rows if len(self.sampling) == len(self.rows) else self.rows[self.sample]
 
     def attach_rows(self, host: HostTables, batch: BatchRows) -> None:
         """Give an output built by hand its arrays, from its requests' rows as they are
@@ -119,20 +117,6 @@ class SchedulerOutput:
             return np.ones(n, dtype=bool)  # no row changed hands since
         sampled = self.sample
         return self.host.gen[self.rows[sampled]] == self.gens[sampled]  # type: ignore[no-any-return]
-
-    def without_finished(self) -> SchedulerOutput:
-        """The step less the requests that finished while it waited (their blocks are
-        freed), its arrays kept (``inflight.without_finished``, faster)."""
-        keep = [not s.request.is_finished for s in self.scheduled]
-        kept = [s for s, k in zip(self.scheduled, keep, strict=True) if k]
-        out = SchedulerOutput(kept, sum(s.num_new_tokens for s in kept), self.preempted)
-        if self.rows is not None and self.gens is not None and self.num_new is not None \
-                and self.sample is not None:
-            mask = np.array(keep, dtype=bool)
-            out.rows, out.gens = self.rows[mask], self.gens[mask]
-            out.num_new, out.sample = self.num_new[mask], self.sample[mask]
-            out.batch, out.host, out.releases = self.batch, self.host, self.releases
-        return out
 
 
 def _needs_known(request: Request) -> bool:

@@ -27,7 +27,7 @@ from worker.engine.request import (
     Request,
     RequestStatus,
 )
-from worker.engine.sched.batch_rows import BatchRows
+from worker.engine.sched.batch_rows import BatchRows, RowColumns
 from worker.engine.sched.running_walk import RunningWalk
 from worker.engine.sched.schedule_output import Resolved, ScheduledRequest, SchedulerOutput
 from worker.engine.sched.updates import StepUpdates
@@ -37,7 +37,8 @@ __all__ = ["Resolved", "ScheduledRequest", "Scheduler", "SchedulerOutput"]
 
 class Scheduler(StepUpdates):
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+        columns: tuple[RowColumns, ...] = (),
     ) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -46,7 +47,8 @@ class Scheduler(StepUpdates):
         self.running: list[Request] = []  # kept sorted by Request.sort_key too
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.batch = BatchRows(max_model_len)  # the running requests' counters, by row
+        # the running requests' counters, by row; ``columns``: others' values by the rows
+        self.batch = BatchRows(max_model_len, columns=columns)
         self._running_rows: np.ndarray | None = None  # rows in ``running`` order (cache)
         self.adapters: AdapterGate | None = None  # multi-LoRA: slots pinned while running
         # Speculative decoding: drafts for running decode rows, set before ``schedule``

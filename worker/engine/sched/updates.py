@@ -1,10 +1,10 @@
 """The scheduler's half after the forward: a step's sampled tokens applied to its requests.
 
-``update`` applies a step whose tokens are known at once; with overlapped steps it is split
-into ``advance`` (at launch: tokens count as computed, sampling rows get placeholders) and
-``resolve`` / ``resolve_sampled`` (at read-back: placeholders filled, token-level stops
-checked over the batch's arrays, requests finished). A mixin of ``Scheduler``, apart from
-the admission half so that each reads on its own.
+``advance`` runs at launch (tokens count as computed, sampling rows get placeholders),
+``resolve_sampled`` at read-back (placeholders filled, token-level stops checked over the
+batch's arrays, requests finished); ``advance_resolve`` is the two at once for a step read
+back at once, with a faster path when every row is a plain decode. A mixin of
+``Scheduler``, apart from the admission half so that each reads on its own.
 """
 
 from __future__ import annotations
@@ -40,13 +40,6 @@ class StepUpdates:
 
         def _sync(self, request: Request) -> None: ...
 
-    def update(
-        self, output: SchedulerOutput, sampled: Sequence[int | None]
-    ) -> list[tuple[Request, int]]:
-        """``advance`` then ``resolve``: one step whose tokens are known at once."""
-        self.advance(output)
-        return self.resolve(output, sampled)
-
     def advance(self, output: SchedulerOutput) -> None:
         """The step is launched: its tokens count as computed, and each sampling row gets a
         placeholder for the token it is sampling (so the next step can be scheduled
@@ -74,35 +67,13 @@ class StepUpdates:
 
     def extend_known(self, request: Request, tokens: list[int]) -> None:
         """``tokens`` computed and known at once, after the request's last token (a verified
-        speculative run, #29): the counters and the row that ``advance`` + ``resolve`` of
+        speculative run): the counters and the row that ``advance`` + ``resolve`` of
         one single-token step per token would leave, with no stop check (the caller's)."""
         assert request.num_pending == 0, f"{request.request_id}: a token is pending"
         request.num_computed_tokens += len(tokens)
         request.output_token_ids += tokens
         request.all_token_ids += tokens
         self._sync(request)
-
-    def resolve(
-        self, output: SchedulerOutput, sampled: Sequence[int | None]
-    ) -> list[tuple[Request, int]]:
-        """Fill an advanced step's placeholders with its sampled tokens and finish on
-        token-level stops. ``sampled`` is aligned with ``output.scheduled`` (None where
-        nothing was sampled). Returns (request, token) for every request that got a token
-        (a request finished meanwhile has dropped its placeholders and gets none).
-        ``resolve_sampled`` does the same from the sampler's tokens alone, faster.
-        """
-        if len(sampled) != len(output.scheduled):
-            raise ValueError(f"{len(sampled)} tokens for {len(output.scheduled)} rows")
-        if len(output.sampling) == len(sampled):  # every row samples
-            tokens = list(sampled)
-        else:
-            tokens = [t for s, t in zip(output.scheduled, sampled, strict=True) if s.sample]
-        if None in tokens:  # a sampling row without its token gets none
-            output = SchedulerOutput([s for s, t in zip(output.scheduled, sampled, strict=True)
-                                      if s.sample and t is not None])
-            tokens = [t for t in tokens if t is not None]
-        got = self.resolve_sampled(output, tokens)  # type: ignore[arg-type]
-        return list(zip(got.requests, got.tokens, strict=True))
 
     def advance_resolve(self, output: SchedulerOutput, tokens: list[int]) -> Resolved:
         """``advance`` then ``resolve_sampled`` for a step read back at once (no overlap).
@@ -132,13 +103,14 @@ class StepUpdates:
     def resolve_sampled(
         self, output: SchedulerOutput, tokens: Sequence[int] | np.ndarray
     ) -> Resolved:
-        """``resolve`` for ``tokens``, one per sampling row of ``output`` in order (what the
-        sampler returns, fastest as an int64 array; ``output.sampling`` are their
-        requests). Returns the rows that got their token (``Resolved.index`` into
-        ``tokens``), their requests and tokens; a request that ends on its token (EOS, stop
-        ids, ``max_tokens``, the model's context) is finished by then. The checks run over
-        arrays (``BatchRows.resolve``) for every row still held by its request, one
-        request at a time for the others (finished or preempted since, or no arrays)."""
+        """Fill an advanced step's placeholders with ``tokens``, one per sampling row of
+        ``output`` in order (what the sampler returns, fastest as an int64 array;
+        ``output.sampling`` are their requests). Returns the rows that got their token
+        (``Resolved.index`` into ``tokens``), their requests and tokens; a request that
+        ends on its token (EOS, stop ids, ``max_tokens``, the model's context) is finished
+        by then. The checks run over arrays (``BatchRows.resolve``) for every row still
+        held by its request, one request at a time for the others (finished or preempted
+        since, or no arrays)."""
         if output.rows is None:  # built by hand (or filtered): its requests' rows now
             output.attach_rows(self.block_manager.host, self.batch)
         requests = output.sampling

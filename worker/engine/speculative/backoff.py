@@ -1,4 +1,4 @@
-"""Adaptive back-off for speculative decoding (#29.6): how many draft tokens a row gets.
+"""Adaptive back-off for speculative decoding: how many draft tokens a row gets.
 
 Costs in units of one decode row's share of a step: a step of ``B`` decode rows costs
 ``overhead_rows + B`` (a fixed part: the host's bookkeeping, launches, weights streamed

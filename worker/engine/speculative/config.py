@@ -1,4 +1,4 @@
-"""Speculative decoding settings (suffix decoding, #29): ``EngineConfig.speculative``,
+"""Speculative decoding settings (suffix decoding): ``EngineConfig.speculative``,
 ``FERRY_SPECULATIVE`` / ``FERRY_NUM_SPECULATIVE_TOKENS`` / ``FERRY_SPEC_MAX_BATCH`` /
 ``FERRY_SPEC_STORE_TOKENS`` / ``FERRY_SPEC_STORE_TTL_S``."""
 

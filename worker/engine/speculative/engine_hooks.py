@@ -1,4 +1,4 @@
-"""Speculative decoding inside the engine's step (#29): draft, verify, accept.
+"""Speculative decoding inside the engine's step: draft, verify, accept.
 
 Before scheduling, each eligible running decode row gets a draft from the suffix proposer
 (``Scheduler.drafts``); the scheduler gives it 1 + k tokens of the step (its last known
@@ -9,7 +9,7 @@ it would draw without speculation). Drafts are accepted while ``draft_j == sampl
 then the first sampled token that differs (or the bonus token after all k) is appended:
 1..k+1 tokens per row per step, each one the token the row would have produced without
 speculation. Each row's first token goes through the scheduler's own decode path with the
-rest of the batch (``advance`` + the engine's ``_update``); the accepted tokens after it
+rest of the batch (``advance`` + ``Engine.apply_tokens``); the accepted tokens after it
 in one pass per row (``resolve.py``: the same stop checks, EOS, stop ids, ``min_tokens``,
 ``max_tokens``, the context, cutting the run at its first finishing token), so counters,
 outputs and the prefix cache see exactly the steps a plain decode would have made; a token
@@ -95,7 +95,7 @@ class SpecDecoding:
         self._matches: dict[str, tuple[str, str, int]] = {}
         self.backoff_cut_tokens = 0  # draft tokens the back-off dropped (not worth verifying)
         # Called with each text stored and its tenant (the service shares it with the
-        # fleet, #29.2)
+        # fleet)
         self.on_stored: Callable[[list[int], str], None] | None = None
 
     @property
@@ -194,7 +194,8 @@ class SpecDecoding:
         rows = [SamplingRow.of(r) for r in sampling]
         flat, extra = self._draft_rows(sched, rows)
         mask = engine.structured.start_bitmask(sampling, sched.drafts)  # per position
-        plan = engine.scoring.plan(sched)  # prompt logprobs: rows before the drafts'
+        plan = engine.scoring.plan(sched) if engine.scoring.pending else None  # rows
+        # before the drafts'
         prompt_rows = plan.rows if plan is not None else []
         with engine.timer.phase("forward"):
             logits = engine.runner.execute(sched, engine.block_manager, None,
@@ -216,7 +217,7 @@ class SpecDecoding:
                                  for s in sched.scheduled])
         plain.num_batched_tokens = sum(s.num_new_tokens for s in plain.scheduled)
         engine.scheduler.advance(plain)
-        engine._update(outputs, plain, first, result.logprobs[:n])
+        engine.apply_tokens(outputs, plain, first, result.logprobs[:n])
         resolve_rest(engine, sampling, accepted, outputs)  # the tokens after each first
 
     def _draft_rows(self, sched: SchedulerOutput, rows: list[SamplingRow]

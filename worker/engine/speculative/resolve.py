@@ -1,7 +1,7 @@
-"""A verified step's accepted tokens after each row's first (#29), in one pass per row.
+"""A verified step's accepted tokens after each row's first, in one pass per row.
 
 Why not one position at a time: a ``SchedulerOutput``, ``Scheduler.advance`` and
-``Engine._update`` per accepted position was ~21% of a batch-1 retry's CPU time. Here each
+``Engine.apply_tokens`` per accepted position was ~21% of a batch-1 retry's CPU time. Here each
 row's run is cut at its first finishing token by one scan (``run_length``: the checks of
 ``Request.check_token_stop``: EOS and stop ids once ``min_tokens`` are out, ``max_tokens``,
 the model's context), appended at once (``Scheduler.extend_known``), and its rows go into

@@ -8,7 +8,7 @@ seen (the tokens a crashed worker already streamed, ``prior_output_ids``, come f
 rolls back or rebuilds when the output shrank, so preemption and resumption cannot put it
 out of step. Masks are computed for the constrained rows of a step only, in one parallel
 call into llguidance (the GIL is released), and applied by
-``logits_processors.apply_token_bitmask``. A speculative row's draft (#29) is cut where
+``logits_processors.apply_token_bitmask``. A speculative row's draft is cut where
 the grammar rejects it (``valid_draft``), and its row gets one mask per position, each
 from the state after the drafts before it; the matcher ends where it began.
 """
@@ -126,7 +126,8 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self._eos = eos_token_ids
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
-        self._pending: list[Request] = []
+        # Requests whose grammar is still compiling: the engine reads it to skip ``poll``
+        self.pending: list[Request] = []
         # Masks are filled on these threads while the forward runs (llguidance drops the
         # GIL): with overlap, step N+1's while its forward runs and step N is read back.
         self._threads = mask_threads
@@ -139,16 +140,12 @@ class StructuredOutputs:
             return
         request.grammar = RequestGrammar(self.compiler.compile(spec),
                                          CallBudget.of(request.params, self._eos))
-        self._pending.append(request)
-
-    @property
-    def has_pending(self) -> bool:
-        return bool(self._pending)
+        self.pending.append(request)
 
     def poll(self) -> list[Request]:
         """Requests whose compile finished since the last call and failed (to be finished)."""
         failed, still = [], []
-        for request in self._pending:
+        for request in self.pending:
             grammar = request.grammar
             if request.is_finished or grammar is None:
                 continue
@@ -157,12 +154,12 @@ class StructuredOutputs:
                 failed.append(request)
             elif not grammar.ready:
                 still.append(request)
-        self._pending = still
+        self.pending = still
         return failed
 
     def wait(self, timeout: float) -> None:
         """Block up to ``timeout`` for a pending compile: the loop has nothing else to do."""
-        futures = [r.grammar.future for r in self._pending if r.grammar is not None]
+        futures = [r.grammar.future for r in self.pending if r.grammar is not None]
         if futures:
             cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED)
 

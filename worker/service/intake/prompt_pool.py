@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 
 from protocol.models import GenerateRequest
-from worker.engine.inputs.prompts import PromptError, PromptOptions
+from worker.engine import PromptError, PromptOptions
 from worker.service.jobs import Admission
 
 log = structlog.get_logger("ferry.worker.prompts")

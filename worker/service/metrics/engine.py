@@ -16,8 +16,10 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from worker.engine.health import DEGRADED_REASONS  # torch-free
-from worker.engine.output.outputs import EngineStats  # a plain dataclass: no torch
+from worker.engine import (
+    DEGRADED_REASONS,  # torch-free
+    EngineStats,  # a plain dataclass: no torch
+)
 
 
 class Cumulative:

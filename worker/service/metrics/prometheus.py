@@ -31,7 +31,7 @@ from prometheus_client import (
 )
 
 from observability import vllm_metrics as vllm
-from worker.engine.output.outputs import EngineStats  # a plain dataclass: no torch
+from worker.engine import EngineStats  # a plain dataclass: no torch
 from worker.service.metrics.engine import EngineMetrics
 
 PREFIX = "ferry_worker_"

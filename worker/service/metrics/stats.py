@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.tenants.ids import DEFAULT_TENANT
-from worker.engine.output.outputs import EngineStats
+from worker.engine import EngineStats
 from worker.service.active_job import ActiveJob
 from worker.service.intake.fair_ledger import FairLedger
 from worker.service.jobs import Outgoing

@@ -3,12 +3,13 @@
 The engine loop hands over a list of ``Outgoing`` per step and never waits for Redis
 (unless the buffer is full: then it waits, which is the backpressure that bounds memory
 while Redis is away). This thread sends everything pending as one call of the
-fenced-push script (``worker/leases.py: FENCED_PUSH``), which for each event atomically
-checks the lease, PUBLISHes the event, appends it to the replay log and, for a terminal
-event, writes the result to the job hash and XACKs the entry. On a connection error the
-same batch is sent again after a backoff, in order; the fence turns already-applied
-pushes into ``dup``, so nothing reaches a client twice. On a Redis Cluster the batch goes
-out as one pipeline per master instead (``worker/service/outbox/cluster_push.py``).
+fenced-push script (``worker/service/redis/leases.py: FENCED_PUSH``), which for each
+event atomically checks the lease, PUBLISHes the event, appends it to the replay log
+and, for a terminal event, writes the result to the job hash and XACKs the entry. On a
+connection error the same batch is sent again after a backoff, in order; the fence turns
+already-applied pushes into ``dup``, so nothing reaches a client twice. On a Redis
+Cluster the batch goes out as one pipeline per master instead
+(``worker/service/outbox/cluster_push.py``).
 """
 
 from __future__ import annotations

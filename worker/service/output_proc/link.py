@@ -33,11 +33,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from worker.engine.output.step_batch import EngineEnd, StepBatch, StreamOpen
+from worker.engine import EngineEnd, StepBatch, StreamOpen
 from worker.service.output_proc import messages as m
 
 if TYPE_CHECKING:
-    from worker.engine.engine import Engine
+    from worker.engine import Engine
 
 EXIT_OUTPUT_DIED = 71  # EX_OSERR: the output process died; the supervisor restarts the worker
 STARTUP_HANG_S = 60.0  # the bound before the output process's first answer

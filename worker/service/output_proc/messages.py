@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-from worker.engine.output.step_batch import EngineEnd, StepBatch, StreamOpen
+from worker.engine import EngineEnd, StepBatch, StreamOpen
 
 CONFIG, BATCH, QUIT, READY, STOP, STATS = "C", "B", "Q", "R", "S", "T"
 JOB, END, DROP, DISCARD, LOST, FINISHED, GAPS = "J", "E", "D", "X", "L", "F", "G"

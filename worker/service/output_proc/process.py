@@ -24,9 +24,7 @@ import threading
 import time
 from typing import Any
 
-from worker.engine.output.outputs import StepOutput
-from worker.engine.output.step_batch import EngineEnd
-from worker.engine.output.text_output import StreamTexts
+from worker.engine import EngineEnd, StepOutput, StreamTexts
 from worker.service.output_proc import messages as m
 from worker.service.output_publish import Publisher, coalesce, token_event_bytes
 
@@ -161,7 +159,7 @@ def _load_tokenizer(options: dict[str, Any]) -> Any:
     """The engine's tokenizer's Rust backend when it sent one (no transformers, no torch),
     else the tokenizer loaded the engine's way."""
     if options.get("decode_spec") is not None:
-        from worker.engine.output.rust_decode import RustDecoder
+        from worker.engine import RustDecoder
 
         decoder = RustDecoder(options["decode_spec"])
         decoder.streams = decoder.streams and not options.get("window_decode")  # bench A/B

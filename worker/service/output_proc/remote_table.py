@@ -1,7 +1,7 @@
 """The job table when a worker's output process makes the events (``FERRY_OUTPUT_PROCESS``).
 
 The engine loop keeps what the engine needs — admission, cancels, deadlines, slots, the
-held entries — and hands the rest to the output process (``output_service.py``): each
+held entries — and hands the rest to the output process (``output_proc/service.py``): each
 admitted job (``JOB``), every step's ``StepBatch``, and how a request it stopped ended
 (``END`` with its terminal reason, ``DROP`` without events). A request leaves the table
 here when its last candidate ends in the engine (the batch's ``EngineEnd``s), which is
@@ -22,7 +22,7 @@ from collections import Counter
 from typing import Any
 
 from protocol.models import FinishReason
-from worker.engine.output.step_batch import EngineEnd, StepBatch, StreamOpen
+from worker.engine import EngineEnd, StepBatch, StreamOpen
 from worker.service.active_job import ActiveJob
 from worker.service.job_table import JobTable
 from worker.service.jobs import Command, Outgoing

@@ -24,8 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from worker.engine.output.step_batch import EngineEnd
-from worker.engine.output.text_output import StreamTexts
+from worker.engine import EngineEnd, StreamTexts
 from worker.service.active_job import ActiveJob
 from worker.service.job_events import JobEvents
 from worker.service.jobs import Command, Outgoing

@@ -3,7 +3,7 @@
 The worker talks to Redis from three threads (intake, outbox, control; see
 ``docs/service.md``) and never from the engine loop. Each thread handles a lost connection
 the same way: back off, reconnect, carry on where it was. What makes "carry on" safe is
-that every write that matters is idempotent and fenced (``worker/leases.py``), so a
+that every write that matters is idempotent and fenced (``worker/service/redis/leases.py``), so a
 command retried after a reply was lost is never applied twice.
 """
 
@@ -81,12 +81,12 @@ class WorkerSettings:
     redis_cluster: bool = False
     stream_shards: int = DEFAULT_SHARDS
     replication: Replication = field(default_factory=Replication)
-    # Speculative decoding (#29): share finished outputs with the model's other workers
+    # Speculative decoding: share finished outputs with the model's other workers
     # through the stream ``Keys.drafts`` (worker/service/sidecars/draft_feed.py), capped at about
     # this many entries; off: each worker drafts from its own outputs only.
     spec_fleet: bool = True
     spec_fleet_entries: int = 4096
-    # #28: text, events and their fenced writes in a second process (output_service.py),
+    # text, events and their fenced writes in a second process (output_proc/service.py),
     # off the engine loop's GIL; False: the engine loop makes them (one process)
     output_process: bool = True
     # Directories runtime LoRA loads may read (FERRY_LORA_ROOTS, else FERRY_LORA_DIR; none:

@@ -8,7 +8,7 @@ gate each thread runs one shard's work at a time; the first that fails marks the
 lost for all of them (logged once, ``shard_lost``), and from then on nobody sends it a
 command until ``ShardWatch`` (its own client, short timeouts, so its waits cost nobody
 else) finds its master answering again (``shard_recovered``). On one Redis there is one
-shard and the gate is transparent: errors reach the threads' backoff loops as before.
+shard and the gate is transparent: errors reach the threads' backoff loops unchanged.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class ShardGate:
             redis: Any = None) -> T:
         """``work(*args)`` unless ``shard`` is lost (then ``default``). On a cluster an
         unreachable shard's error marks it lost and gives ``default``; on one Redis it is
-        raised, as before."""
+        raised."""
         if not self.cluster:
             return work(*args)
         if not self.usable(shard):

@@ -37,7 +37,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from protocol.tenants.ids import check_tenant
-from worker.engine.speculative.draft_store import DraftStore
+from worker.engine import DraftStore
 from worker.service.redis.connection import TRANSIENT_ERRORS, WorkerSettings, recover
 from worker.service.redis.read_loop import read_until_stopped
 

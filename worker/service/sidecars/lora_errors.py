@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import structlog
 
 from protocol.lora.paths import AdapterPathError, scrub
-from worker.engine.lora.adapter import LoraError
-from worker.engine.lora.engine_hooks import UnknownAdapter
+from worker.engine import LoraError, UnknownAdapter
 
 log = structlog.get_logger("ferry.worker.lora")
 

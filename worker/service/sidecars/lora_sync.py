@@ -19,7 +19,7 @@ are still loaded.
 A request whose ``model`` names an adapter this worker has not picked up yet (registered a
 moment ago) is looked up in the registry at once and loaded on the loop: once per
 adapter, only in that race. A name that is neither the served model nor a registered
-adapter runs on the base model, as before adapters existed (the gateway 404s names it
+adapter runs on the base model (the gateway 404s names it
 does not serve; direct producers may put any label in ``model``). A request naming
 another tenant's adapter (``{other}::name``) is refused whatever the registry holds: no
 producer runs another's adapter, nor learns whether it exists.
@@ -37,9 +37,7 @@ import structlog
 from protocol.lora.paths import confine
 from protocol.lora.registry import LoraRecord, public_name, read_adapters, register_adapter
 from protocol.tenants.ids import DEFAULT_TENANT, SEPARATOR, tenant_of_id
-from worker.engine.lora.adapter import LoraAdapter
-from worker.engine.lora.engine_hooks import UnknownAdapter
-from worker.engine.lora.manager import LoraManager
+from worker.engine import LoraAdapter, LoraManager, UnknownAdapter
 from worker.service.redis.connection import TRANSIENT_ERRORS, Backoff, WorkerSettings, recover
 from worker.service.sidecars.lora_errors import Failure, reason_of, unavailable
 
@@ -179,9 +177,8 @@ class LoraSync:
 
     # -- the engine loop -----------------------------------------------------------------
     def apply(self) -> None:
-        """Install and drop what the sync thread prepared."""
-        if self.manager is None:
-            return
+        """Install and drop what the sync thread prepared (LoRA on: ``manager`` set)."""
+        assert self.manager is not None
         changed = False
         while True:
             try:

@@ -15,9 +15,7 @@ import structlog
 
 from protocol.lora.paths import AdapterPathError, confine, scrub
 from protocol.tokenizer import TokenizerReply, TokenizerRequest
-from worker.engine.inputs.prompts import PromptBuilder, PromptError, PromptOptions
-from worker.engine.lora.adapter import LoraError
-from worker.engine.lora.manager import LoraManager
+from worker.engine import LoraError, LoraManager, PromptBuilder, PromptError, PromptOptions
 
 _PRIVATE_CONFIG = frozenset({
     "vocab_file", "merges_file", "tokenizer_file", "name_or_path", "is_local",

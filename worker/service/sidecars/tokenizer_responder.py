@@ -44,8 +44,7 @@ from protocol.tokenizer import (
     encode_tokenizer_message,
 )
 from protocol.tokenizer_queue import BELL, POP_LUA, payload_of, pop_args, small_bell_key
-from worker.engine.inputs.prompts import PromptBuilder
-from worker.engine.lora.manager import LoraManager
+from worker.engine import LoraManager, PromptBuilder
 from worker.service.redis.connection import TRANSIENT_ERRORS, WorkerSettings, recover
 from worker.service.redis.read_loop import read_until_stopped
 from worker.service.sidecars.tokenizer_answers import answer

@@ -1,4 +1,4 @@
-"""The KV cache's host tier (#32): evicted cached blocks copied to host memory and back.
+"""The KV cache's host tier: evicted cached blocks copied to host memory and back.
 
 Unit level: a block evicted with a hash is copied out before the forward can overwrite
 it, a prompt continuing on the host gets fresh blocks filled from there (bytes equal),

@@ -13,7 +13,13 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.worker.engine.fake_runner import check_step, fake_token, make_request, make_scheduler
+from tests.worker.engine.fake_runner import (
+    check_step,
+    fake_token,
+    make_request,
+    make_scheduler,
+    update,
+)
 from worker.engine.request import Request
 from worker.engine.sched.scheduler import Scheduler
 
@@ -40,7 +46,7 @@ class SimulatedKV:
             seen = [self.slots.get(table[p // bs] * bs + p % bs) for p in range(hi)]
             assert seen == req.all_token_ids[:hi], f"{req.request_id}: wrong KV in its blocks"
         sampled = [fake_token(s.request) if s.sample else None for s in out.scheduled]
-        return sched.update(out, sampled)
+        return update(sched, out, sampled)
 
 
 def _prompt(shared: list[int], prefix_len: int, tail: int, seed: int) -> list[int]:

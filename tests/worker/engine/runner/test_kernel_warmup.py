@@ -129,7 +129,7 @@ def test_a_sampling_kernel_that_fails_to_build_leaves_its_torch_twin_and_a_loud_
         ckpt: str) -> None:
     engine = _engine(ckpt)
 
-    def fails(*_: object) -> None:  # what Triton 3.6 raised on the H200 (#33)
+    def fails(*_: object) -> None:  # what Triton 3.6 raised on the H200
         raise RuntimeError("PassManager::run failed (simulated)")
 
     warmup.warm_up_sampling(_as_if_on_cuda(engine), engine.sampler, build=fails)

@@ -30,7 +30,7 @@ def test_one_copy_keeps_values_dtypes_and_16_byte_alignment() -> None:
 
 
 def _by_hand(out: SchedulerOutput) -> SchedulerOutput:
-    """The same step without its arrays (as ``inflight.without_finished`` builds it)."""
+    """The same step without its arrays (as one built by hand is)."""
     return SchedulerOutput(list(out.scheduled), out.num_batched_tokens, out.preempted)
 
 

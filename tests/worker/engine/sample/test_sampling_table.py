@@ -1,4 +1,4 @@
-"""The sampler's constants as columns (``sampling_table.py``) answer what the row objects
+"""The sampler's constants as columns (``sample/rows.py``) answer what the row objects
 answer, every step, and the engine draws the same tokens with them as without them:
 seeded rows, unseeded ones (the host generator drawn for the same rows in the same
 order), greedy rows, penalties, logprobs, a logit bias and filters, in a batch whose
@@ -14,7 +14,7 @@ import pytest
 from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from worker import Engine, EngineConfig
-from worker.engine.sample.columns import (
+from worker.engine.sample.rows import (
     BIAS,
     LOGPROBS,
     MASKED,
@@ -22,7 +22,7 @@ from worker.engine.sample.columns import (
     PENALISED,
     SAMPLED,
     SEEDED,
-    SamplingTable,
+    RowConstants,
 )
 from worker.engine.sample.sampler import Sampler
 from worker.engine.sched import schedule_output
@@ -56,7 +56,7 @@ def _run(path: str, overlap: bool, check: bool) -> list[tuple[int, list[int]]]:
     launch = engine.sampler.launch
 
     def compared(logits: Any, rows: Any, mask: Any = None,
-                 table: SamplingTable | None = None) -> Any:
+                 table: RowConstants | None = None) -> Any:
         if check and table is not None:
             _same_answers(table, rows)
             tables.append(table)
@@ -76,7 +76,7 @@ def _run(path: str, overlap: bool, check: bool) -> list[tuple[int, list[int]]]:
     return sorted(tokens.items())
 
 
-def _same_answers(table: SamplingTable, rows: Any) -> None:
+def _same_answers(table: RowConstants, rows: Any) -> None:
     want = {PENALISED: "penalised", MASKED: "masked", LOGPROBS: "wants_logprobs",
             BIAS: "has_bias"}
     for flag, attr in want.items():
@@ -95,7 +95,7 @@ def test_the_table_answers_as_the_rows_and_draws_the_same_tokens(
         checkpoint: str, overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(schedule_output, "_TABLE_MIN_ROWS", 1)  # a batch of a few rows too
     with_table = _run(checkpoint, overlap, check=True)
-    monkeypatch.setattr(SchedulerOutput, "sampling_table", lambda self: None)
+    monkeypatch.setattr(SchedulerOutput, "sampling_rows", lambda self: None)
     assert _run(checkpoint, overlap, check=False) == with_table
     assert len(with_table) == 24
 
@@ -104,11 +104,11 @@ def test_a_full_batch_is_sampled_from_the_table(checkpoint: str) -> None:
     """At the default threshold a batch of 8 or more sampling rows takes the table."""
     engine = Engine(EngineConfig.create(checkpoint, num_blocks=120, block_size=8,
                                         max_num_seqs=10, device="cpu"))
-    seen: list[SamplingTable | None] = []
+    seen: list[RowConstants | None] = []
     launch = engine.sampler.launch
 
     def noted(logits: Any, rows: Any, mask: Any = None,
-              table: SamplingTable | None = None) -> Any:
+              table: RowConstants | None = None) -> Any:
         seen.append(table)
         return launch(logits, rows, mask, table)
 
@@ -125,7 +125,7 @@ def test_table_keys_equal_the_rows_keys_with_unseeded_rows_between() -> None:
     same way (the next key drawn after them is the same too)."""
     mixes = np.array([5, 0, 0, 9, 0], dtype=np.uint64)
     flags = np.array([SAMPLED | SEEDED, 0, SAMPLED, SAMPLED | SEEDED, SAMPLED], np.uint8)
-    table = SamplingTable(np.zeros((5, 4), np.float32), mixes,
+    table = RowConstants(np.zeros((5, 4), np.float32), mixes,
                           np.array([3, 0, 1, 4, 2], np.int64), flags,
                           int(np.bitwise_or.reduce(flags)))
     rows = [_Row(int(m) if f & SEEDED else None, int(o), not f & SAMPLED)

@@ -3,7 +3,7 @@
 The driver does what the engine does with ``async_scheduling``: schedule and launch step
 N+1 (``advance``: placeholders for its sampled tokens) before resolving step N. The
 simulated device writes each scheduled token into its slot, taking a placeholder's value
-from the step in flight (as ``patch_pending`` does on the GPU), then reads every scheduled
+from the step in flight (as ``patch_placeholders`` does on the GPU), then reads every scheduled
 request's context back: it must equal the request's tokens. For random workloads with
 shared prefixes, a small pool (preemption), chunked prefill, stop tokens that end a
 request while its next step is launched, aborts and priorities, every request that was
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.sampling import SamplingParams
-from tests.worker.engine.fake_runner import check_step, fake_token, make_scheduler
+from tests.worker.engine.fake_runner import check_step, fake_token, make_scheduler, resolve
 from worker.engine.request import PLACEHOLDER, Request
 from worker.engine.sched.scheduler import Scheduler, SchedulerOutput
 
@@ -75,7 +75,7 @@ class Device:
 
     def flush(self) -> None:
         if self.inflight is not None:
-            self.sched.resolve(*self.inflight)
+            resolve(self.sched, *self.inflight)
             self.inflight, self.pending = None, {}
 
 

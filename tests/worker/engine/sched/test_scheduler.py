@@ -3,6 +3,7 @@ from tests.worker.engine.fake_runner import (
     make_scheduler,
     run_step,
     run_to_completion,
+    update,
 )
 from worker.engine.request import FinishReason, RequestStatus
 
@@ -124,12 +125,12 @@ def test_eos_and_stop_token_ids_finish():
     r = Request("e", [1, 2], SamplingParams(max_tokens=10), eos_token_ids=frozenset({EOS}))
     sched.add(r)
     out = sched.schedule()
-    sched.update(out, [EOS])
+    update(sched, out, [EOS])
     assert r.finish_reason is FinishReason.STOP
     r2 = Request("s", [1, 2], SamplingParams(max_tokens=10, stop_token_ids=[7]))
     sched.add(r2)
     out = sched.schedule()
-    sched.update(out, [7])
+    update(sched, out, [7])
     assert r2.finish_reason is FinishReason.STOP
 
 

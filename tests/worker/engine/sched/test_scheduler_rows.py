@@ -7,7 +7,7 @@ check EOS / stop ids / ``min_tokens`` / ``max_tokens`` / the model's context ove
 the same random workloads — shared prefixes (prefix cache), chunked prefill, a small pool
 (preemption), priorities (preemption for admission), aborts, stop ids and EOS with
 ``min_tokens``, a short model context, steps overlapped or not, and step outputs filtered
-by hand (no arrays, as ``inflight.without_finished`` makes them) — and must agree at
+by hand (no arrays) — and must agree at
 every step: the rows, their order and token counts, the preempted, every block table, the
 prefix-cache counters, the tokens handed back and how each request ends. The rows'
 arrays are checked against the requests before every step (``check_invariants``).
@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.sampling import SamplingParams
-from tests.worker.engine.fake_runner import make_scheduler
+from tests.worker.engine.fake_runner import make_scheduler, resolve
 from worker.engine.request import FinishReason, Request, RequestStatus
 from worker.engine.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
@@ -108,6 +108,14 @@ def _snapshot(sched: Scheduler, out: SchedulerOutput) -> tuple[Any, ...]:
             bm.num_cached_blocks, [r.request_id for r in sched.running])
 
 
+def _resolve(sched: Scheduler, out: SchedulerOutput,
+             sampled: list[int | None]) -> list[tuple[Request, int]]:
+    """The reference's own per-request resolve, or the scheduler's (``resolve_sampled``)."""
+    if isinstance(sched, Reference):
+        return sched.resolve(out, sampled)
+    return resolve(sched, out, sampled)
+
+
 def _drive(sched: Scheduler, specs: list[Spec], overlap: bool, strip: int,
            checked: bool) -> list[Any]:
     trace: list[Any] = []
@@ -125,10 +133,10 @@ def _drive(sched: Scheduler, specs: list[Spec], overlap: bool, strip: int,
         sampled = [_token(s.request) if s.sample else None for s in out.scheduled]
         sched.advance(out)
         if inflight is not None:
-            trace.append([(r.request_id, t) for r, t in sched.resolve(*inflight)])
+            trace.append([(r.request_id, t) for r, t in _resolve(sched, *inflight)])
         inflight = (out, sampled)
         if not overlap:
-            trace.append([(r.request_id, t) for r, t in sched.resolve(*inflight)])
+            trace.append([(r.request_id, t) for r, t in _resolve(sched, *inflight)])
             inflight = None
 
     n = 0
@@ -149,7 +157,7 @@ def _drive(sched: Scheduler, specs: list[Spec], overlap: bool, strip: int,
     while sched.has_unfinished() and n < 3000:
         step(n := n + 1)
     if inflight is not None:
-        trace.append([(r.request_id, t) for r, t in sched.resolve(*inflight)])
+        trace.append([(r.request_id, t) for r, t in _resolve(sched, *inflight)])
     assert not sched.has_unfinished()
     trace.append([(r.request_id, r.output_token_ids, r.finish_reason) for r in requests])
     return trace

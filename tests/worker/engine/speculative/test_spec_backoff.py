@@ -1,4 +1,4 @@
-"""The adaptive back-off (#29.6): confident drafts survive a big batch, weak ones do not,
+"""The adaptive back-off: confident drafts survive a big batch, weak ones do not,
 and what is learnt moves the estimate; outputs stay exact (test_spec_decode.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Speculative decoding (suffix decoding, #29): the tokens are those of speculation off.
+"""Speculative decoding (suffix decoding): the tokens are those of speculation off.
 
 Greedy and seeded rows give identical outputs with speculation on and off, over prompts
 that repeat spans (so drafts are accepted) and a second pass of the same prompts (drafts

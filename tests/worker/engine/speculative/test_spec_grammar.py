@@ -1,4 +1,4 @@
-"""Speculative decoding of rows with a grammar (#29, point 5): exactly speculation off.
+"""Speculative decoding of rows with a grammar: exactly speculation off.
 
 Drafts of a constrained row are cut at the first token its grammar rejects, and each of
 the row's 1 + k positions samples under the mask of the state after the drafts before it.

@@ -1,4 +1,4 @@
-"""The one-pass resolve of accepted runs (#29, ``speculative/resolve.py``) against the
+"""The one-pass resolve of accepted runs (``speculative/resolve.py``) against the
 per-position loop it replaced: the same cut of each run (``run_length`` against
 ``Request.check_token_stop`` token by token), and step for step the same ``StepBatch``es
 (rows in the same order, the same ends at the same rows) and the same counters."""

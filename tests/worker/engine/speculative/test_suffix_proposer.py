@@ -1,4 +1,4 @@
-"""Suffix decoding's index and proposer (#29): longest matches checked against brute force,
+"""Suffix decoding's index and proposer: longest matches checked against brute force,
 the own match's latest earlier occurrence and its loop, the bounded store, draft lengths;
 the store per tenant (no text offered across tenants, a flood evicts its own first) and
 its TTL (nothing offered past it, expired segments dropped)."""

@@ -1,4 +1,4 @@
-"""Dead letters are for entries no worker can run, and they are bounded (issue #27.7).
+"""Dead letters are for entries no worker can run, and they are bounded.
 
 A real ``ferry worker`` process against a real redis-server:
 

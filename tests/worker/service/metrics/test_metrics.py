@@ -196,7 +196,7 @@ def test_degraded_states_and_graphs_are_gauges() -> None:
 
 
 def test_speculative_counters_follow_the_engine() -> None:
-    from worker.engine.output.outputs import EngineStats  # a plain dataclass: no torch
+    from worker.engine.engine_stats import EngineStats  # a plain dataclass: no torch
 
     metrics = WorkerMetrics(CollectorRegistry())
     base = dict(num_running=1, num_waiting=0, kv_blocks_total=8, kv_blocks_free=8,

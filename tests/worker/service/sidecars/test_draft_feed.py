@@ -1,4 +1,4 @@
-"""The fleet's draft store (#29.2) against a real redis-server: one worker's outputs reach
+"""The fleet's draft store against a real redis-server: one worker's outputs reach
 another's store, also a worker started later, under their tenant only; the stream stays
 capped; its own entries, bad entries and entries without a tenant are skipped; entries
 older than the TTL are trimmed from the stream (on append and with nothing to append) and

@@ -1,4 +1,4 @@
-"""The fleet learns together (#29.2), end to end: real redis-server, real ``ferry worker``
+"""The fleet learns together, end to end: real redis-server, real ``ferry worker``
 processes with ``--speculative suffix``.
 
 A worker stores each finished output (its prompt's tail and its tokens) and appends it to

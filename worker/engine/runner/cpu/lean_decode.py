@@ -1,4 +1,4 @@
-"""A lean forward for the steps of a Llama model on the CPU (decodes, and since #32 prefills).
+"""A lean forward for the steps of a Llama model on the CPU (decodes and prefills).
 
 Why: at one stream the default model's step is ~6 ms, and most of it is not arithmetic
 but transformers' per-module Python (``nn.Module.__call__``, kwarg deprecation and
@@ -21,7 +21,7 @@ decodes; here the call is built once per step with those rows' tables and length
 step carrying drafts costs what a decode step of as many tokens costs, not the module
 path's ~2x (measured at batch 1: 3 ms for a decode, 9 ms for a 1+2..7-token verification).
 
-Prefill and mixed steps take it too (#32): the layers' ops are the same for a chunk of
+Prefill and mixed steps take it too: the layers' ops are the same for a chunk of
 many tokens, and a step with a chunk that is not kernel rows hands every layer's attention
 to the backend's ``forward``, the call the module path's attention hook makes. A
 conversation's returning turn (a short new message over a context restored from the
