@@ -185,7 +185,8 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split has l = 0 and acc = 0
     o = acc / l_safe[:, None]  # [G, D]
     if HAS_SINKS and not WRITE_PARTIAL:
-        sink = tl.load(sinks_ptr + heads, mask=offs_g < GROUP, other=0.0) * 1.4426950408889634
+        sink = tl.load(sinks_ptr + heads, mask=offs_g < GROUP, other=0.0).to(tl.float32)
+        sink = sink * 1.4426950408889634  # log2 domain
         o = normalise_rows(acc, l_i, m_i, sink)
     if WRITE_PARTIAL:
         row = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [G]
@@ -222,7 +223,7 @@ def _decode_reduce_kernel(
     m = tl.max(lse, 0)
     sink = float("-inf")
     if HAS_SINKS:  # one more term in the denominator, with no value
-        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
         m = tl.maximum(m, sink)
     m_shift = tl.where(m == float("-inf"), 0.0, m)
     weight = tl.exp2(lse - m_shift)  # [P], 0 for empty splits

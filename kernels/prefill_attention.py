@@ -136,7 +136,7 @@ def _prefill_kernel(
         SOFT_CAP=SOFT_CAP, UPCAST=UPCAST, CHUNKED=CHUNKED,
     )  # fmt: skip
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + heads, mask=offs_m % GROUP_PAD < GROUP, other=0.0)
+        sink = tl.load(sinks_ptr + heads, mask=offs_m % GROUP_PAD < GROUP, other=0.0).to(tl.float32)
         o = normalise_rows(acc, l_i, m_i, sink * 1.4426950408889634)  # [M, D]
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [M, D]

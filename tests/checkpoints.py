@@ -83,7 +83,6 @@ def build_checkpoint(arch: str, root: Path, *, seed: int = 0, layers: int = 2,
                      hidden: int = 64, max_pos: int = 512, fim: bool = False) -> str:
     """Write a random ``arch`` checkpoint plus tokenizer under ``root``; returns its path.
     ``fim``: a tokenizer with FIM tokens and a thinking switch (``build_tokenizer``)."""
-    import torch
     import transformers
 
     path = root / (f"{arch}-fim" if fim else arch)
@@ -100,11 +99,23 @@ def build_checkpoint(arch: str, root: Path, *, seed: int = 0, layers: int = 2,
     )
     if arch == "mistral":
         config.sliding_window = spec["sliding_window"]
+    return save_seeded(config, tokenizer, path, seed)
+
+
+def save_seeded(config: Any, tokenizer: Any, path: Path | str, seed: int) -> str:
+    """Build ``config``'s model with seeded weights larger than its init (matrices
+    N(0, 0.2), so outputs are not all near-ties; attention sinks N(0, 1), so they bite),
+    save it with ``tokenizer`` at ``path`` and return the path."""
+    import torch
+    import transformers
+
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # larger weights than the init so outputs are not all near-ties
-        for p in model.parameters():
-            if p.dim() > 1:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+            elif p.dim() > 1:
                 p.normal_(0.0, 0.2)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)

@@ -9,11 +9,10 @@ config lets the head size be set), MoE blocks of 4 experts choosing 2.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
-from tests.checkpoints import build_tokenizer
+from tests.checkpoints import build_tokenizer, save_seeded
 
 _GQA: dict[str, Any] = dict(num_attention_heads=4, num_key_value_heads=2)
 _MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
@@ -63,7 +62,6 @@ FAMILIES: dict[str, dict[str, Any]] = {
 
 def build_family(name: str, root: Path, *, seed: int = 0, max_pos: int = 512) -> str:
     """Write family ``name``'s checkpoint plus tokenizer under ``root``; returns its path."""
-    import torch
     import transformers
 
     path = root / name
@@ -77,15 +75,4 @@ def build_family(name: str, root: Path, *, seed: int = 0, max_pos: int = 512) ->
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id, **spec,
     )
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # larger weights than the init so outputs are not all near-ties
-        for pname, p in model.named_parameters():
-            if pname.endswith("sinks"):
-                p.normal_(0.0, 1.0)
-            elif p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_seeded(config, tokenizer, path, seed)

@@ -3,12 +3,11 @@ embeddings and q/k norms, a Mixtral MoE) and vLLM's greedy agreement rule."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from protocol.sampling import SamplingParams
-from tests.checkpoints import build_checkpoint, build_tokenizer
+from tests.checkpoints import build_checkpoint, build_tokenizer, save_seeded
 
 PROMPTS = ["def fibonacci(n):", "class Queue:\n    ", "import os\nimport"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, logprobs=5)
@@ -16,7 +15,6 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, logprobs=5)
 
 def build_moe(root: Path, seed: int = 0) -> str:
     """A two-layer Mixtral (4 experts, top-2), random weights, with the test tokenizer."""
-    import torch
     import transformers
 
     path = root / "mixtral"
@@ -29,16 +27,7 @@ def build_moe(root: Path, seed: int = 0) -> str:
         num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_seeded(config, tokenizer, path, seed)
 
 
 def checkpoint(arch: str, root: Path) -> str:
