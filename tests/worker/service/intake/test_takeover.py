@@ -102,7 +102,9 @@ def test_live_worker_in_long_steps_is_never_robbed(server: RedisServer, log_dir:
     requests = [GenerateRequest(prompt=prompt + f"# {i}\n", params=SamplingParams(
         max_tokens=600, temperature=0.0, ignore_eos=True)) for i in range(4)]
     fast_beats = ("--heartbeat-interval-s", "0.1", "--heartbeat-ttl-s", "0.3")
-    env = {"FERRY_MAX_NUM_BATCHED_TOKENS": "8192", "FERRY_KV_CACHE_BLOCKS": "600"}
+    # one thread: the busy worker must still be decoding when the idle one is up
+    env = {"FERRY_MAX_NUM_BATCHED_TOKENS": "8192", "FERRY_KV_CACHE_BLOCKS": "600",
+           "FERRY_TORCH_THREADS": "1"}
     model = default_model_path()  # 2048 tokens of context
     busy = WorkerProcess(model, server.url, "busy", log_dir, *LONG_LEASE, *fast_beats,
                          "--max-num-seqs", "4", env=env)
