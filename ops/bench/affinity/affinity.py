@@ -43,10 +43,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
 import redis  # noqa: E402
 
 from ferry.local_stack import free_port  # noqa: E402
+from ops.bench.service import ferry_up  # noqa: E402
 from protocol.affinity.mark import mark  # noqa: E402
 from protocol.affinity.router import AffinitySettings, Router  # noqa: E402
 from protocol.client import FerryClient  # noqa: E402
@@ -154,31 +154,17 @@ def summarize(phase: dict[str, Any]) -> dict[str, Any]:
 
 def start_stack(tmp: Path, workers: int) -> tuple[subprocess.Popen[bytes],
                                                   subprocess.Popen[bytes], str, str]:
-    rport, port = free_port(), free_port()
+    """A redis-server of the bench's own and ``ferry up --workers N`` on it, ready."""
+    rport = free_port()
     redis_proc = subprocess.Popen(["redis-server", "--port", str(rport), "--save", "",
                                    "--appendonly", "no", "--dir", str(tmp)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{rport}/0"
     env = dict(os.environ, FERRY_DEVICE="cpu", FERRY_KV_CACHE_BLOCKS="4096",
                FERRY_PREFIX_AFFINITY="1")
-    log = (tmp / "up.log").open("wb")
-    up = subprocess.Popen([sys.executable, "-m", "ferry.cli", "up", "--workers", str(workers),
-                           "--port", str(port), "--redis-url", url, "--metrics-port", "0"],
-                          stdout=log, stderr=subprocess.STDOUT, env=env,
-                          start_new_session=True, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if up.poll() is not None:
-            raise RuntimeError(f"ferry up exited; see {tmp / 'up.log'}")
-        try:
-            ready = httpx.get(base + "/readyz", timeout=2)
-            if ready.status_code == 200 and int(ready.json().get("workers", 0)) >= workers:
-                return up, redis_proc, url, base
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("ferry up did not become ready")
+    up, base = ferry_up.start_ferry(env, tmp / "up.log", workers, ["--redis-url", url],
+                                    ready_s=900)
+    return up, redis_proc, url, base
 
 
 def routes(r: Any, keys: Keys) -> dict[str, dict[str, int]]:
@@ -267,11 +253,7 @@ def main() -> None:
                 results[p]["routes"] = routed(before, routes(r, keys))
                 print(p, json.dumps({k: v for k, v in results[p].items()}), flush=True)
         finally:
-            os.killpg(up.pid, signal.SIGINT)
-            try:
-                up.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
+            ferry_up.stop_ferry(up)
             redis_proc.kill()
     out = report(results, phases, args)
     out.update({"seconds": round(time.monotonic() - started, 1), "cpus": os.cpu_count(),
