@@ -9,6 +9,8 @@ neither a heartbeat nor touched the stream for that long, and resume them. The l
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,7 +104,6 @@ def test_live_worker_in_long_steps_is_never_robbed(server: RedisServer, log_dir:
     requests = [GenerateRequest(prompt=prompt + f"# {i}\n", params=SamplingParams(
         max_tokens=600, temperature=0.0, ignore_eos=True)) for i in range(4)]
     fast_beats = ("--heartbeat-interval-s", "0.1", "--heartbeat-ttl-s", "0.3")
-    # one thread: the busy worker must still be decoding when the idle one is up
     env = {"FERRY_MAX_NUM_BATCHED_TOKENS": "8192", "FERRY_KV_CACHE_BLOCKS": "600",
            "FERRY_TORCH_THREADS": "1"}
     model = default_model_path()  # 2048 tokens of context
@@ -111,13 +112,23 @@ def test_live_worker_in_long_steps_is_never_robbed(server: RedisServer, log_dir:
     idle = WorkerProcess(model, server.url, "idle", log_dir, *LONG_LEASE, *fast_beats)
     r = server.client()
     try:
-        start_all(busy)
-        streams = Streams(server.url, requests).start()
-        deadline = time.monotonic() + 60
-        while not all(_job(r, q.request_id)[0] in ("running", "done") for q in requests):
-            assert time.monotonic() < deadline, "the busy worker did not start all four"
-            time.sleep(0.01)
-        start_all(idle)  # idle, with room, scanning for dead consumers every 0.1 s
+        # Both load together; the idle one is paused while the busy one takes all four
+        # (its intake only wakes on XREAD and pulls with a script, so a paused process
+        # pulls nothing), then resumes at once: no race against a worker's start-up time.
+        start_all(busy, idle)
+        os.kill(idle.pid, signal.SIGSTOP)
+        try:
+            streams = Streams(server.url, requests).start()
+            deadline = time.monotonic() + 60
+            while not all(_job(r, q.request_id)[0] in ("running", "done") for q in requests):
+                assert time.monotonic() < deadline, "the busy worker did not start all four"
+                time.sleep(0.01)
+        finally:
+            resumed = time.time()
+            os.kill(idle.pid, signal.SIGCONT)
+        # idle, with room, scanning for dead consumers every 0.1 s; three scans later
+        # the busy worker must still be decoding, or the test proved nothing
+        idle.heartbeat_after(resumed + 0.3)
         assert any(_job(r, q.request_id)[0] == "running" for q in requests), "too late"
         results = streams.join()
         idle_beat = idle.heartbeat()
