@@ -22,6 +22,8 @@ throughput (prompt + completion tokens per wall second). Writes
 
     .venv/bin/python ops/bench/affinity/affinity.py                    # 16 x 4
     .venv/bin/python ops/bench/affinity/affinity.py --conversations 8  # a loaded machine
+    .venv/bin/python ops/bench/affinity/affinity.py --kv-blocks 768 \
+        --out ops/bench/results/affinity_full_cache.json           # caches that fill up
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ def summarize(phase: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def start_stack(tmp: Path, workers: int) -> tuple[subprocess.Popen[bytes],
+def start_stack(tmp: Path, workers: int, kv_blocks: int) -> tuple[subprocess.Popen[bytes],
                                                   subprocess.Popen[bytes], str, str]:
     """A redis-server of the bench's own and ``ferry up --workers N`` on it, ready."""
     rport = free_port()
@@ -160,7 +162,7 @@ def start_stack(tmp: Path, workers: int) -> tuple[subprocess.Popen[bytes],
                                    "--appendonly", "no", "--dir", str(tmp)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{rport}/0"
-    env = dict(os.environ, FERRY_DEVICE="cpu", FERRY_KV_CACHE_BLOCKS="4096",
+    env = dict(os.environ, FERRY_DEVICE="cpu", FERRY_KV_CACHE_BLOCKS=str(kv_blocks),
                FERRY_PREFIX_AFFINITY="1")
     up, base = ferry_up.start_ferry(env, tmp / "up.log", workers, ["--redis-url", url],
                                     ready_s=900)
@@ -207,6 +209,9 @@ def main() -> None:
     parser.add_argument("--system-words", type=int, default=560)  # ~1,000 tokens
     parser.add_argument("--steal-ms", type=int, default=250)
     parser.add_argument("--phases", default="off,on,single,skewed,kill")
+    # 4096 blocks of 16 tokens hold every conversation on both workers; 768 hold about
+    # ten conversations' histories per worker: a full cache, as a busy fleet's is
+    parser.add_argument("--kv-blocks", type=int, default=4096)
     parser.add_argument("--out", default=str(RESULT))
     args = parser.parse_args()
     rng = random.Random(0)
@@ -219,11 +224,12 @@ def main() -> None:
     started, results, phases = time.monotonic(), {}, {}
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
-        up, redis_proc, url, _base = start_stack(tmp, 2)
+        up, redis_proc, url, _base = start_stack(tmp, 2, args.kv_blocks)
         try:
             r = redis.Redis.from_url(url)
             keys = FerryClient(r).keys
-            workers = sorted(w.decode() for w in r.smembers(keys.workers))
+            workers = sorted(w.decode() if isinstance(w, bytes) else w
+                             for w in r.smembers(keys.workers))
             warm = FerryClient(r, affinity=AffinitySettings(enabled=False))
             for i in range(4):  # one-time costs out of the way
                 warm.generate(GenerateRequest(prompt=f"warm {i} " * 50, params=SamplingParams(
@@ -292,6 +298,7 @@ def report(results: dict[str, Any], phases: dict[str, Any], args: Any) -> dict[s
               f"{s['routes']}")
     print(json.dumps(checks, indent=1))
     return {"bench": "affinity", "conversations": args.conversations, "turns": args.turns,
+            "kv_blocks": args.kv_blocks,
             "system_words": args.system_words, "steal_ms": args.steal_ms, "model": "default",
             "device": "cpu", "phases": results, "checks": checks,
             "records": {p: [{k: v for k, v in r.items() if k != "text"} for r in ph["records"]]
