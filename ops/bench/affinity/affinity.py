@@ -22,7 +22,7 @@ throughput (prompt + completion tokens per wall second). Writes
 
     .venv/bin/python ops/bench/affinity/affinity.py                    # 16 x 4
     .venv/bin/python ops/bench/affinity/affinity.py --conversations 8  # a loaded machine
-    .venv/bin/python ops/bench/affinity/affinity.py --kv-blocks 768 \
+    .venv/bin/python ops/bench/affinity/affinity.py --kv-blocks 640 \
         --out ops/bench/results/affinity_full_cache.json           # caches that fill up
 """
 
@@ -209,8 +209,9 @@ def main() -> None:
     parser.add_argument("--system-words", type=int, default=560)  # ~1,000 tokens
     parser.add_argument("--steal-ms", type=int, default=250)
     parser.add_argument("--phases", default="off,on,single,skewed,kill")
-    # 4096 blocks of 16 tokens hold every conversation on both workers; 768 hold about
-    # ten conversations' histories per worker: a full cache, as a busy fleet's is
+    # 4096 blocks of 16 tokens hold every conversation on both workers; 640 hold the
+    # eight conversations a worker runs at once and little more: a full cache, as a busy
+    # fleet's is
     parser.add_argument("--kv-blocks", type=int, default=4096)
     parser.add_argument("--out", default=str(RESULT))
     args = parser.parse_args()
