@@ -192,6 +192,31 @@ def routed(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
     return total
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
+def resume_times(url: str, keys: Keys, dead: str, killed_at: float,
+                 out: dict[str, Any]) -> None:
+    """The requests ``dead`` held when it was killed (taken, running or queued) and how
+    long after the kill each was taken over by another worker (its job's worker id
+    changes): the supervisor's hand-back plus a survivor's reaper pass."""
+    r = redis.Redis.from_url(url)
+    held = []
+    for key in r.scan_iter(match=keys.job("*"), count=1000):
+        state, worker = r.hmget(key, "state", "worker_id")
+        if _text(worker) == dead and _text(state) not in ("done", "failed", "cancelled"):
+            held.append(key)
+    waits: dict[Any, float] = {}
+    while len(waits) < len(held) and time.monotonic() < killed_at + 120:
+        for key in held:
+            if key not in waits and _text(r.hget(key, "worker_id")) != dead:
+                waits[key] = round(time.monotonic() - killed_at, 2)
+        time.sleep(0.02)
+    out.update(held=len(held), resumed=len(waits), after_s=sorted(waits.values()))
+    r.close()
+
+
 def worker_pid(up_pid: int, index: int) -> int:
     """The live process of worker ``index`` of the ``ferry up`` with pid ``up_pid``."""
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
@@ -240,15 +265,19 @@ def main() -> None:
                 router: Router = Pinned(workers[0]) if p == "single" else \
                     Router(keys, settings)
                 hook = None
+                resumed: dict[str, Any] = {}
                 if p == "kill":
                     total, fired = n * turns, threading.Event()
 
-                    def hook(done: int, total: int = total, fired: threading.Event = fired
-                             ) -> None:
+                    def hook(done: int, total: int = total, fired: threading.Event = fired,
+                             resumed: dict[str, Any] = resumed) -> None:
                         if done >= total // 2 and not fired.is_set():
                             fired.set()
                             pid = worker_pid(up.pid, 0)
                             os.kill(pid, signal.SIGKILL)
+                            watch = threading.Thread(target=resume_times, args=(
+                                url, keys, workers[0], time.monotonic(), resumed))
+                            watch.start()
                             print(f"kill -9 of worker 0 (pid {pid}) after {done} requests",
                                   flush=True)
                 print(f"phase {p} ...", flush=True)
@@ -258,6 +287,8 @@ def main() -> None:
                 time.sleep(1.5)  # a heartbeat after the last request
                 results[p] = summarize(phases[p])
                 results[p]["routes"] = routed(before, routes(r, keys))
+                if resumed:
+                    results[p]["resumed"] = resumed
                 print(p, json.dumps({k: v for k, v in results[p].items()}), flush=True)
         finally:
             ferry_up.stop_ferry(up)
@@ -289,6 +320,7 @@ def report(results: dict[str, Any], phases: dict[str, Any], args: Any) -> dict[s
         checks["kill_outputs_identical"] = sum(undisturbed.get(k) == v for k, v in killed.items())
         checks["kill_requests"] = len(killed)
         checks["kill_max_queued_s"] = results["kill"]["max_queued_s"]
+        checks["kill_held_requests_resumed_after_s"] = results["kill"].get("resumed")
     print(f"{'phase':8} {'cached t2+':>10} {'of prompt':>10} {'misses':>6} {'ttft p50':>8} "
           f"{'mean':>6} {'p90':>6} {'tok/s':>8} {'wall s':>7}  computed share")
     for p, s in results.items():
