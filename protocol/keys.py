@@ -146,6 +146,13 @@ class Keys:
         return f"{self.prefix}:workers"
 
     @property
+    def handbacks(self) -> str:
+        """Counter bumped whenever a dead consumer's entries are handed back: the other
+        workers' reapers read it with their liveness scan and claim the entries at once
+        instead of at their next scheduled pass."""
+        return f"{self.prefix}:handbacks"
+
+    @property
     def restarts(self) -> str:
         """HASH of process restarts recorded by ``ferry up``'s supervisor (for ``ferry top``):
         field ``{launcher}/{process}``, value a JSON record (``ferry/recovery.py``); TTL."""

@@ -11,6 +11,7 @@ with the longest held prefix whose queue is not too deep.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,12 @@ class Candidate:
     matched: int  # leading chunks of the request its board holds
     depth: int  # requests it took that are not running yet (its heartbeat + recent marks)
     draining: bool = False
+    running: int = 0  # requests it is running (its heartbeat)
+
+    @property
+    def load(self) -> int:
+        """Requests it holds: running, or taken and not running yet."""
+        return self.depth + self.running
 
 
 def queue_advertise(pipe: Any, key: str, added: Mapping[str, float], removed: Iterable[str],
@@ -51,18 +58,27 @@ def leading(scores: list[Any] | None) -> int:
     return n
 
 
-def choose(candidates: Iterable[Candidate], max_depth: int) -> Candidate | None:
-    """The worker to offer the request first: the longest held prefix, ties to the
-    shallower queue; None when no live, non-draining worker holds a chunk and has room. A
-    worker has no room when its queue is ``max_depth`` deeper than the shallowest live
-    worker's: when every worker is as busy, the one holding the prefix still serves it
-    soonest (a miss costs a prefill everywhere)."""
+def choose(candidates: Iterable[Candidate], max_depth: int,
+           load_chunks: float = 1.0) -> Candidate | None:
+    """The worker to offer the request first, or None (unmarked: any worker pulls it).
+
+    Among the live, non-draining workers that hold at least one of its chunks and have
+    room, each is scored by what it would save minus what it already carries: ``matched -
+    load_chunks * load`` (a request it holds is taken to cost as much as ``load_chunks``
+    chunks of prefill), ties to the shallower queue. A conversation's own history (chunks
+    only its holder has) therefore stays with its holder, while a prefix that several
+    workers hold (a hot system prompt) goes to the less loaded of them, so a hot prefix
+    spreads. A worker has no room when its queue is ``max_depth`` deeper than the
+    shallowest live worker's: when every worker is as busy, the one holding the prefix
+    still serves it soonest (a miss costs a prefill everywhere)."""
     pool = [c for c in candidates if not c.draining]
     floor = min((c.depth for c in pool), default=0)
     best: Candidate | None = None
+    best_key = (-math.inf, 0)
     for c in pool:
         if c.matched <= 0 or c.depth >= floor + max_depth:
             continue
-        if best is None or (c.matched, -c.depth) > (best.matched, -best.depth):
-            best = c
+        key = (c.matched - load_chunks * c.load, -c.depth)
+        if best is None or key > best_key:
+            best, best_key = c, key
     return best

@@ -40,19 +40,23 @@ def _as_str(value: Any) -> str:
 @dataclass(frozen=True)
 class AffinitySettings:
     """``FERRY_PREFIX_AFFINITY`` (1: on, 0: off), ``FERRY_AFFINITY_STEAL_MS`` (how long
-    the holder has the request to itself) and ``FERRY_AFFINITY_MAX_DEPTH`` (a worker with
+    the holder has the request to itself), ``FERRY_AFFINITY_MAX_DEPTH`` (a worker with
     this many more requests taken but not running than the least busy live worker is not
-    offered more)."""
+    offered more) and ``FERRY_AFFINITY_LOAD_CHUNKS`` (what one request a worker holds
+    weighs against one held chunk when choosing: ``board.choose``)."""
 
     enabled: bool = True
     steal_ms: int = 250
     max_depth: int = 8
+    load_chunks: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.steal_ms <= 60_000:
             raise ValueError(f"FERRY_AFFINITY_STEAL_MS: {self.steal_ms} must be 0..60000")
         if self.max_depth < 1:
             raise ValueError(f"FERRY_AFFINITY_MAX_DEPTH: {self.max_depth} must be >= 1")
+        if not 0 <= self.load_chunks <= 1024:
+            raise ValueError(f"FERRY_AFFINITY_LOAD_CHUNKS: {self.load_chunks} must be 0..1024")
 
     @classmethod
     def from_env(cls) -> AffinitySettings:
@@ -61,7 +65,8 @@ class AffinitySettings:
             raise ValueError(f"FERRY_PREFIX_AFFINITY: {on!r} must be 0 or 1")
         return cls(enabled=on in ("1", "true", "on", "yes"),
                    steal_ms=int(os.environ.get("FERRY_AFFINITY_STEAL_MS", "250")),
-                   max_depth=int(os.environ.get("FERRY_AFFINITY_MAX_DEPTH", "8")))
+                   max_depth=int(os.environ.get("FERRY_AFFINITY_MAX_DEPTH", "8")),
+                   load_chunks=float(os.environ.get("FERRY_AFFINITY_LOAD_CHUNKS", "1")))
 
 
 class Router:
@@ -107,8 +112,9 @@ class Router:
             stats = beat.stats
             depth = int(stats.get("queued", 0)) + int(stats.get("waiting", 0)) + pending
             candidates.append(Candidate(worker, leading(scores), depth,
-                                        bool(stats.get("draining", 0))))
-        best = choose(candidates, self.settings.max_depth)
+                                        bool(stats.get("draining", 0)),
+                                        int(stats.get("running", 0))))
+        best = choose(candidates, self.settings.max_depth, self.settings.load_chunks)
         if best is None:
             self.unmarked += 1
             return b""

@@ -120,6 +120,10 @@ class ClusterKeys(Keys):
         return f"{self.prefix}:batches:active:{self.global_tag}"
 
     @property
+    def handbacks(self) -> str:
+        return f"{self.prefix}:handbacks:{self.global_tag}"
+
+    @property
     def restarts(self) -> str:
         return f"{self.prefix}:restarts:{self.global_tag}"
 

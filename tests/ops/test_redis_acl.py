@@ -29,6 +29,7 @@ from protocol.store import Ttls, ensure_group, remove_heartbeat, write_heartbeat
 from protocol.tenants import fair
 from tests.protocol.fake_worker import FakeWorker, Script
 from tests.redis_server import free_port
+from worker.service.redis.leases import hand_back_consumer
 
 ACL = Path(__file__).resolve().parents[2] / "ops" / "redis" / "users.acl"
 KEYS = Keys()
@@ -155,6 +156,9 @@ def test_worker_recovery_commands_and_dead_letters(server: AclRedis) -> None:
         while not worker.dead and time.monotonic() < deadline:
             time.sleep(0.05)
     assert worker.dead and admin.xlen(KEYS.dead_letter) == 1
+    # a dead consumer's entries handed back, and the fleet's counter bumped and read
+    assert hand_back_consumer(r, KEYS, "w3") == 1
+    assert r.get(KEYS.handbacks) == b"1"
     r.xack(KEYS.requests, KEYS.group, entry_id)
     r.xdel(KEYS.requests, entry_id)
     with r.pubsub() as pubsub:

@@ -22,6 +22,8 @@ throughput (prompt + completion tokens per wall second). Writes
 
     .venv/bin/python ops/bench/affinity/affinity.py                    # 16 x 4
     .venv/bin/python ops/bench/affinity/affinity.py --conversations 8  # a loaded machine
+    .venv/bin/python ops/bench/affinity/affinity.py --kv-blocks 640 \
+        --out ops/bench/results/affinity_full_cache.json           # caches that fill up
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ def summarize(phase: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def start_stack(tmp: Path, workers: int) -> tuple[subprocess.Popen[bytes],
+def start_stack(tmp: Path, workers: int, kv_blocks: int) -> tuple[subprocess.Popen[bytes],
                                                   subprocess.Popen[bytes], str, str]:
     """A redis-server of the bench's own and ``ferry up --workers N`` on it, ready."""
     rport = free_port()
@@ -160,7 +162,7 @@ def start_stack(tmp: Path, workers: int) -> tuple[subprocess.Popen[bytes],
                                    "--appendonly", "no", "--dir", str(tmp)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{rport}/0"
-    env = dict(os.environ, FERRY_DEVICE="cpu", FERRY_KV_CACHE_BLOCKS="4096",
+    env = dict(os.environ, FERRY_DEVICE="cpu", FERRY_KV_CACHE_BLOCKS=str(kv_blocks),
                FERRY_PREFIX_AFFINITY="1")
     up, base = ferry_up.start_ferry(env, tmp / "up.log", workers, ["--redis-url", url],
                                     ready_s=900)
@@ -190,6 +192,31 @@ def routed(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
     return total
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
+def resume_times(url: str, keys: Keys, dead: str, killed_at: float,
+                 out: dict[str, Any]) -> None:
+    """The requests ``dead`` held when it was killed (taken, running or queued) and how
+    long after the kill each was taken over by another worker (its job's worker id
+    changes): the supervisor's hand-back plus a survivor's reaper pass."""
+    r = redis.Redis.from_url(url)
+    held = []
+    for key in r.scan_iter(match=keys.job("*"), count=1000):
+        state, worker = r.hmget(key, "state", "worker_id")
+        if _text(worker) == dead and _text(state) not in ("done", "failed", "cancelled"):
+            held.append(key)
+    waits: dict[Any, float] = {}
+    while len(waits) < len(held) and time.monotonic() < killed_at + 120:
+        for key in held:
+            if key not in waits and _text(r.hget(key, "worker_id")) != dead:
+                waits[key] = round(time.monotonic() - killed_at, 2)
+        time.sleep(0.02)
+    out.update(held=len(held), resumed=len(waits), after_s=sorted(waits.values()))
+    r.close()
+
+
 def worker_pid(up_pid: int, index: int) -> int:
     """The live process of worker ``index`` of the ``ferry up`` with pid ``up_pid``."""
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
@@ -207,6 +234,10 @@ def main() -> None:
     parser.add_argument("--system-words", type=int, default=560)  # ~1,000 tokens
     parser.add_argument("--steal-ms", type=int, default=250)
     parser.add_argument("--phases", default="off,on,single,skewed,kill")
+    # 4096 blocks of 16 tokens hold every conversation on both workers; 640 hold the
+    # eight conversations a worker runs at once and little more: a full cache, as a busy
+    # fleet's is
+    parser.add_argument("--kv-blocks", type=int, default=4096)
     parser.add_argument("--out", default=str(RESULT))
     args = parser.parse_args()
     rng = random.Random(0)
@@ -219,11 +250,12 @@ def main() -> None:
     started, results, phases = time.monotonic(), {}, {}
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
-        up, redis_proc, url, _base = start_stack(tmp, 2)
+        up, redis_proc, url, _base = start_stack(tmp, 2, args.kv_blocks)
         try:
             r = redis.Redis.from_url(url)
             keys = FerryClient(r).keys
-            workers = sorted(w.decode() for w in r.smembers(keys.workers))
+            workers = sorted(w.decode() if isinstance(w, bytes) else w
+                             for w in r.smembers(keys.workers))
             warm = FerryClient(r, affinity=AffinitySettings(enabled=False))
             for i in range(4):  # one-time costs out of the way
                 warm.generate(GenerateRequest(prompt=f"warm {i} " * 50, params=SamplingParams(
@@ -233,15 +265,19 @@ def main() -> None:
                 router: Router = Pinned(workers[0]) if p == "single" else \
                     Router(keys, settings)
                 hook = None
+                resumed: dict[str, Any] = {}
                 if p == "kill":
                     total, fired = n * turns, threading.Event()
 
-                    def hook(done: int, total: int = total, fired: threading.Event = fired
-                             ) -> None:
+                    def hook(done: int, total: int = total, fired: threading.Event = fired,
+                             resumed: dict[str, Any] = resumed) -> None:
                         if done >= total // 2 and not fired.is_set():
                             fired.set()
                             pid = worker_pid(up.pid, 0)
                             os.kill(pid, signal.SIGKILL)
+                            watch = threading.Thread(target=resume_times, args=(
+                                url, keys, workers[0], time.monotonic(), resumed))
+                            watch.start()
                             print(f"kill -9 of worker 0 (pid {pid}) after {done} requests",
                                   flush=True)
                 print(f"phase {p} ...", flush=True)
@@ -251,6 +287,8 @@ def main() -> None:
                 time.sleep(1.5)  # a heartbeat after the last request
                 results[p] = summarize(phases[p])
                 results[p]["routes"] = routed(before, routes(r, keys))
+                if resumed:
+                    results[p]["resumed"] = resumed
                 print(p, json.dumps({k: v for k, v in results[p].items()}), flush=True)
         finally:
             ferry_up.stop_ferry(up)
@@ -282,6 +320,7 @@ def report(results: dict[str, Any], phases: dict[str, Any], args: Any) -> dict[s
         checks["kill_outputs_identical"] = sum(undisturbed.get(k) == v for k, v in killed.items())
         checks["kill_requests"] = len(killed)
         checks["kill_max_queued_s"] = results["kill"]["max_queued_s"]
+        checks["kill_held_requests_resumed_after_s"] = results["kill"].get("resumed")
     print(f"{'phase':8} {'cached t2+':>10} {'of prompt':>10} {'misses':>6} {'ttft p50':>8} "
           f"{'mean':>6} {'p90':>6} {'tok/s':>8} {'wall s':>7}  computed share")
     for p, s in results.items():
@@ -292,6 +331,7 @@ def report(results: dict[str, Any], phases: dict[str, Any], args: Any) -> dict[s
               f"{s['routes']}")
     print(json.dumps(checks, indent=1))
     return {"bench": "affinity", "conversations": args.conversations, "turns": args.turns,
+            "kv_blocks": args.kv_blocks,
             "system_words": args.system_words, "steal_ms": args.steal_ms, "model": "default",
             "device": "cpu", "phases": results, "checks": checks,
             "records": {p: [{k: v for k, v in r.items() if k != "text"} for r in ph["records"]]

@@ -148,3 +148,25 @@ def test_a_holder_is_skipped_only_when_much_deeper_than_the_least_busy() -> None
     assert choose([busy_holder, Candidate("b", 2, depth=0)], max_depth=8).worker_id == "b"
     assert choose([Candidate("a", 3, 0, draining=True)], max_depth=8) is None
     assert choose([Candidate("a", 3, 1), Candidate("b", 3, 0)], max_depth=8).worker_id == "b"
+
+
+def test_a_shared_prefix_spreads_by_load_and_a_conversation_stays_with_its_holder() -> None:
+    """Two workers hold a hot system prompt (14 chunks); one also holds this conversation's
+    first turn (2 more). The conversation stays while the loads are close, and moves to
+    the other holder of the hot prefix once its own holder runs 3 more requests; a
+    conversation only one worker holds stays there under any load within the depth bound."""
+    from protocol.affinity.board import Candidate, choose
+
+    def pick(*cands: Candidate) -> str | None:
+        best = choose(cands, max_depth=8, load_chunks=1.0)
+        return best.worker_id if best else None
+
+    assert pick(Candidate("a", 16, 0, running=5), Candidate("b", 14, 0, running=4)) == "a"
+    assert pick(Candidate("a", 16, 0, running=7), Candidate("b", 14, 0, running=4)) == "b"
+    assert pick(Candidate("a", 16, 0, running=12), Candidate("b", 0, 0, running=0)) == "a"
+    # a worker that holds nothing is never chosen for its low load: the request is
+    # offered to the holder, and the others take it after the steal time if it is slow
+    assert pick(Candidate("a", 1, 0, running=3), Candidate("b", 0, 0, running=0)) == "a"
+    # load_chunks=0: the longest prefix alone decides, as a pure prefix router
+    assert choose([Candidate("a", 16, 0, running=30), Candidate("b", 14, 0)], max_depth=8,
+                  load_chunks=0).worker_id == "a"

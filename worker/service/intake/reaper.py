@@ -5,10 +5,13 @@ A worker that dies without draining (kill -9, OOM, a lost node) leaves its entri
 pending under its consumer name. Once per heartbeat interval the reaper looks for such
 consumers (idle on the lanes and without a live heartbeat: ``leases.dead_consumers``) and
 hands their entries back, so that its own next pass claims them instead of waiting out
-the lease: a dead container's requests move within about one heartbeat TTL. The claim
-itself (XAUTOCLAIM past ``lease_s``) scans the lanes highest first, resuming where the
-last partial scan stopped. On a Redis Cluster all of it runs shard by shard through the
-``ShardGate``: a lost shard's entries wait for the shard.
+the lease: a dead container's requests move within about one heartbeat TTL. Whoever hands
+entries back (this reaper, another worker's, or ``ferry up`` reaping a dead process) bumps
+the fleet's ``handbacks`` counter, which every reaper reads with that scan: a pass is then
+due at once, so handed-back entries wait about one heartbeat interval, not a reap
+interval. The claim itself (XAUTOCLAIM past ``lease_s``) scans the lanes highest first,
+resuming where the last partial scan stopped. On a Redis Cluster all of it runs shard by
+shard through the ``ShardGate``: a lost shard's entries wait for the shard.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Reaper:
         self._cursors = {stream: "0-0" for stream in self.streams}
         self._next_reap = 0.0
         self._next_rescue = 0.0
+        self._handbacks: Any = None  # the fleet's hand-back counter as last read
 
     def run(self, limit: int) -> int:
         """Hand back dead workers' entries (when due), then claim up to ``limit`` entries
@@ -55,6 +59,9 @@ class Reaper:
         """Hand back the entries of consumers whose worker is gone, shard by shard."""
         self._next_rescue = time.monotonic() + self.settings.heartbeat_interval_s
         run, me, r, keys = self.gate.run, self.settings.worker_id, self.redis, self.keys
+        handbacks = run(self.gate.fleet_shard, r.get, keys.handbacks, default=None, redis=r)
+        if handbacks != self._handbacks:  # another worker or ``ferry up`` handed some back
+            self._handbacks, self._next_reap = handbacks, 0.0
         suspects: dict[str, list[int]] = {}  # consumer -> the shards it holds entries on
         for k in range(keys.shards):
             for name in run(k, idle_consumers, r, keys, me, self.settings.liveness_ms,

@@ -205,6 +205,8 @@ def hand_back_consumer(r: Any, keys: Keys, consumer: str, page: int = 1000,
             if len(ids) < page:
                 break
             start = "(" + ids[-1]
+    if total:
+        r.incr(keys.handbacks)  # the other reapers claim them at their next liveness scan
     return total
 
 
