@@ -1,4 +1,4 @@
-"""The lean Llama decode path (worker/engine/runner/cpu/lean_decode.py), with small steps on one
+"""The lean decode path (worker/engine/runner/cpu/lean_decode.py), with small steps on one
 thread (step_threads.py), gives the module path's logits on all the configured threads
 bit for bit: one stream and a batch of three, the rotary table grown past its first size,
 and speculative decoding's verification steps (rows of 1 + k query tokens over a cached
@@ -21,7 +21,7 @@ from tests.worker.engine.lora_adapters import ATTN, write_adapter
 from worker import Engine, EngineConfig
 from worker.engine.lora.targets import base_targets
 from worker.engine.output.text_output import TextOutputs
-from worker.engine.runner.cpu import lean_decode
+from worker.engine.runner.cpu import layer_plan, lean_decode
 from worker.models import default_model_path
 
 PROMPTS = [[5, 17, 300, 41], [9] * 11, [1000, 2, 3]]
@@ -73,14 +73,14 @@ SPEC: dict[str, Any] = dict(speculative="suffix", num_speculative_tokens=6, min_
 def _count_lean_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the steps the lean path runs: [all of them, those with a verification row]."""
     counts = [0, 0]
-    forward = lean_decode.LeanLlamaDecode.__call__
+    forward = lean_decode.LeanDecode.__call__
 
     def counted(self, input_ids, positions, meta, kv_caches, sample_rows):  # type: ignore[no-untyped-def]
         counts[0] += 1
         counts[1] += meta.num_decodes < len(meta.seq_lens_host)
         return forward(self, input_ids, positions, meta, kv_caches, sample_rows)
 
-    monkeypatch.setattr(lean_decode.LeanLlamaDecode, "__call__", counted)
+    monkeypatch.setattr(lean_decode.LeanDecode, "__call__", counted)
     return counts
 
 
@@ -109,10 +109,13 @@ def test_logits_bitwise_equal_to_modules(prompts: list[list[int]],
 
 
 def test_off_for_other_architectures(tmp_path_factory: pytest.TempPathFactory) -> None:
-    path = build_checkpoint("qwen2", tmp_path_factory.mktemp("qwen2"))
+    """A family ``layer_plan`` does not describe (Qwen2-MoE's shared expert) keeps the
+    module path, and the plan says why."""
+    path = build_checkpoint("qwen2_moe", tmp_path_factory.mktemp("qwen2_moe"))
     engine = _engine(True, path)
     assert engine.runner.lean is None
     assert lean_decode.build_lean_decode(engine.runner.model, engine.runner.backend) is None
+    assert "qwen2_moe" in str(layer_plan.build(engine.runner.model))
 
 
 def test_lora_rows_bitwise_equal_to_modules(tmp_path: Path,
@@ -126,7 +129,7 @@ def test_lora_rows_bitwise_equal_to_modules(tmp_path: Path,
                         path)
     modules = [f"all={write_adapter(tmp_path / 'all', base, rank=8, seed=1)}",
                f"attn={write_adapter(tmp_path / 'attn', base, rank=16, targets=ATTN, seed=2)}"]
-    lora = dict(max_loras=2, max_lora_rank=16, lora_modules=modules)
+    lora: dict[str, Any] = dict(max_loras=2, max_lora_rank=16, lora_modules=modules)
     lean, plain = _engine(True, **lora), _engine(False, **lora)
     assert lean.runner.lean is not None and plain.runner.lean is None
     plain.runner.serial_tokens = 0
