@@ -17,6 +17,7 @@ import torch
 
 from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
+from tests.family_checkpoints import build_family
 from tests.worker.engine.lora_adapters import ATTN, write_adapter
 from worker import Engine, EngineConfig
 from worker.engine.lora.targets import base_targets
@@ -155,11 +156,45 @@ def test_verification_steps_bitwise_equal_to_modules(prompts: list[list[int]],
     assert lean.stats().spec_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("family", ["gemma2", "phi3", "qwen3_moe"])
+def test_family_verification_steps_bitwise_equal_to_modules(
+        family: str, tmp_path_factory: pytest.TempPathFactory,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verification rows on the other layer shapes: Gemma 2's soft caps (its short chunks
+    attended by the backend, as the module path has them), Phi-3's fused projections,
+    Qwen3-MoE's q/k norms and MoE blocks."""
+    path = build_family(family, tmp_path_factory.mktemp(family))
+    prompts = [[5, 17, 300, 41], [9] * 11, [100, 2, 3]]
+    lean, lean_steps = _lean_equals_modules(prompts, 40, SPEC, monkeypatch, path)
+    assert lean_steps >= 5, "verification steps were meant to take the lean path"
+    assert lean.runner.lean is not None and lean.runner.lean.plan.family == family
+
+
+def test_off_where_the_plan_lacks_a_feature() -> None:
+    """A described family with a feature the plan does not copy keeps the module path:
+    a rope whose frequencies follow the sequence length, a norm class it has no copy of;
+    and a family it does not describe."""
+    import transformers
+
+    small: dict[str, Any] = dict(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=2)
+    dynamic = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **small, rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)))
+    assert "changes with the sequence length" in str(layer_plan.build(dynamic))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
+    assert isinstance(layer_plan.build(llama), layer_plan.ModelPlan)
+    llama.model.norm = torch.nn.LayerNorm(32)
+    assert "LayerNorm" in str(layer_plan.build(llama))
+    llama.config.model_type = "olmo2"
+    assert "no lean description" in str(layer_plan.build(llama))
+
+
 def _lean_equals_modules(prompts: list[list[int]], steps: int, kw: dict[str, Any],
-                         monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
+                         monkeypatch: pytest.MonkeyPatch, path: str | None = None,
+                         ) -> tuple[Any, int]:
     """Run ``prompts`` on a lean and a module-path engine; assert the same tokens and the
     same logits step for step. The lean engine and how many steps took the lean path."""
-    lean, plain = _engine(True, **kw), _engine(False, **kw)
+    lean, plain = _engine(True, path, **kw), _engine(False, path, **kw)
     calls = _count_lean_steps(monkeypatch)
     got, got_tokens = _logits_per_step(lean, prompts, steps)
     want, want_tokens = _logits_per_step(plain, prompts, steps)
