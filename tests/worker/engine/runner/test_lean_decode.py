@@ -185,7 +185,7 @@ def test_off_where_the_plan_lacks_a_feature() -> None:
     assert isinstance(layer_plan.build(llama), layer_plan.ModelPlan)
     llama.model.norm = torch.nn.LayerNorm(32)
     assert "LayerNorm" in str(layer_plan.build(llama))
-    llama.config.model_type = "olmo2"
+    llama.config.model_type = "olmo2"  # type: ignore[misc]
     assert "no lean description" in str(layer_plan.build(llama))
 
 
