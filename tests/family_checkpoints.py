@@ -60,18 +60,23 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def build_family(name: str, root: Path, *, seed: int = 0, max_pos: int = 512) -> str:
-    """Write family ``name``'s checkpoint plus tokenizer under ``root``; returns its path."""
+def build_family(name: str, root: Path, *, seed: int = 0, max_pos: int = 512,
+                 hidden: int = 64, layers: int = 2) -> str:
+    """Write family ``name``'s checkpoint plus tokenizer under ``root``; returns its path.
+    ``hidden`` and ``layers`` grow it (benchmarks; the MLP is twice ``hidden`` wide)."""
     import transformers
 
-    path = root / name
+    path = root / (name if (hidden, layers) == (64, 2) else f"{name}-h{hidden}-l{layers}")
     if (path / "config.json").exists():
         return str(path)
     spec = dict(FAMILIES[name])
+    for key in ("layer_types", "no_rope_layers"):  # per-layer patterns, repeated
+        if key in spec:
+            spec[key] = [spec[key][i % len(spec[key])] for i in range(layers)]
     tokenizer = build_tokenizer()
     config = getattr(transformers, spec.pop("cls"))(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, max_position_embeddings=max_pos,
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, max_position_embeddings=max_pos,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id, **spec,
     )
