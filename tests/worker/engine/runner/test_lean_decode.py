@@ -170,6 +170,18 @@ def test_family_verification_steps_bitwise_equal_to_modules(
     assert lean.runner.lean is not None and lean.runner.lean.plan.family == family
 
 
+@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe"])
+def test_bf16_bitwise_equal_to_modules(family: str, tmp_path_factory: pytest.TempPathFactory,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """In bfloat16 too, where each formula's casts decide the bits (Gemma's norm casts
+    after its scale, Llama's before; the rotary tables stay in the model's dtype)."""
+    path = build_family(family, tmp_path_factory.mktemp(family))
+    prompts = [[5, 17, 300, 41], [9] * 11, [100, 2, 3] * 7]
+    kw: dict[str, Any] = dict(dtype="bfloat16", pack_weights=False)
+    lean, _ = _lean_equals_modules(prompts, 20, kw, monkeypatch, path)
+    assert lean.runner.lean.dtype == torch.bfloat16
+
+
 def test_off_where_the_plan_lacks_a_feature() -> None:
     """A described family with a feature the plan does not copy keeps the module path:
     a rope whose frequencies follow the sequence length, a norm class it has no copy of;
@@ -193,11 +205,13 @@ def _lean_equals_modules(prompts: list[list[int]], steps: int, kw: dict[str, Any
                          monkeypatch: pytest.MonkeyPatch, path: str | None = None,
                          ) -> tuple[Any, int]:
     """Run ``prompts`` on a lean and a module-path engine; assert the same tokens and the
-    same logits step for step. The lean engine and how many steps took the lean path."""
+    same logits step for step, and that every step took the lean path. The lean engine and
+    how many of its steps carried a verification or chunk row."""
     lean, plain = _engine(True, path, **kw), _engine(False, path, **kw)
     calls = _count_lean_steps(monkeypatch)
     got, got_tokens = _logits_per_step(lean, prompts, steps)
     want, want_tokens = _logits_per_step(plain, prompts, steps)
+    assert calls[0] == len(got), "some steps took the module path"
     assert got_tokens == want_tokens
     _assert_same_steps(got, want)
     return lean, calls[1]

@@ -89,8 +89,8 @@ class LeanDecode:
         self.layers: list[LayerPlan] = plan.layers
         self.backend = backend
         self.native = backend.name == "cpu"  # the C++ kernel, called directly
-        self.tables: _Rope = {key: (torch.empty(0, 1), torch.empty(0, 1))
-                              for key in {layer.rope for layer in self.layers}}
+        empty = torch.empty(0, 1, dtype=self.dtype)  # [0, R]: grown at the first step
+        self.tables: _Rope = {key: (empty, empty) for key in {layer.rope for layer in self.layers}}
 
     def _grow_rope(self, length: int) -> None:
         """Rotary rows for positions [0, length), from the model's rotary module over the new
@@ -108,10 +108,8 @@ class LeanDecode:
             probe = torch.zeros(1, 1, 1, dtype=self.dtype)  # the module reads its dtype/device
             pos = torch.arange(have, new)[None]
             add_cos, add_sin = self.rotary(probe, pos, key) if key else self.rotary(probe, pos)
-            if not have:
-                cos, sin = cos.new_empty(0, add_cos.shape[-1]), sin.new_empty(0, add_cos.shape[-1])
-            self.tables[key] = (torch.cat([cos, add_cos[0]]),  # [new, R]
-                                torch.cat([sin, add_sin[0]]))
+            self.tables[key] = (torch.cat([cos, add_cos[0]]) if have else add_cos[0],  # [new, R]
+                                torch.cat([sin, add_sin[0]]) if have else add_sin[0])
 
     def usable(self, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
         """Every slot real and a cache the kernel reads (any mix of rows: decodes and short
