@@ -177,7 +177,7 @@ def test_bf16_bitwise_equal_to_modules(family: str, tmp_path_factory: pytest.Tem
     after its scale, Llama's before; the rotary tables stay in the model's dtype)."""
     path = build_family(family, tmp_path_factory.mktemp(family))
     prompts = [[5, 17, 300, 41], [9] * 11, [100, 2, 3] * 7]
-    kw: dict[str, Any] = dict(dtype="bfloat16", pack_weights=False)
+    kw: dict[str, Any] = dict(dtype="bfloat16")
     lean, _ = _lean_equals_modules(prompts, 20, kw, monkeypatch, path)
     assert lean.runner.lean.dtype == torch.bfloat16
 
