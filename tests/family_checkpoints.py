@@ -36,6 +36,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    layer_types=["sliding_attention", "full_attention"],
                    query_pre_attn_scalar=16),
     "phi3": dict(cls="Phi3Config", **_GQA),
+    "phi3_partial": dict(cls="Phi3Config", **_GQA,  # partial rotary: half the head dims
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                              partial_rotary_factor=0.5)),
+    # the window on layer 1 only (the module's, not the config's)
+    "qwen2_window": dict(cls="Qwen2Config", **_GQA, use_sliding_window=True,
+                         sliding_window=_WINDOW, max_window_layers=1),
     "olmo2": dict(cls="Olmo2Config", **_GQA),
     "granite": dict(cls="GraniteConfig", **_GQA, embedding_multiplier=2.0,
                     residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0),
@@ -49,6 +55,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mixtral": dict(cls="MixtralConfig", **_GQA, num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(cls="Qwen2MoeConfig", **_GQA, **_MOE, shared_expert_intermediate_size=64),
     "qwen3_moe": dict(cls="Qwen3MoeConfig", **_GQA, **_MOE, head_dim=16),
+    "qwen3_moe_dense": dict(cls="Qwen3MoeConfig", **_GQA, **_MOE, head_dim=16,
+                            mlp_only_layers=[0]),  # a dense layer, then an MoE one
     "olmoe": dict(cls="OlmoeConfig", **_GQA, num_experts=4, num_experts_per_tok=2),
     "gpt_oss": dict(cls="GptOssConfig", **_GQA, head_dim=16, num_local_experts=4,
                     num_experts_per_tok=2, sliding_window=_WINDOW,

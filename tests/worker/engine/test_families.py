@@ -37,8 +37,8 @@ MAX_TOKENS = 8
 # the features SDPA or the default kernel path do not have
 SPECIAL = ["gpt_oss", "llama4", "gemma2"]
 # the families the lean CPU decode path describes (worker/engine/runner/cpu/layer_plan.py)
-LEAN = ["llama", "llama_rope3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
-        "mixtral", "qwen3_moe"]
+LEAN = ["llama", "llama_rope3", "mistral", "qwen2", "qwen2_window", "qwen3", "gemma2",
+        "gemma3", "phi3", "phi3_partial", "mixtral", "qwen3_moe", "qwen3_moe_dense"]
 
 
 @pytest.fixture(scope="module")
