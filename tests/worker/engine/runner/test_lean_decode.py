@@ -143,14 +143,14 @@ def test_lora_rows_bitwise_equal_to_modules(family: str | None, tmp_path: Path,
     got, got_tokens = _logits_per_step(lean, prompts, 12, names)
     want, want_tokens = _logits_per_step(plain, prompts, 12, names)
     assert calls[0] >= 10, "the decode steps were meant to take the lean path"
-    base, base_tokens = _logits_per_step(_engine(True, path), prompts, 12)
+    plain_base, base_tokens = _logits_per_step(_engine(True, path), prompts, 12)
     assert got_tokens == want_tokens
     _assert_same_steps(got, want)
     assert got_tokens[1] == base_tokens[1]  # the base row is the base model's
     # the two adapters' rows moved (their tokens need not: a tiny Gemma repeats its last
     # token)
-    assert got[-1].shape == base[-1].shape == (3, got[-1].shape[1])
-    assert int((got[-1] != base[-1]).any(-1).sum()) >= 2
+    assert got[-1].shape == plain_base[-1].shape == (3, got[-1].shape[1])
+    assert int((got[-1] != plain_base[-1]).any(-1).sum()) >= 2
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS[1:2], PROMPTS], ids=["one-stream", "batch-3"])
