@@ -28,7 +28,7 @@ from tests.family_checkpoints import FAMILIES, build_family
 from worker import Engine, EngineConfig
 from worker.engine.output.text_output import TextOutputs
 from worker.engine.runner.attention.interface import triton_interpreting
-from worker.engine.runner.cpu import layer_plan, lean_decode
+from worker.engine.runner.cpu import layer_plan, lean_decode, lean_probe
 
 NEAR_TIE = 1e-3
 LOGPROB_ATOL = 1e-4
@@ -162,7 +162,8 @@ def test_lean_path_taken_and_equal_to_modules(family, root, lean_calls):
     got, engine = run_engine(path, family, lean_decode=True)
     assert engine.runner.lean is not None, "the lean decode path was not built"
     assert len(lean_calls) > MAX_TOKENS, "the lean decode path never ran"
-    assert len(lean_calls) == engine.steps, "some steps took the module path"
+    # and the load-time probe's steps
+    assert len(lean_calls) == engine.steps + lean_probe.STEPS, "some steps took the module path"
     want, _ = run_engine(path, family)
     assert got == want, f"{family}: the lean path differs from the module path"
     assert_matches(got, reference(path, family), f"{family} lean")

@@ -7,6 +7,7 @@ reproduce the modules."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from tests.worker.engine.lora_adapters import ATTN, write_adapter
 from worker import Engine, EngineConfig
 from worker.engine.lora.targets import base_targets
 from worker.engine.output.text_output import TextOutputs
-from worker.engine.runner.cpu import layer_plan, lean_decode
+from worker.engine.runner.cpu import layer_plan, lean_decode, lean_probe
 from worker.models import default_model_path
 
 PROMPTS = [[5, 17, 300, 41], [9] * 11, [1000, 2, 3]]
@@ -187,6 +188,24 @@ def test_bf16_bitwise_equal_to_modules(family: str, tmp_path_factory: pytest.Tem
     kw: dict[str, Any] = dict(dtype="bfloat16")
     lean, _ = _lean_equals_modules(prompts, 20, kw, monkeypatch, path)
     assert lean.runner.lean.dtype == torch.bfloat16
+
+
+def test_probe_keeps_a_wrong_description_off(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A description that misses a feature (Gemma 2 without its attention soft cap) is
+    caught by the load-time probe: the model keeps the module path."""
+    path = build_family("gemma2", tmp_path)
+    engine = _engine(True, path)
+    assert engine.runner.lean is not None  # the true description passes the probe
+    wrong = dataclasses.replace(layer_plan.FAMILIES["gemma2"], attn_soft_cap=False)
+    monkeypatch.setitem(layer_plan.FAMILIES, "gemma2", wrong)
+    model, backend = engine.runner.model, engine.runner.backend
+    assert lean_decode.build_lean_decode(model, backend, probe=False) is not None
+    assert lean_decode.build_lean_decode(model, backend) is None
+    reason = lean_probe.probe_mismatch(
+        model, lean_decode.build_lean_decode(model, backend, probe=False), backend)
+    assert reason is not None and "differs from the module path" in reason
+    assert _engine(True, path).runner.lean is None
 
 
 def test_off_where_the_plan_lacks_a_feature() -> None:

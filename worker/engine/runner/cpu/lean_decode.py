@@ -35,7 +35,9 @@ are not bit-stable across thread counts on either path).
 
 Only for what it reproduces (``layer_plan.build``): Llama, Mistral, Qwen2, Qwen3, Gemma 2,
 Gemma 3, Phi-3, Mixtral and Qwen3-MoE; any other model, or one of these with a feature the
-plan lacks, keeps the module path, decided at load and logged (``lean_decode_off``). With
+plan lacks, keeps the module path, decided at load and logged (``lean_decode_off``); so
+does one whose lean logits differ from the module path's on a probe at load
+(``lean_probe.py``). With
 multi-LoRA on, the path is built over the ``LoraLinear`` wrappers, so a decode row's
 adapter is applied by the very module call the module path makes.
 """
@@ -53,20 +55,27 @@ from worker.engine.runner.attention.torch_backends import short_chunks
 from worker.engine.runner.cpu import layer_plan
 from worker.engine.runner.cpu.layer_plan import LayerPlan, ModelPlan
 from worker.engine.runner.cpu.lean_ops import rotate
+from worker.engine.runner.cpu.lean_probe import probe_mismatch
 
 _log = structlog.get_logger("ferry.worker.lean_decode")
 _Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table key -> (cos, sin) [T, 1, R]
 
 
-def build_lean_decode(model: Any, backend: AttentionBackend) -> LeanDecode | None:
+def build_lean_decode(model: Any, backend: AttentionBackend,
+                      probe: bool = True) -> LeanDecode | None:
     """The lean path for this model, or None (logged with the reason) where it would not
-    reproduce the modules."""
+    reproduce the modules: no description of the model (``layer_plan.build``), or, with
+    ``probe``, other logits than the module path's on a probe (``lean_probe.py``)."""
     plan = layer_plan.build(model)
-    if isinstance(plan, str):
-        _log.info("lean_decode_off", model=type(model).__name__, reason=plan)
+    reason = plan if isinstance(plan, str) else None
+    lean = None if isinstance(plan, str) else LeanDecode(model, backend, plan)
+    if lean is not None and probe:
+        reason = probe_mismatch(model, lean, backend)
+    if reason is not None or lean is None:
+        _log.info("lean_decode_off", model=type(model).__name__, reason=reason)
         return None
-    _log.info("lean_decode_on", model=type(model).__name__, family=plan.family)
-    return LeanDecode(model, backend, plan)
+    _log.info("lean_decode_on", model=type(model).__name__, family=lean.plan.family)
+    return lean
 
 
 class LeanDecode:
