@@ -122,22 +122,27 @@ class DecodeCall:
         self.scale = float(scale)
         self.fn = _kernel()
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> torch.Tensor:
-        """q [S, Hq, D] float32 contiguous; caches as ``paged_decode_attention``'s."""
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 scale: float | None = None, window: int = 0,
+                 soft_cap: float = 0.0) -> torch.Tensor:
+        """q [S, Hq, D] float32 contiguous; caches as ``paged_decode_attention``'s.
+        ``scale`` (default: the call's), ``window`` and ``soft_cap``: one layer's, as the
+        kernel takes them (0 is off: ``_checks.window_arg``, ``_checks.soft_cap_arg``)."""
+        scale = self.scale if scale is None else float(scale)
         num_seqs, num_q_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
         if (q.dtype != torch.float32 or kv_dim != head_dim or k_cache.shape != v_cache.shape
                 or not q.is_contiguous() or num_seqs != self.lens.shape[0]
                 or k_cache.dtype not in CACHE_DTYPES or k_cache.dtype != v_cache.dtype
                 or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
-            return paged_decode_attention(q, k_cache, v_cache, self.tables, self.lens,
-                                          self.scale)
+            return paged_decode_attention(q, k_cache, v_cache, self.tables, self.lens, scale,
+                                          sliding_window=window or None,
+                                          logits_soft_cap=soft_cap or None)
         res = torch.empty_like(q)
         rc = self.fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
                      self.args[0], self.args[1], self.args[2], self.args[3], res.data_ptr(),
-                     num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, self.scale,
-                     0, 0.0, _CACHE_CODE[k_cache.dtype], None, 0)
+                     num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale,
+                     window, soft_cap, _CACHE_CODE[k_cache.dtype], None, 0)
         if rc != 0:
             raise ValueError(f"paged_decode_attention (cpu): {_ERRORS.get(rc, f'error {rc}')}")
         return res

@@ -36,6 +36,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    layer_types=["sliding_attention", "full_attention"],
                    query_pre_attn_scalar=16),
     "phi3": dict(cls="Phi3Config", **_GQA),
+    "phi3_partial": dict(cls="Phi3Config", **_GQA,  # partial rotary: half the head dims
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                              partial_rotary_factor=0.5)),
+    # the window on layer 1 only (the module's, not the config's)
+    "qwen2_window": dict(cls="Qwen2Config", **_GQA, use_sliding_window=True,
+                         sliding_window=_WINDOW, max_window_layers=1),
     "olmo2": dict(cls="Olmo2Config", **_GQA),
     "granite": dict(cls="GraniteConfig", **_GQA, embedding_multiplier=2.0,
                     residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0),
@@ -49,6 +55,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mixtral": dict(cls="MixtralConfig", **_GQA, num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(cls="Qwen2MoeConfig", **_GQA, **_MOE, shared_expert_intermediate_size=64),
     "qwen3_moe": dict(cls="Qwen3MoeConfig", **_GQA, **_MOE, head_dim=16),
+    "qwen3_moe_dense": dict(cls="Qwen3MoeConfig", **_GQA, **_MOE, head_dim=16,
+                            mlp_only_layers=[0]),  # a dense layer, then an MoE one
     "olmoe": dict(cls="OlmoeConfig", **_GQA, num_experts=4, num_experts_per_tok=2),
     "gpt_oss": dict(cls="GptOssConfig", **_GQA, head_dim=16, num_local_experts=4,
                     num_experts_per_tok=2, sliding_window=_WINDOW,
@@ -60,18 +68,23 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def build_family(name: str, root: Path, *, seed: int = 0, max_pos: int = 512) -> str:
-    """Write family ``name``'s checkpoint plus tokenizer under ``root``; returns its path."""
+def build_family(name: str, root: Path, *, seed: int = 0, max_pos: int = 512,
+                 hidden: int = 64, layers: int = 2) -> str:
+    """Write family ``name``'s checkpoint plus tokenizer under ``root``; returns its path.
+    ``hidden`` and ``layers`` grow it (benchmarks; the MLP is twice ``hidden`` wide)."""
     import transformers
 
-    path = root / name
+    path = root / (name if (hidden, layers) == (64, 2) else f"{name}-h{hidden}-l{layers}")
     if (path / "config.json").exists():
         return str(path)
     spec = dict(FAMILIES[name])
+    for key in ("layer_types", "no_rope_layers"):  # per-layer patterns, repeated
+        if key in spec:
+            spec[key] = [spec[key][i % len(spec[key])] for i in range(layers)]
     tokenizer = build_tokenizer()
     config = getattr(transformers, spec.pop("cls"))(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, max_position_embeddings=max_pos,
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, max_position_embeddings=max_pos,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id, **spec,
     )

@@ -40,8 +40,10 @@ class ModelConfig:
     # CUDA: pure-decode steps replay CUDA graphs (worker/engine/runner/decode_graphs.py); True
     # runs every step eagerly
     enforce_eager: bool = False
-    # CPU: the steps of a Llama model take worker/engine/runner/cpu/lean_decode.py (the same ops
-    # without the modules' Python); False keeps them on the modules
+    # CPU: the steps of a model of a family worker/engine/runner/cpu/layer_plan.py describes
+    # (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE) take
+    # worker/engine/runner/cpu/lean_decode.py (the same ops without the modules' Python);
+    # False keeps them on the modules
     lean_decode: bool = True
     # Quantize a 16/32-bit checkpoint's weights at load: fp8 | int8 | int4
     # (worker/engine/runner/quant/); None: as the checkpoint is (a quantized checkpoint's

@@ -8,9 +8,11 @@ several times) run in one engine with chunked prefill (a 32-token budget) on a p
 enough to force preemption. Each chosen token's logprob must be within 1e-4 of the one
 transformers gives; tokens must be equal, except at a near-tie (top-2 gap < 1e-3), after
 which the request is not compared further. Paths: the modules' path (every family), the
-static-buffer decode path a CUDA graph replays (every family), the lean Llama decode
-path, the pure-torch backend and the Triton kernels (interpreted) for the families whose
-attention has something SDPA or the kernels' defaults lack.
+static-buffer decode path a CUDA graph replays (every family), the lean CPU decode path
+(the families it describes, taken at every step and equal to the module path bit for
+bit; off, decided at load, for the rest), the pure-torch backend and the Triton kernels
+(interpreted) for the families whose attention has something SDPA or the kernels'
+defaults lack.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tests.family_checkpoints import FAMILIES, build_family
 from worker import Engine, EngineConfig
 from worker.engine.output.text_output import TextOutputs
 from worker.engine.runner.attention.interface import triton_interpreting
-from worker.engine.runner.cpu import lean_decode
+from worker.engine.runner.cpu import layer_plan, lean_decode, lean_probe
 
 NEAR_TIE = 1e-3
 LOGPROB_ATOL = 1e-4
@@ -34,6 +36,9 @@ PROMPT_LENS = [3, 20, 41, 9, 30]
 MAX_TOKENS = 8
 # the features SDPA or the default kernel path do not have
 SPECIAL = ["gpt_oss", "llama4", "gemma2"]
+# the families the lean CPU decode path describes (worker/engine/runner/cpu/layer_plan.py)
+LEAN = ["llama", "llama_rope3", "mistral", "qwen2", "qwen2_window", "qwen3", "gemma2",
+        "gemma3", "phi3", "phi3_partial", "mixtral", "qwen3_moe", "qwen3_moe_dense"]
 
 
 @pytest.fixture(scope="module")
@@ -135,19 +140,43 @@ def test_static_decode_path_matches_transformers(family, root):
     assert_matches(got, reference(path, family), f"{family} static")
 
 
-def test_lean_llama_decode_matches_transformers(root, monkeypatch):
-    calls = []
-    forward = lean_decode.LeanLlamaDecode.__call__
+@pytest.fixture
+def lean_calls(monkeypatch):
+    """Counts the steps the lean decode path runs."""
+    calls: list[int] = []
+    forward = lean_decode.LeanDecode.__call__
 
     def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(lean_decode.LeanLlamaDecode, "__call__", counted)
-    path = build_family("llama", root)
-    got, _ = run_engine(path, "llama", lean_decode=True)
-    assert calls, "the lean decode path never ran"
-    assert_matches(got, reference(path, "llama"), "llama lean")
+    monkeypatch.setattr(lean_decode.LeanDecode, "__call__", counted)
+    return calls
+
+
+@pytest.mark.parametrize("family", LEAN)
+def test_lean_path_taken_and_equal_to_modules(family, root, lean_calls):
+    """The lean path is taken (built at load, every step through it) and gives the module
+    path's tokens and logprobs exactly, under chunked prefill and preemption."""
+    path = build_family(family, root)
+    got, engine = run_engine(path, family, lean_decode=True)
+    assert engine.runner.lean is not None, "the lean decode path was not built"
+    assert len(lean_calls) > MAX_TOKENS, "the lean decode path never ran"
+    # and the load-time probe's steps
+    assert len(lean_calls) == engine.steps + lean_probe.STEPS, "some steps took the module path"
+    want, _ = run_engine(path, family)
+    assert got == want, f"{family}: the lean path differs from the module path"
+    assert_matches(got, reference(path, family), f"{family} lean")
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in LEAN])
+def test_lean_path_off_for_the_rest(family, root):
+    """Families the lean path does not describe are decided at load: module path."""
+    path = build_family(family, root)
+    engine = Engine(EngineConfig.create(path, device="cpu", num_blocks=8, block_size=8,
+                                        lean_decode=True))
+    assert engine.runner.lean is None
+    assert isinstance(layer_plan.build(engine.runner.model), str)
 
 
 @pytest.mark.parametrize("family", SPECIAL)

@@ -270,8 +270,8 @@ class ModelRunner:
         if self.lora is None:
             self.lora = LoraManager(self.model, self.model_name, cfg, self.device,
                                     self.loaded.dtype)
-            if self.lean is not None:  # rebuilt over the wrappers: it runs the adapters too
-                self.lean = build_lean_decode(self.model, self.backend)
+            if self.lean is not None:  # rebuilt over the wrappers (probed at load, unwrapped)
+                self.lean = build_lean_decode(self.model, self.backend, probe=False)
         return self.lora
 
     def _execute_lora(

@@ -97,7 +97,8 @@ def test_gemv_rows_fixed_or_measured_per_weight_size():
         assert chosen[name] in (0, *gemv_calibration.ROWS)
         assert {m.gemv_rows for m in group} == {chosen[name]}
     # one measurement per set of shapes: a second engine of the model reuses it
-    key = (tuple((m.out_features, m.in_features) for m in small), torch.get_num_threads(), 0)
+    key = (tuple((m.out_features, m.in_features) for m in small), torch.get_num_threads(), 0,
+           torch.float32)
     assert gemv_calibration._measured[key] == chosen["small"]
     # timed on one thread up to serial_rows, as the runner runs such steps; the threads
     # configured are back afterwards
@@ -105,6 +106,19 @@ def test_gemv_rows_fixed_or_measured_per_weight_size():
     assert gemv_calibration.measured_gemv_rows(small, serial_rows=32) in (
         0, *gemv_calibration.ROWS)
     assert torch.get_num_threads() == threads
+
+
+def test_gemv_rows_measured_for_bf16_weights():
+    """The calibration times a bf16 weight on bf16 rows (fp32 rows made the packed op
+    fail, and with it the load of every bf16 model on the CPU)."""
+    from worker.engine.runner.cpu import gemv_calibration
+    from worker.engine.runner.cpu.packed_linear import packing_works
+
+    if not packing_works(torch.bfloat16):
+        pytest.skip("no packed bf16 linear in this torch build")
+    torch.manual_seed(0)
+    group = [PackedLinear(nn.Linear(64, 96, bias=False).to(torch.bfloat16)) for _ in range(2)]
+    assert gemv_calibration.measured_gemv_rows(group) in (0, *gemv_calibration.ROWS)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 32])

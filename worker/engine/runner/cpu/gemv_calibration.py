@@ -61,8 +61,8 @@ def set_gemv_rows(modules: list[PackedLinear], fixed: int | None = None,
 
 def measured_gemv_rows(modules: list[PackedLinear], serial_rows: int = 0) -> int:
     """The last of ``ROWS`` at which ``F.linear`` beat the packed weight (0: it never
-    did), over the group's first ``SAMPLE_BYTES`` of weights; cached by their shapes and
-    the threads."""
+    did), over the group's first ``SAMPLE_BYTES`` of weights; cached by their shapes,
+    the threads and the dtype."""
     sample: list[PackedLinear] = []
     size = 0
     for m in modules:
@@ -71,7 +71,7 @@ def measured_gemv_rows(modules: list[PackedLinear], serial_rows: int = 0) -> int
         sample.append(m)
         size += m.weight.numel() * m.weight.element_size()
     key = (tuple((m.out_features, m.in_features) for m in sample), torch.get_num_threads(),
-           serial_rows)
+           serial_rows, sample[0].weight.dtype)
     if key not in _measured:
         _measured[key] = _crossover(sample, serial_rows)
     return _measured[key]
@@ -81,7 +81,8 @@ def _crossover(sample: list[PackedLinear], serial_rows: int) -> int:
     best = 0
     with torch.inference_mode():
         for rows in ROWS:
-            xs = [torch.randn(rows, m.in_features) for m in sample]
+            # inputs in the weights' dtype: a bf16 weight's packed op takes no fp32 rows
+            xs = [torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in sample]
 
             def plain(xs: list[torch.Tensor] = xs) -> None:
                 for m, x in zip(sample, xs, strict=True):
