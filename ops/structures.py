@@ -66,7 +66,10 @@ SECTIONS = [
     ("ferry/commands", "one module per subcommand"),
 ]
 EXTRA = {
-    "kernels": ["- `kernels/csrc/paged_decode_cpu.cpp` — The C++ CPU paged decode kernel "
+    "kernels": ["- `kernels/csrc/int8_linear_cpu.cpp` — The C++ INT8 weight-only linear "
+                "kernel (fp32 activations, weights widened in registers, 4x4 register "
+                "tiles, OpenMP over output rows).",
+                "- `kernels/csrc/paged_decode_cpu.cpp` — The C++ CPU paged decode kernel "
                 "(online softmax per page, next page prefetched, OpenMP per sequence)."],
     "worker/models": ["- `worker/models/default/` — the embedded default model (Hugging Face "
                       "format; see docs/model.md)."],
