@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_int8_linear
+from kernels.quant import cpu_int8_linear
 
 pytestmark = pytest.mark.skipif(cpu_int8_linear.unavailable_reason() is not None,
                                 reason="no C++ compiler for the kernel")

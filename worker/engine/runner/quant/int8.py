@@ -1,8 +1,8 @@
 """INT8 weight-only linear layers and embeddings (per output channel / per row, symmetric).
 
 CPU, up to ``KERNEL_ROWS`` rows (decode steps): float32 activations go to Ferry's C++
-kernel (``kernels/cpu_int8_linear.py``: int8 weights widened in registers, fp32 sums, the
-scale on the finished sum); bf16 activations, or a machine without a C++ compiler, to
+kernel (``kernels/quant/cpu_int8_linear.py``: int8 weights widened in registers, fp32
+sums, the scale on the finished sum); bf16 activations, or a machine without a C++ compiler, to
 ``torch._weight_int8pack_mm`` (bf16 activations: ~15x slower with fp32 ones, so an fp32
 model's are cast for it and back). At the default model's sizes the two casts cost as
 much as the product: the 704x256 projection at one row 12 us in the kernel against 19-36
@@ -32,7 +32,7 @@ KERNEL_ROWS = 32
 @functools.cache
 def native_kernel() -> bool:
     """Whether Ferry's C++ int8 kernel builds and loads here (a C++ compiler is needed)."""
-    from kernels import cpu_int8_linear
+    from kernels.quant import cpu_int8_linear
 
     return cpu_int8_linear.unavailable_reason() is None
 
@@ -94,7 +94,7 @@ class Int8Linear(nn.Module):
         """The C++ kernel, called with the layer's buffer addresses taken once (at a
         decode step's sizes a checked call's Python costs as much as the product)."""
         if self._call is None:
-            from kernels import cpu_int8_linear
+            from kernels.quant import cpu_int8_linear
 
             cpu_int8_linear.int8_linear(flat[:1].contiguous(), self.qweight, self.scale,
                                         self.bias32)  # the layouts checked, once
