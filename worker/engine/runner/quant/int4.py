@@ -79,6 +79,21 @@ class Int4Linear(nn.Module):
         scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [N, K/g, 1]
         return ((q - 8.0) * scale + zero).view(n, k)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, K] fp32
+        """Weight rows ``ids``, dequantized from the device layout (an embedding lookup):
+        on the CPU, row r lives in block r // 64, byte column r % 32, the high nibble when
+        r % 64 >= 32; its group scales and z' are column r of ``scales_zeros``."""
+        k, g = self.in_features, self.group
+        if self.packed.device.type != "cpu" or self.out_features % _BLOCK_N:
+            return self.dequantized()[ids]
+        blocks = self.packed.view(self.out_features // _BLOCK_N, k, 32)
+        lane = ids % _BLOCK_N  # [T]
+        raw = blocks[ids // _BLOCK_N, :, lane % 32]  # [T, K] uint8
+        q = (raw >> (4 * (lane >= 32).to(torch.uint8))[:, None]) & 0xF
+        sz = self.scales_zeros[:, ids].float()  # [K/g, T, 2]
+        scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [T, K/g, 1]
+        return ((q.view(-1, k // g, g).float() - 8.0) * scale + zero).view(-1, k)
+
     def dequantized(self) -> torch.Tensor:  # [N, K] fp32: the reference weight
         if self.packed.device.type == "cpu" and self.out_features % _BLOCK_N == 0:
             return self._unpacked_cpu()
@@ -108,3 +123,22 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int4 group={self.group}")
+
+
+class Int4Embedding(nn.Module):
+    """An embedding whose table is an ``Int4Linear``'s packed rows (the tied LM head's, when
+    the checkpoint ties them: one copy serves both); a lookup dequantizes only its rows."""
+
+    weight = None
+
+    def __init__(self, table: Int4Linear, dtype: torch.dtype,
+                 padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+        self.padding_idx = padding_idx
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
+        flat = ids.reshape(-1)
+        return self.table.rows(flat).to(self.dtype).view(*ids.shape, self.embedding_dim)
