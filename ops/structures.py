@@ -61,7 +61,7 @@ SECTIONS = [
     ("worker/models", "models shipped as package data"),
     ("kernels", "Triton kernels, the C++ CPU kernel, their pure-torch twins"),
     ("kernels/moe", "mixture of experts: the fused Triton kernel, the grouped CPU path"),
-    ("kernels/quant", "quantized weights: the C++ INT8 linear kernel"),
+    ("kernels/quant", "quantized weights: the C++ INT8 CPU kernel, Triton W8A16/W4A16"),
     ("observability", "logging and vLLM's metric names, shared by every process"),
     ("ferry", "the CLI, on top of everything"),
     ("ferry/commands", "one module per subcommand"),

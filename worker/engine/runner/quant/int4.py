@@ -4,10 +4,10 @@ Every source (quantized here, AWQ, GPTQ) is unpacked at load to one canonical fo
 [N, K] with values 0..15 and per-group fp32 ``scale``/``zero`` [N, K/g] (weight =
 (q - zero) * scale), then repacked for the kernel. CPU: ``torch._weight_int4pack_mm_for_cpu``
 with bf16 activations (its fp32 path measured ~45x slower), whose dequantization is
-``(q - 8) * s + z'``, so ``z' = (8 - zero) * scale``. Elsewhere (CUDA): the weight is
-dequantized to the activations' dtype per call (correct, not fast); so is the CPU's above
-``KERNEL_ROWS`` rows (a prefill chunk), unpacked straight from the kernel's layout, where
-MKL's sgemm beats the packed kernel.
+``(q - 8) * s + z'``, so ``z' = (8 - zero) * scale``. CUDA: the Triton W4A16 kernel
+(``kernels/quant/weight_only.py``) on nibbles packed along K with fp32 (scale, zero) per
+group. The CPU above ``KERNEL_ROWS`` rows (a prefill chunk): the weight unpacked straight
+from the kernel's layout for MKL's sgemm, which beats the packed kernel there.
 """
 
 from __future__ import annotations
@@ -114,6 +114,10 @@ class Int4Linear(nn.Module):
             out = torch._weight_int4pack_mm_for_cpu(
                 flat.to(torch.bfloat16), self.packed, self.group, self.scales_zeros,
             ).to(x.dtype)
+        elif flat.device.type == "cuda":  # the Triton W4A16 kernel
+            from kernels.quant.weight_only import w4a16_matmul
+
+            out = w4a16_matmul(flat.contiguous(), self.packed, self.scales_zeros, self.group)
         else:
             out = F.linear(flat, self.dequantized().to(x.dtype))
         if self.bias is not None:

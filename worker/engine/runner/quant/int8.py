@@ -9,8 +9,9 @@ much as the product: the 704x256 projection at one row 12 us in the kernel again
 us for cast, ``_weight_int8pack_mm``, cast; fp32 ``F.linear`` 19-33 us (2-core dev
 machine, loaded). Above ``KERNEL_ROWS`` rows (prefill chunks, large batches): the weight
 widened to bf16 (exact) for oneDNN's bf16 GEMM, ~2x the packed fp32 GEMM of the float
-model at 64-512 rows there; on CUDA the weight is widened to the activations' dtype per
-call. The scale always multiplies the output (a factor constant along K).
+model at 64-512 rows there. CUDA: the Triton W8A16 kernel (``kernels/quant/weight_only.py``:
+the int8 tile widened in registers, tensor cores, fp32 accumulation). The scale always
+multiplies the output (a factor constant along K).
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         flat = x.reshape(-1, self.in_features)
+        if flat.device.type == "cuda":  # the Triton W8A16 kernel, the bias in it
+            from kernels.quant.weight_only import w8a16_matmul
+
+            return w8a16_matmul(flat.contiguous(), self.qweight, self.scale, self.bias,
+                                ).view(*x.shape[:-1], self.out_features)
         if flat.device.type != "cpu":
             out = F.linear(flat, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
         elif flat.shape[0] <= KERNEL_ROWS:
