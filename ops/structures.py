@@ -61,12 +61,16 @@ SECTIONS = [
     ("worker/models", "models shipped as package data"),
     ("kernels", "Triton kernels, the C++ CPU kernel, their pure-torch twins"),
     ("kernels/moe", "mixture of experts: the fused Triton kernel, the grouped CPU path"),
+    ("kernels/quant", "quantized weights: the C++ INT8 CPU kernel, Triton W8A16/W4A16"),
     ("observability", "logging and vLLM's metric names, shared by every process"),
     ("ferry", "the CLI, on top of everything"),
     ("ferry/commands", "one module per subcommand"),
 ]
 EXTRA = {
-    "kernels": ["- `kernels/csrc/paged_decode_cpu.cpp` — The C++ CPU paged decode kernel "
+    "kernels": ["- `kernels/csrc/int8_linear_cpu.cpp` — The C++ INT8 weight-only linear "
+                "kernel (fp32 activations, weights widened in registers, 4x4 register "
+                "tiles, OpenMP over output rows).",
+                "- `kernels/csrc/paged_decode_cpu.cpp` — The C++ CPU paged decode kernel "
                 "(online softmax per page, next page prefetched, OpenMP per sequence)."],
     "worker/models": ["- `worker/models/default/` — the embedded default model (Hugging Face "
                       "format; see docs/model.md)."],

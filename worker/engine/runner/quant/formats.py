@@ -83,13 +83,21 @@ def _awq_columns(words: torch.Tensor) -> torch.Tensor:  # [R, N/8] -> [R, N]
 
 def build_layer(scheme: QuantScheme, name: str, linear: nn.Module,
                 tensors: CheckpointTensors) -> nn.Module:
-    """The quantized module for layer ``name`` from its checkpoint tensors."""
+    """The quantized module for layer ``name`` from its checkpoint tensors, on the device of
+    the layer it replaces (int4's packing depends on it: the CPU kernel's or the CUDA one)."""
     bias = getattr(linear, "bias", None)
+    device = next(iter(linear.parameters())).device
+    layer = _layer(scheme, name, bias, tensors, device)
+    return layer if isinstance(layer, Int4Linear) else layer.to(device)
+
+
+def _layer(scheme: QuantScheme, name: str, bias: torch.Tensor | None,
+           tensors: CheckpointTensors, device: torch.device) -> nn.Module:
     if scheme.source == "awq":
         q = _awq_columns(tensors.need(f"{name}.qweight")).t()  # [N, K]
         zero = _awq_columns(tensors.need(f"{name}.qzeros")).t()  # [N, K/g]
         scale = tensors.need(f"{name}.scales").float().t()
-        return _int4(name, q, scale, zero, scheme.group_size, bias)
+        return _int4(name, q, scale, zero, scheme.group_size, bias, device)
     if scheme.source == "gptq":
         q = unpack_int4(tensors.need(f"{name}.qweight"), 0).t()  # [N, K]
         zero = unpack_int4(tensors.need(f"{name}.qzeros"), 1).t()  # [N, K/g]
@@ -97,7 +105,7 @@ def build_layer(scheme: QuantScheme, name: str, linear: nn.Module,
             zero = zero + 1
         _check_g_idx(name, tensors.get(f"{name}.g_idx"), q.shape[1], scheme.group_size)
         scale = tensors.need(f"{name}.scales").float().t()
-        return _int4(name, q, scale, zero, scheme.group_size, bias)
+        return _int4(name, q, scale, zero, scheme.group_size, bias, device)
     weight = tensors.need(f"{name}.weight")
     scale = tensors.need(f"{name}.weight_scale").float()
     if scheme.method == "int8":
@@ -117,13 +125,13 @@ def build_layer(scheme: QuantScheme, name: str, linear: nn.Module,
 
 
 def _int4(name: str, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-          bias: torch.Tensor | None) -> Int4Linear:
+          bias: torch.Tensor | None, device: torch.device) -> Int4Linear:
     n, k = q.shape
     if k % group or scale.shape != (n, k // group) or zero.shape != scale.shape:
         raise QuantizationError(f"{name}: int4 tensors of shapes q {tuple(q.shape)}, scales "
                                 f"{tuple(scale.shape)}, zeros {tuple(zero.shape)} do not fit "
                                 f"group size {group}")
-    return Int4Linear(q, scale, zero.float(), group, bias)
+    return Int4Linear(q.to(device), scale.to(device), zero.float().to(device), group, bias)
 
 
 def _check_g_idx(name: str, g_idx: torch.Tensor | None, k: int, group: int) -> None:

@@ -4,10 +4,10 @@ Every source (quantized here, AWQ, GPTQ) is unpacked at load to one canonical fo
 [N, K] with values 0..15 and per-group fp32 ``scale``/``zero`` [N, K/g] (weight =
 (q - zero) * scale), then repacked for the kernel. CPU: ``torch._weight_int4pack_mm_for_cpu``
 with bf16 activations (its fp32 path measured ~45x slower), whose dequantization is
-``(q - 8) * s + z'``, so ``z' = (8 - zero) * scale``. Elsewhere (CUDA): the weight is
-dequantized to the activations' dtype per call (correct, not fast); so is the CPU's above
-``KERNEL_ROWS`` rows (a prefill chunk), unpacked straight from the kernel's layout, where
-MKL's sgemm beats the packed kernel.
+``(q - 8) * s + z'``, so ``z' = (8 - zero) * scale``. CUDA: the Triton W4A16 kernel
+(``kernels/quant/weight_only.py``) on nibbles packed along K with fp32 (scale, zero) per
+group. The CPU above ``KERNEL_ROWS`` rows (a prefill chunk): the weight unpacked straight
+from the kernel's layout for MKL's sgemm, which beats the packed kernel there.
 """
 
 from __future__ import annotations
@@ -79,6 +79,21 @@ class Int4Linear(nn.Module):
         scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [N, K/g, 1]
         return ((q - 8.0) * scale + zero).view(n, k)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, K] fp32
+        """Weight rows ``ids``, dequantized from the device layout (an embedding lookup):
+        on the CPU, row r lives in block r // 64, byte column r % 32, the high nibble when
+        r % 64 >= 32; its group scales and z' are column r of ``scales_zeros``."""
+        k, g = self.in_features, self.group
+        if self.packed.device.type != "cpu" or self.out_features % _BLOCK_N:
+            return self.dequantized()[ids]
+        blocks = self.packed.view(self.out_features // _BLOCK_N, k, 32)
+        lane = ids % _BLOCK_N  # [T]
+        raw = blocks[ids // _BLOCK_N, :, lane % 32]  # [T, K] uint8
+        q = (raw >> (4 * (lane >= 32).to(torch.uint8))[:, None]) & 0xF
+        sz = self.scales_zeros[:, ids].float()  # [K/g, T, 2]
+        scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [T, K/g, 1]
+        return ((q.view(-1, k // g, g).float() - 8.0) * scale + zero).view(-1, k)
+
     def dequantized(self) -> torch.Tensor:  # [N, K] fp32: the reference weight
         if self.packed.device.type == "cpu" and self.out_features % _BLOCK_N == 0:
             return self._unpacked_cpu()
@@ -99,6 +114,10 @@ class Int4Linear(nn.Module):
             out = torch._weight_int4pack_mm_for_cpu(
                 flat.to(torch.bfloat16), self.packed, self.group, self.scales_zeros,
             ).to(x.dtype)
+        elif flat.device.type == "cuda":  # the Triton W4A16 kernel
+            from kernels.quant.weight_only import w4a16_matmul
+
+            out = w4a16_matmul(flat.contiguous(), self.packed, self.scales_zeros, self.group)
         else:
             out = F.linear(flat, self.dequantized().to(x.dtype))
         if self.bias is not None:
@@ -108,3 +127,22 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int4 group={self.group}")
+
+
+class Int4Embedding(nn.Module):
+    """An embedding whose table is an ``Int4Linear``'s packed rows (the tied LM head's, when
+    the checkpoint ties them: one copy serves both); a lookup dequantizes only its rows."""
+
+    weight = None
+
+    def __init__(self, table: Int4Linear, dtype: torch.dtype,
+                 padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+        self.padding_idx = padding_idx
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
+        flat = ids.reshape(-1)
+        return self.table.rows(flat).to(self.dtype).view(*ids.shape, self.embedding_dim)

@@ -1,5 +1,6 @@
-"""Each quantized layer against its dequantized weight, on both of its CPU paths (the packed
-kernel up to ``KERNEL_ROWS`` rows, sgemm on the widened weight above), and the FP8 layer's
+"""Each quantized layer against its dequantized weight, on each of its CPU paths (a kernel
+up to ``KERNEL_ROWS`` rows: int8's own C++ one for fp32 activations, torch's packed one for
+bf16; a GEMM on the widened weight above), and the FP8 layer's
 fused and rescaled ``_scaled_mm`` calls against the same product in fp32 torch."""
 
 from __future__ import annotations
@@ -10,7 +11,12 @@ import torch
 from tests.worker.engine.runner.quant.agreement import fp8_reference_forward
 from worker.engine.runner.quant.fp8 import Fp8Linear, quantize_fp8_rows
 from worker.engine.runner.quant.int4 import Int4Linear, quantize_groups
-from worker.engine.runner.quant.int8 import KERNEL_ROWS, Int8Linear, quantize_rows
+from worker.engine.runner.quant.int8 import (
+    KERNEL_ROWS,
+    Int8Linear,
+    native_kernel,
+    quantize_rows,
+)
 
 
 @pytest.mark.parametrize("rows", [1, 5, KERNEL_ROWS, KERNEL_ROWS + 1, 100])
@@ -20,6 +26,12 @@ def test_int8_both_paths_multiply_the_dequantized_weight(rows: int) -> None:
     layer = Int8Linear(*quantize_rows(weight), bias)
     want = x @ layer.dequantized().t() + bias
     torch.testing.assert_close(layer(x), want, rtol=2e-2, atol=5e-2)  # bf16 activations
+    if rows <= KERNEL_ROWS and native_kernel():  # fp32 activations: the C++ kernel
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    layer = Int8Linear(*quantize_rows(weight), bias.bfloat16())  # a bf16 model's layer
+    got = layer(x.bfloat16())  # torch's packed kernel / the bf16 GEMM
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-1)
 
 
 @pytest.mark.parametrize(("out", "group"), [(128, 32), (64, 64), (96, 32)])

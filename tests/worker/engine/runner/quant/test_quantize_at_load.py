@@ -82,3 +82,25 @@ def test_int4_weights_are_packed_nibbles() -> None:
     assert layer.packed.numel() == 64 * 128 // 2 and layer.packed.dtype == torch.uint8
     want = ((q.view(64, 4, 32) - zero[..., None]) * scale[..., None]).view(64, 128)
     torch.testing.assert_close(layer.dequantized(), want, rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize(("rows", "group"), [(128, 32), (192, 64)])
+def test_int4_embedding_rows_are_the_dequantized_table(rows: int, group: int) -> None:
+    from worker.engine.runner.quant.int4 import Int4Embedding, Int4Linear, quantize_groups
+
+    table = Int4Linear(*quantize_groups(torch.randn(rows, 128), group), group, None)
+    ids = torch.tensor([[0, 31, 32, 63], [64, 100, rows - 1, 5]])  # both nibbles, blocks
+    got = Int4Embedding(table, torch.float32)(ids)
+    assert got.shape == (2, 4, 128)
+    torch.testing.assert_close(got, table.dequantized()[ids], rtol=0, atol=0)
+
+
+def test_int4_stores_the_head_and_embedding_in_int4(root: Path) -> None:
+    from worker.engine.llm import LLM
+    from worker.engine.runner.quant.int4 import Int4Embedding, Int4Linear
+
+    model = LLM(checkpoint("qwen3", root), kv_cache_blocks=16,
+                quantization="int4").engine.runner.model
+    assert type(model.get_output_embeddings()) is Int4Linear  # vocab 384: 64-row blocks
+    emb = model.get_input_embeddings()
+    assert type(emb) is Int4Embedding and emb.table is model.get_output_embeddings()  # tied
