@@ -17,7 +17,7 @@ import dataclasses
 
 import msgpack
 
-from worker.engine import StepOutput
+from worker.engine import TextOutput
 
 MAX_EVENTS = 1024  # events per script call: bounds how long Redis is busy with one
 
@@ -53,7 +53,7 @@ class Publisher:
         self._push = LuaScript(PUSH_EVENTS)
         self._names: dict[str, tuple[str, str]] = {}  # open request: (list, channel)
 
-    def publish(self, outputs: list[StepOutput]) -> None:
+    def publish(self, outputs: list[TextOutput]) -> None:
         if not outputs:
             return
         lists, data, channels = [], [], []
@@ -80,7 +80,7 @@ class Publisher:
         self.published_tokens += sum([len(out.new_token_ids) for out in outputs])
 
 
-def final_event_bytes(out: StepOutput, seq: int) -> bytes:
+def final_event_bytes(out: TextOutput, seq: int) -> bytes:
     """A final ``TokenEvent``'s bytes, through the codec (rare: once per request)."""
     from protocol.codec import encode_event
     from protocol.models import TokenEvent
@@ -109,13 +109,13 @@ def token_event_bytes(request_id: str, seq: int, token_ids: list[int], text: str
     return packed
 
 
-def coalesce(outputs: list[StepOutput]) -> list[StepOutput]:
+def coalesce(outputs: list[TextOutput]) -> list[TextOutput]:
     """One output per (request, candidate) of a pass, in first-seen order: a pass that
     took several steps' batches (it fell behind) publishes each stream's tokens as one
     event, so Redis takes a command per stream rather than per stream per step. The
     merged output has every token, text and logprob in order and the last one's end.
     Each stream's outputs are joined once (not merged pairwise, a copy per step)."""
-    runs: dict[tuple[str, int], list[StepOutput]] = {}
+    runs: dict[tuple[str, int], list[TextOutput]] = {}
     for out in outputs:
         key = (out.request_id, out.index)
         run = runs.get(key)
@@ -128,7 +128,7 @@ def coalesce(outputs: list[StepOutput]) -> list[StepOutput]:
     return [run[0] if len(run) == 1 else _merged(run) for run in runs.values()]
 
 
-def _merged(run: list[StepOutput]) -> StepOutput:
+def _merged(run: list[TextOutput]) -> TextOutput:
     last = run[-1]
     lps = [out.logprobs for out in run]
     return dataclasses.replace(

@@ -194,7 +194,7 @@ class WorkerService:
             self._drain_mailbox(0.0 if busy else 0.05)
             if self.lora.manager is not None:  # adapters the sync thread loaded or dropped
                 self.lora.apply()
-            if self.drafts is not None:  # the fleet's outputs, a few per step when busy
+            if self.drafts is not None and self.engine.spec is not None:  # the fleet's outputs
                 self.drafts.drain(self.engine.spec.store, 8 if busy else 256)
             self.table.expire()
             self.table.poll()  # an output process's stop strings, settled entries (or death)

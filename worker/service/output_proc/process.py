@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from worker.engine import EngineEnd, StepOutput, StreamTexts
+from worker.engine import EngineEnd, StreamTexts, TextOutput
 from worker.service.output_proc import messages as m
 from worker.service.output_publish import Publisher, coalesce, token_event_bytes
 
@@ -117,7 +117,7 @@ class OutputProcess:
         while True:
             messages = inbox.take(_STATS_EVERY_S)
             start, start_cpu = time.perf_counter(), time.thread_time()
-            outputs: list[StepOutput] = []
+            outputs: list[TextOutput] = []
             done = False
             for message in messages:
                 if message is None or message[0] == m.QUIT:

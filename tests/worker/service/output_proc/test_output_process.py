@@ -147,14 +147,14 @@ def test_fast_token_event_bytes_equal_the_codec() -> None:
 
 
 def test_coalesce_merges_a_passes_outputs_per_stream_in_order() -> None:
-    from worker.engine.output.outputs import StepOutput
+    from worker.engine.output.outputs import TextOutput
     from worker.service.output_proc.process import coalesce
 
     lp = [(-0.5, [(1, -0.5)])]
-    outs = [StepOutput("a", [1], "x", logprobs=lp), StepOutput("b", [7], "q"),
-            StepOutput("a", [2], "y", logprobs=lp), StepOutput("a", [3], "z", finished=True,
+    outs = [TextOutput("a", [1], "x", logprobs=lp), TextOutput("b", [7], "q"),
+            TextOutput("a", [2], "y", logprobs=lp), TextOutput("a", [3], "z", finished=True,
                                                                finish_reason="stop", logprobs=lp),
-            StepOutput("a", [4], "w", index=1), StepOutput("b", [8], "r")]
+            TextOutput("a", [4], "w", index=1), TextOutput("b", [8], "r")]
     merged = coalesce(outs)
     assert [(o.request_id, o.index) for o in merged] == [("a", 0), ("b", 0), ("a", 1)]
     a = merged[0]
@@ -162,7 +162,7 @@ def test_coalesce_merges_a_passes_outputs_per_stream_in_order() -> None:
                                                                      "stop")
     assert a.logprobs == lp * 3
     assert (merged[1].new_token_ids, merged[1].text, merged[1].logprobs) == ([7, 8], "qr", None)
-    single = [StepOutput("c", [5], "t")]
+    single = [TextOutput("c", [5], "t")]
     assert coalesce(single) is single  # nothing to merge: the same list
 
 
@@ -172,7 +172,7 @@ def test_publisher_writes_each_event_to_its_list_ttl_and_channel_in_order(
     RPUSH, EXPIRE, PUBLISH per event made: the replay lists, their TTL, the channel order."""
     import time
 
-    from worker.engine.output.outputs import StepOutput
+    from worker.engine.output.outputs import TextOutput
     from worker.service import output_publish
 
     monkeypatch.setattr(output_publish, "MAX_EVENTS", 3)
@@ -182,10 +182,10 @@ def test_publisher_writes_each_event_to_its_list_ttl_and_channel_in_order(
     while sub.get_message(timeout=1.0) is not None:
         pass  # the two subscribe confirmations
     publisher = output_publish.Publisher(redis_server.url, "ferry", 120)
-    passes = [[StepOutput("p1", [1], "a"), StepOutput("p2", [2], "b")],
-              [StepOutput("p1", [3, 4], "cd"), StepOutput("p2", [5], "é"),
-               StepOutput("p1", [6], "", finished=True, finish_reason="length"),
-               StepOutput("p2", [7], "f"), StepOutput("p2", [], "", finished=True,
+    passes = [[TextOutput("p1", [1], "a"), TextOutput("p2", [2], "b")],
+              [TextOutput("p1", [3, 4], "cd"), TextOutput("p2", [5], "é"),
+               TextOutput("p1", [6], "", finished=True, finish_reason="length"),
+               TextOutput("p2", [7], "f"), TextOutput("p2", [], "", finished=True,
                                                       finish_reason="stop", stop_reason="x")]]
     for outputs in passes:
         publisher.publish(outputs)
