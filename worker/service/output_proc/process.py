@@ -1,7 +1,7 @@
 """The output process: a worker's token ids become text and Redis events off the engine's GIL.
 
 ``python -m worker.service.output_proc.process RFD WFD``: started by the engine process
-(``output_link.py``) with a pipe each way. It loads the tokenizer (never torch), answers
+(``link.py``) with a pipe each way. It loads the tokenizer (never torch), answers
 ``READY``, then turns ``StepBatch``es into text (``StreamTexts``: incremental
 detokenizing, stop strings), publishes each output as a ``TokenEvent`` (pub/sub and the
 replay list, one pipeline per pass) and sends back ``STOP`` for every stop string it
@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from worker.engine import EngineEnd, StreamTexts, TextOutput
-from worker.service.output_proc import messages as m
+from worker.service.output_proc import link as m
 from worker.service.output_publish import Publisher, coalesce, token_event_bytes
 
 __all__ = ["OutputProcess", "coalesce", "token_event_bytes"]

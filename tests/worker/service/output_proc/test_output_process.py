@@ -25,7 +25,7 @@ from protocol.sampling import SamplingParams
 from tests.worker.service.conftest import make_engine
 from worker.engine.output.rust_decode import decode_spec
 from worker.engine.output.text_output import TextOutputs
-from worker.service.output_proc import messages as m
+from worker.service.output_proc import link as m
 from worker.service.output_proc.link import OutputDied, OutputLink
 
 
@@ -79,6 +79,16 @@ def _start(engine: Any, url: str | None) -> OutputLink:
                              "collect": True, "decode_spec": decode_spec(engine.tokenizer)})
 
 
+def _step(link: OutputLink, engine: Any) -> Any:
+    """One engine step through the output process: the stop strings it found first (each
+    ends its request a step late), then the step's batch sent over."""
+    for stream, stop_str in link.poll():
+        engine.finish_stream(stream, "stop", stop_str)
+    batch = engine.step()
+    link.send(batch)
+    return batch
+
+
 def test_same_streams_and_a_stop_string_ends_one_step_late(
         checkpoint: str, redis_server: Any, redis_client: Any) -> None:
     engine = make_engine(checkpoint)
@@ -88,7 +98,7 @@ def test_same_streams_and_a_stop_string_ends_one_step_late(
     for rid, prompt, params in work:
         engine.add_request(rid, prompt, params)
     while engine.has_unfinished_requests():
-        link.step(engine)
+        _step(link, engine)
     link.close()
     assert link.stats["torch_loaded"] is False
     # r0's tokens sampled after its stop string (one step or more, as the output process
@@ -126,12 +136,12 @@ def test_a_killed_output_process_is_output_died(checkpoint: str) -> None:
     engine = make_engine(checkpoint)
     link = _start(engine, None)
     engine.add_request("k", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
-    link.step(engine)
+    _step(link, engine)
     os.kill(link.proc.pid, signal.SIGKILL)
     link.proc.wait(10)
     with pytest.raises(OutputDied):
         for _ in range(100):
-            link.step(engine)
+            _step(link, engine)
 
 
 def test_fast_token_event_bytes_equal_the_codec() -> None:
@@ -216,11 +226,11 @@ def test_a_stopped_output_process_is_hung_and_killed(checkpoint: str) -> None:
     engine.add_request("h", [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True))
     try:
         while not link._answered:  # its main loop answered once: the bound is hang_s
-            link.step(engine)
+            _step(link, engine)
         os.kill(link.proc.pid, signal.SIGSTOP)
         with pytest.raises(OutputDied, match="hung"):
             while True:  # steps while the request runs, then the idle loop's polls
-                link.step(engine) if engine.has_unfinished_requests() else link.poll()
+                _step(link, engine) if engine.has_unfinished_requests() else link.poll()
                 time.sleep(0.005)
         assert link.proc.poll() == -signal.SIGKILL  # killed, not left stopped
     finally:

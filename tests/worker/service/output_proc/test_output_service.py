@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from worker.service.jobs import Outgoing
-from worker.service.output_proc import messages as m
+from worker.service.output_proc import link as m
 from worker.service.output_proc.process import _Inbox
 from worker.service.output_proc.service import ServiceOutputs
 from worker.service.redis.connection import WorkerSettings
