@@ -177,17 +177,16 @@ class OutputLink:
 
     @classmethod
     def start(cls, options: dict[str, Any], timeout_s: float = 120.0,
-              hang_s: float | None = None) -> OutputLink:
-        """Launch the output process with ``options`` (tokenizer path, redis_url, prefix,
-        ttl_s, collect) and wait until its tokenizer is loaded; with ``hang_s``, a hung
-        one is ``OutputDied`` too."""
+              hang_s: float | None = None,
+              module: str = "worker.service.output_proc.process") -> OutputLink:
+        """Launch ``python -m module`` with ``options`` as its ``CONFIG`` and wait until
+        its tokenizer is loaded; with ``hang_s``, a hung one is ``OutputDied`` too."""
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         for fd in (to_child_w, from_child_w):
             widen_pipe(fd)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.service.output_proc.process",
-             str(to_child_r), str(from_child_w)],
+            [sys.executable, "-m", module, str(to_child_r), str(from_child_w)],
             pass_fds=(to_child_r, from_child_w), close_fds=True,
         )
         os.close(to_child_r)

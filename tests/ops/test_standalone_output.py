@@ -1,7 +1,8 @@
-"""The output process: token ids in, the same text out, published to a real Redis.
+"""The benches' standalone output process: token ids in, the same text out, in Redis.
 
 One engine runs its steps with text made in-process (``TextOutputs``), a second one with
-its batches sent to ``python -m worker.service.output_proc.process``; every stream's text and
+its batches sent to ``ops/bench/service/standalone_output.py`` over an ``OutputLink``
+(the worker's link, its liveness checks included); every stream's text and
 tokens must be equal, a stop string must end its request a step late without the extra
 token ever reaching Redis, a stalled output process must coalesce batches (not lose
 them), it must never import torch, and its death must surface as ``OutputDied``, as must
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from ops.bench.service import standalone_output
 from protocol.codec import decode_event
 from protocol.keys import Keys
 from protocol.sampling import SamplingParams
@@ -74,19 +76,14 @@ def _published(redis_client: Any, rid: str) -> tuple[str, list[int], list[int]]:
             [len(e.token_ids) for e in events])
 
 
-def _start(engine: Any, url: str | None) -> OutputLink:
-    return OutputLink.start({"tokenizer": engine.config.model.model, "redis_url": url,
-                             "collect": True, "decode_spec": decode_spec(engine.tokenizer)})
+def _start(engine: Any, url: str | None, hang_s: float | None = None) -> OutputLink:
+    return standalone_output.start({"tokenizer": engine.config.model.model, "redis_url": url,
+                                    "collect": True,
+                                    "decode_spec": decode_spec(engine.tokenizer)}, hang_s)
 
 
 def _step(link: OutputLink, engine: Any) -> Any:
-    """One engine step through the output process: the stop strings it found first (each
-    ends its request a step late), then the step's batch sent over."""
-    for stream, stop_str in link.poll():
-        engine.finish_stream(stream, "stop", stop_str)
-    batch = engine.step()
-    link.send(batch)
-    return batch
+    return standalone_output.step(link, engine)
 
 
 def test_same_streams_and_a_stop_string_ends_one_step_late(
@@ -145,9 +142,9 @@ def test_a_killed_output_process_is_output_died(checkpoint: str) -> None:
 
 
 def test_fast_token_event_bytes_equal_the_codec() -> None:
+    from ops.bench.service.standalone_output import token_event_bytes
     from protocol.codec import encode_event
     from protocol.models import TokenEvent
-    from worker.service.output_proc.process import token_event_bytes
 
     for rid, seq, ids, text, index in (("a", 0, [1], "x", 0), ("t::b-c", 7, [5, 6], "é😀", 2),
                                        ("z", 3, [9], "", 0)):
@@ -157,8 +154,8 @@ def test_fast_token_event_bytes_equal_the_codec() -> None:
 
 
 def test_coalesce_merges_a_passes_outputs_per_stream_in_order() -> None:
+    from ops.bench.service.standalone_output import coalesce
     from worker.engine.output.outputs import TextOutput
-    from worker.service.output_proc.process import coalesce
 
     lp = [(-0.5, [(1, -0.5)])]
     outs = [TextOutput("a", [1], "x", logprobs=lp), TextOutput("b", [7], "q"),
@@ -183,15 +180,14 @@ def test_publisher_writes_each_event_to_its_list_ttl_and_channel_in_order(
     import time
 
     from worker.engine.output.outputs import TextOutput
-    from worker.service import output_publish
 
-    monkeypatch.setattr(output_publish, "MAX_EVENTS", 3)
+    monkeypatch.setattr(standalone_output, "MAX_EVENTS", 3)
     keys = Keys("ferry")
     sub = redis_client.pubsub()
     sub.subscribe(keys.tokens("p1"), keys.tokens("p2"))
     while sub.get_message(timeout=1.0) is not None:
         pass  # the two subscribe confirmations
-    publisher = output_publish.Publisher(redis_server.url, "ferry", 120)
+    publisher = standalone_output.Publisher(redis_server.url, "ferry", 120)
     passes = [[TextOutput("p1", [1], "a"), TextOutput("p2", [2], "b")],
               [TextOutput("p1", [3, 4], "cd"), TextOutput("p2", [5], "é"),
                TextOutput("p1", [6], "", finished=True, finish_reason="length"),
@@ -200,7 +196,7 @@ def test_publisher_writes_each_event_to_its_list_ttl_and_channel_in_order(
     for outputs in passes:
         publisher.publish(outputs)
     assert publisher.published_tokens == 7 and publisher.seq == {}
-    heard = []
+    heard: list[Any] = []
     deadline = time.monotonic() + 5
     while len(heard) < 7 and time.monotonic() < deadline:
         message = sub.get_message(timeout=0.5)
@@ -221,8 +217,7 @@ def test_a_stopped_output_process_is_hung_and_killed(checkpoint: str) -> None:
     """SIGSTOP: nothing answers the link's pings, so after ``hang_s`` the next poll kills
     the process and raises ``OutputDied``, as for a dead one (not a stall forever)."""
     engine = make_engine(checkpoint)
-    link = OutputLink.start({"tokenizer": engine.config.model.model, "redis_url": None,
-                             "decode_spec": decode_spec(engine.tokenizer)}, hang_s=1.0)
+    link = _start(engine, None, hang_s=1.0)
     engine.add_request("h", [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True))
     try:
         while not link._answered:  # its main loop answered once: the bound is hang_s
@@ -243,8 +238,7 @@ def test_a_full_pipe_to_a_stopped_output_process_is_hung(checkpoint: str) -> Non
     """The engine's write onto a pipe nobody reads does not block the loop for good: once
     the pipe took nothing for ``hang_s``, the process is killed and ``OutputDied`` raised."""
     engine = make_engine(checkpoint)
-    link = OutputLink.start({"tokenizer": engine.config.model.model, "redis_url": None,
-                             "decode_spec": decode_spec(engine.tokenizer)}, hang_s=1.0)
+    link = _start(engine, None, hang_s=1.0)
     os.kill(link.proc.pid, signal.SIGSTOP)
     raised: list[BaseException] = []
 
