@@ -54,6 +54,8 @@ FORBIDDEN = {
                             "worker.engine.engine", "worker.engine.inflight"),
     "worker.engine.structured": ("worker.engine.sched", "worker.engine.runner",
                                  "worker.engine.sample", "worker.engine.engine"),
+    # speculative decoding drives the engine through ``speculative.host.StepHost`` only
+    "worker.engine.speculative": ("worker.engine.engine", "worker.engine.request_ends"),
     "worker.service": ("gateway", "ferry"),
     # prefix affinity: the wire side knows no client; the worker's books know no thread
     "protocol.affinity": ("protocol.client", "protocol.aclient", "protocol.cluster.enqueue"),

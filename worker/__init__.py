@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from worker.engine.engine import Engine
     from worker.engine.engine_stats import EngineStats
     from worker.engine.llm import LLM
-    from worker.engine.output.outputs import CompletionOutput, StepOutput
+    from worker.engine.output.outputs import CompletionOutput, TextOutput
 
 _EXPORTS = {
     "LLM": "worker.engine.llm",
@@ -27,12 +27,12 @@ _EXPORTS = {
     "SchedulerConfig": "worker.engine.config",
     "CompletionOutput": "worker.engine.output.outputs",
     "EngineStats": "worker.engine.engine_stats",
-    "StepOutput": "worker.engine.output.outputs",
+    "TextOutput": "worker.engine.output.outputs",
     "SamplingParams": "protocol.sampling",
 }
 __all__ = [
     "LLM", "CacheConfig", "CompletionOutput", "Engine", "EngineConfig", "EngineStats",
-    "ModelConfig", "SamplingParams", "SchedulerConfig", "StepOutput",
+    "ModelConfig", "SamplingParams", "SchedulerConfig", "TextOutput",
 ]
 
 

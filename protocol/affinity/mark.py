@@ -5,7 +5,7 @@ epoch, 13 digits each) + the preferred worker's id + a newline, then the request
 pull (``protocol.tenants.fair``) reads it: the named worker may take the request at once,
 every other worker once the steal time has passed, and the stream entry it becomes carries
 the request alone plus ``prefer`` / ``marked`` fields for the worker's metrics. A msgpack
-request is a map, whose first byte is never ``@``, so an unmarked item is read as before.
+request is a map, whose first byte is never ``@``, so an unmarked item is read as a plain one.
 """
 
 from __future__ import annotations

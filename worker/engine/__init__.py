@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from worker.engine.lora.adapter import LoraAdapter, LoraError
     from worker.engine.lora.engine_hooks import UnknownAdapter
     from worker.engine.lora.manager import LoraManager
-    from worker.engine.output.outputs import StepOutput
+    from worker.engine.output.outputs import TextOutput
     from worker.engine.output.rust_decode import RustDecoder, decode_spec
     from worker.engine.output.step_batch import EngineEnd, StepBatch, StreamOpen
     from worker.engine.output.text_output import StreamTexts, TextOutputs
@@ -43,7 +43,7 @@ _EXPORTS = {
     "StepBatch": "worker.engine.output.step_batch",
     "EngineEnd": "worker.engine.output.step_batch",
     "StreamOpen": "worker.engine.output.step_batch",
-    "StepOutput": "worker.engine.output.outputs",
+    "TextOutput": "worker.engine.output.outputs",
     "StreamTexts": "worker.engine.output.text_output",
     "TextOutputs": "worker.engine.output.text_output",
     "RustDecoder": "worker.engine.output.rust_decode",
@@ -60,7 +60,7 @@ _EXPORTS = {
 __all__ = [
     "DEGRADED_REASONS", "DeviceFault", "DraftStore", "Engine", "EngineConfig", "EngineEnd",
     "EngineStats", "LoraAdapter", "LoraError", "LoraManager", "PromptBuilder", "PromptError",
-    "PromptOptions", "RustDecoder", "StepBatch", "StepOutput", "StreamOpen", "StreamTexts",
+    "PromptOptions", "RustDecoder", "StepBatch", "TextOutput", "StreamOpen", "StreamTexts",
     "TextOutputs", "UnknownAdapter", "decode_spec",
 ]
 

@@ -212,7 +212,8 @@ class Engine(RequestEnds):
         prev = self._inflight
         rows = SamplingRow.rows_of(sampling, prev)
         at = sched.sampling_rows()  # their constants as arrays (before ``advance``)
-        table = None if at is None else self.columns.take(at, self.scheduler.batch.tokens[at])
+        constants = None if at is None \
+            else self.columns.take(at, self.scheduler.batch.tokens[at])
         constrained = sched.needs_known_tokens()  # a grammar or a multi-token bad word
         known = prev is not None and constrained
         # the masks overlap the forward; no row constrained: none to make
@@ -233,10 +234,11 @@ class Engine(RequestEnds):
             mask = self.structured.start_bitmask(sampling)  # [structured output]
         with self.timer.phase("sample"):
             sample = self.sampler.launch(logits, rows, mask.get() if mask is not None else None,
-                                         table)
+                                         constants)
         if not known and self.overlap:  # after sampling: rows may hold the token lists
             self.scheduler.advance(sched)  # (no overlap: with its tokens, advance_resolve)
-        return InflightStep(sched, sample, None, prompt, known or self.overlap, table)
+        return InflightStep(sched, sample, None, prompt, known or self.overlap,
+                            constants)
 
     def _read_back(self, batch: StepBatch) -> None:
         """Wait for the launched step's tokens (none launched: nothing to do), then the
@@ -262,7 +264,7 @@ class Engine(RequestEnds):
         ends = []
         for request in self.structured.poll():
             self.scheduler.finish(request, FinishReason.ERROR, error=request.grammar.error)
-            ends.append(self._final(request, error_kind="invalid_request"))
+            ends.append(self.engine_end(request, error_kind="invalid_request"))
         return ends
 
     def apply_tokens(self, batch: StepBatch, sched: SchedulerOutput, tokens: list[int],
@@ -277,8 +279,8 @@ class Engine(RequestEnds):
             else self.scheduler.advance_resolve(sched, tokens)
         requests = got.requests
         self.tokens_generated += len(requests)
-        if step is not None and step.table is not None:  # the rows' flags of the launch
-            one_by_one = step.table.any(ONE_BY_ONE)
+        if step is not None and step.constants is not None:  # the rows' flags of the launch
+            one_by_one = step.constants.any(ONE_BY_ONE)
         else:
             one_by_one = any(r.grammar is not None or r.prompt_logprobs is not None
                              for r in (step.sched.sampling if step is not None else requests))
@@ -290,7 +292,7 @@ class Engine(RequestEnds):
             if batch.logprobs is not None:
                 batch.logprobs += [None] * len(requests)
             for i in got.ended:  # in row order
-                batch.ends.append(self._final(requests[i], first + i))
+                batch.ends.append(self.engine_end(requests[i], first + i))
             return
         for i, request, token in zip(got.index.tolist(), requests, got.tokens, strict=True):
             self._update_row(batch, request, token, logprobs[i])
@@ -305,12 +307,13 @@ class Engine(RequestEnds):
         stream = self.streams.by_request[request.request_id]
         row = batch.add_row(stream, token, lp)
         if request.is_finished:
-            batch.ends.append(self._final(request, row))
+            batch.ends.append(self.engine_end(request, row))
         elif request.prompt_logprobs is not None:
             first = take(request)
             if first is not None:
                 batch.prompt_logprobs[stream] = first
 
     def stats(self) -> EngineStats:
-        return engine_stats(self)
+        return engine_stats(self.scheduler, self.block_manager, self.runner.health, self.spec,
+                            self.tokens_generated, self.steps)
 

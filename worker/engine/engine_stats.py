@@ -14,7 +14,12 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from worker.engine.health import EngineHealth
+    from worker.engine.kv.block_manager import BlockManager
+    from worker.engine.sched.scheduler import Scheduler
 
 
 @dataclass
@@ -80,30 +85,40 @@ class StepTimer:
         self.totals.clear()
 
 
-def engine_stats(engine: Any) -> EngineStats:
-    """``engine``: an ``Engine`` (typed loosely: engine.py imports this module)."""
-    bm, scheduler, health = engine.block_manager, engine.scheduler, engine.runner.health
+class SpecCounters(Protocol):
+    """The speculative counters ``EngineStats`` carries (``SpecDecoding`` keeps them)."""
+
+    drafted_tokens: int
+    accepted_tokens: int
+    draft_rows: int
+    store_rows: int
+    grammar_cut_tokens: int
+    backoff_cut_tokens: int
+
+
+def engine_stats(scheduler: Scheduler, bm: BlockManager, health: EngineHealth,
+                 spec: SpecCounters | None, tokens_generated: int, steps: int) -> EngineStats:
+    """The engine's counters now, read off its parts (``Engine.stats``)."""
     return EngineStats(
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
         kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
         num_preemptions=scheduler.num_preemptions,
-        tokens_generated=engine.tokens_generated, steps=engine.steps,
+        tokens_generated=tokens_generated, steps=steps,
         prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits,
-        kv_blocks_cached=bm.num_cached_blocks, **_tier_stats(engine), **_spec_stats(engine),
+        kv_blocks_cached=bm.num_cached_blocks, **_tier_stats(bm), **_spec_stats(spec),
         degraded=tuple(sorted(health.reasons)), decode_graphs_active=health.decode_graphs_active,
     )
 
 
-def _tier_stats(engine: Any) -> dict[str, int]:
-    tier = engine.block_manager.tier
+def _tier_stats(bm: BlockManager) -> dict[str, int]:
+    tier = bm.tier
     if tier is None:
         return {}
     return {"prefix_cache_host_hits": tier.stats.hit_tokens,
             "kv_host_blocks_cached": tier.num_cached, "kv_host_blocks_total": tier.num_blocks}
 
 
-def _spec_stats(engine: Any) -> dict[str, int]:
-    spec = engine.spec
+def _spec_stats(spec: SpecCounters | None) -> dict[str, int]:
     if spec is None:
         return {}
     return {"spec_drafted_tokens": spec.drafted_tokens,

@@ -39,7 +39,7 @@ class InflightStep:
     prompt: PendingPrompt | None = None  # its prompt logprobs, on their way back
     # False: read back at once (no overlap), it advances with its tokens (advance_resolve)
     advanced: bool = True
-    table: RowConstants | None = None  # its sampling rows' constants (sample/rows.py)
+    constants: RowConstants | None = None  # its sampling rows' constants (sample/rows.py)
 
     @property
     def row_of(self) -> dict[str, int]:

@@ -205,32 +205,3 @@ class Request:
         """Waiting order: lower priority value first, then earlier arrival."""
         return (self.priority, self.arrival_time)
 
-
-def advance_decodes(requests: list[Request]) -> None:
-    """Each request computed one token and sampled the next: ``num_computed_tokens += 1``
-    and ``append_placeholder``, inlined (one pass over the batch, no call per request)."""
-    for r in requests:
-        r.num_computed_tokens += 1
-        r.output_token_ids.append(PLACEHOLDER)
-        r.all_token_ids.append(PLACEHOLDER)
-        r.num_pending += 1
-
-
-def resolve_placeholders(requests: list[Request], tokens: list[int]) -> None:
-    """``resolve_placeholder`` for each (request, token), inlined; the caller has checked
-    that each has a pending token (``BatchRows.resolve``)."""
-    for r, token in zip(requests, tokens, strict=True):
-        pending = r.num_pending
-        r.output_token_ids[-pending] = token
-        r.all_token_ids[-pending] = token
-        r.num_pending = pending - 1
-
-
-def append_decodes(requests: list[Request], tokens: list[int]) -> None:
-    """``advance_decodes`` then ``resolve_placeholders`` for a step read back at once (no
-    overlap): each request computed one token and its sampled one goes straight in, with
-    no placeholder between (one pass over the batch, not two)."""
-    for r, token in zip(requests, tokens, strict=True):
-        r.num_computed_tokens += 1
-        r.output_token_ids.append(token)
-        r.all_token_ids.append(token)

@@ -7,7 +7,7 @@ scoring and speculative state), apart from the step loop so that each reads on i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from worker.engine.output.step_batch import EngineEnd
 from worker.engine.request import FinishReason, Request
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from worker.engine.output.step_batch import StreamRegistry
     from worker.engine.sample.prompt_logprobs import PromptScoring
     from worker.engine.sched.scheduler import Scheduler, SchedulerOutput
+    from worker.engine.speculative.engine_hooks import SpecDecoding
 
 
 class RequestEnds:
@@ -26,7 +27,7 @@ class RequestEnds:
     block_manager: BlockManager
     streams: StreamRegistry
     scoring: PromptScoring
-    spec: Any
+    spec: SpecDecoding | None
     _groups: CandidateGroups
 
     def abort(
@@ -40,7 +41,7 @@ class RequestEnds:
             request = self.scheduler.requests.get(rid)
             if request is not None:
                 self.scheduler.finish(request, reason)
-                ends.append(self._final(request))
+                ends.append(self.engine_end(request))
         return ends
 
     def finish_stream(
@@ -54,9 +55,13 @@ class RequestEnds:
             return None
         request.stop_reason = stop_reason
         self.scheduler.finish(request, FinishReason(reason))
-        return self._final(request)
+        return self.engine_end(request)
 
-    def _final(self, request: Request, row: int = -1, error_kind: str | None = None) -> EngineEnd:
+    def engine_end(self, request: Request, row: int = -1,
+                   error_kind: str | None = None) -> EngineEnd:
+        """The ``EngineEnd`` of a request just finished (its stream closed, its
+        drafter, candidate group and prompt scoring told); ``row``: its last token's row in
+        the step's batch (-1: none)."""
         stream = self.streams.close(request)
         if self.spec is not None:
             self.spec.finished(request)
@@ -77,5 +82,5 @@ class RequestEnds:
         for item in sched.scheduled:
             if not item.request.is_finished:
                 self.scheduler.finish(item.request, FinishReason.ERROR, error=message)
-                ends.append(self._final(item.request))
+                ends.append(self.engine_end(item.request))
         return ends

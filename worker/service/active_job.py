@@ -27,7 +27,7 @@ from protocol.models import (
     Usage,
     state_for_finish,
 )
-from worker.engine import StepOutput
+from worker.engine import TextOutput
 from worker.service.jobs import (
     Admission,
     Outgoing,
@@ -52,12 +52,12 @@ class ChoiceProgress:
     stop_reason: str | int | None = None  # with "stop": the stop string or stop token id
     cumulative_logprob: float | None = None
 
-    def end(self, out: StepOutput) -> None:
+    def end(self, out: TextOutput) -> None:
         """The engine finished this candidate."""
         self.finish_reason = out.finish_reason
         self.stop_reason = out.stop_reason if out.finish_reason == "stop" else None
 
-    def add(self, out: StepOutput, lp: list[dict[str, Any]] | None, hold: bool) -> None:
+    def add(self, out: TextOutput, lp: list[dict[str, Any]] | None, hold: bool) -> None:
         self.token_ids.extend(out.new_token_ids)
         if out.text:
             self.text_parts.append(out.text)
@@ -131,7 +131,7 @@ class ActiveJob:
         return all(c.finish_reason is not None for c in self.choices)
 
     # -- the engine's outputs ----------------------------------------------------------
-    def _record(self, out: StepOutput, token_text: TokenText) -> list[dict[str, Any]] | None:
+    def _record(self, out: TextOutput, token_text: TokenText) -> list[dict[str, Any]] | None:
         if out.new_token_ids and self.first_token_at is None:
             self.first_token_at = time.time()
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
@@ -144,14 +144,14 @@ class ActiveJob:
         self.choices[out.index].add(out, lp, self._hold)
         return lp
 
-    def step_event(self, out: StepOutput, token_text: TokenText) -> Outgoing | None:
+    def step_event(self, out: TextOutput, token_text: TokenText) -> Outgoing | None:
         """The event for a non-terminal step, or None while coalescing (stream=False)."""
         lp = self._record(out, token_text)
         if self._hold:
             return None
         return self._event(out.index, list(out.new_token_ids), out.text, lp)
 
-    def choice_event(self, out: StepOutput, token_text: TokenText) -> Outgoing | None:
+    def choice_event(self, out: TextOutput, token_text: TokenText) -> Outgoing | None:
         """One of several candidates ended (``out.finished``); its closing event when
         streamed. The terminal event follows once ``done``."""
         self._record(out, token_text)
@@ -166,7 +166,7 @@ class ActiveJob:
         item.choice_finish_reason, item.stop_reason = choice.finish_reason, choice.stop_reason
         return item
 
-    def absorb(self, out: StepOutput) -> None:
+    def absorb(self, out: TextOutput) -> None:
         """Record an output without sending it (a candidate aborted with its request)."""
         self._record(out, str)
         if out.finished:
@@ -189,7 +189,7 @@ class ActiveJob:
 
     # -- the end -----------------------------------------------------------------------
     def final_event(
-        self, reason: FinishReason, out: StepOutput | None = None, error: str | None = None,
+        self, reason: FinishReason, out: TextOutput | None = None, error: str | None = None,
         error_kind: ErrorKind | None = None, token_text: TokenText | None = None,
     ) -> Outgoing:
         """The terminal event (usage, timings) and the job hash's result, in one item."""

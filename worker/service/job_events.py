@@ -15,12 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 from protocol.models import ErrorKind, FinishReason
-from worker.engine import StepOutput
+from worker.engine import TextOutput
 from worker.service.active_job import ActiveJob
 from worker.service.jobs import Outgoing, TokenText
 
 OnEnd = Callable[[ActiveJob, Outgoing | None], None]  # item None: the event failed to build
-Abort = Callable[[str], list[StepOutput]]
+Abort = Callable[[str], list[TextOutput]]
 
 
 class JobEvents:
@@ -34,7 +34,7 @@ class JobEvents:
         self.adapter_of: dict[str, str] = {}  # request id -> LoRA adapter (metrics)
         self.lora_metrics: Any = None
 
-    def events(self, outputs: list[StepOutput], now: float) -> tuple[list[Outgoing], int]:
+    def events(self, outputs: list[TextOutput], now: float) -> tuple[list[Outgoing], int]:
         """One step's engine outputs -> (events to send, tokens produced)."""
         batch: list[Outgoing] = []
         tokens = 0
@@ -58,7 +58,7 @@ class JobEvents:
                     batch.append(item)
         return batch, tokens
 
-    def _candidate_end(self, job: ActiveJob, out: StepOutput) -> list[Outgoing]:
+    def _candidate_end(self, job: ActiveJob, out: TextOutput) -> list[Outgoing]:
         """A request (or one of its n candidates) ended in the engine: its events."""
         reason, kind = engine_finish(out)
         if not job.multi:
@@ -74,7 +74,7 @@ class JobEvents:
             items.append(self.end(job, job.overall_reason(), None))
         return items
 
-    def closing_output(self, job: ActiveJob, outs: list[StepOutput]) -> StepOutput | None:
+    def closing_output(self, job: ActiveJob, outs: list[TextOutput]) -> TextOutput | None:
         """The aborted candidates' outputs of a request stopped from outside (cancel,
         timeout): the output to close its event with (n = 1); several are absorbed."""
         if not job.multi:
@@ -84,7 +84,7 @@ class JobEvents:
         return None
 
     def end(
-        self, job: ActiveJob, reason: FinishReason, out: StepOutput | None,
+        self, job: ActiveJob, reason: FinishReason, out: TextOutput | None,
         error: str | None = None, kind: ErrorKind | None = None,
     ) -> Outgoing:
         """Forget a job that the engine no longer holds; its terminal event."""
@@ -97,7 +97,7 @@ class JobEvents:
         return item
 
 
-def engine_finish(out: StepOutput) -> tuple[FinishReason, ErrorKind | None]:
+def engine_finish(out: TextOutput) -> tuple[FinishReason, ErrorKind | None]:
     reason = out.finish_reason or "stop"
     if reason == "error":  # the engine says when the request is at fault (structured output)
         return "error", "invalid_request" if out.error_kind == "invalid_request" else "internal"

@@ -16,7 +16,7 @@ from typing import Any
 
 from protocol.models import ErrorKind, FinishReason
 from protocol.tenants.cache_scope import cache_partition
-from worker.engine import Engine, PromptError, StepOutput, TextOutputs, UnknownAdapter
+from worker.engine import Engine, PromptError, TextOutput, TextOutputs, UnknownAdapter
 from worker.service.active_job import ActiveJob
 from worker.service.intake.slots import Slots
 from worker.service.job_events import JobEvents
@@ -71,7 +71,7 @@ class JobTable:
         """One engine step (timed by the caller); ``events`` turns it into events."""
         return self.text.step()
 
-    def events(self, outputs: list[StepOutput], now: float) -> tuple[list[Outgoing], int]:
+    def events(self, outputs: list[TextOutput], now: float) -> tuple[list[Outgoing], int]:
         """One step's outputs -> (events to send, tokens produced)."""
         return self.ev.events(outputs, now)
 
@@ -206,7 +206,7 @@ class JobTable:
                 self._close(self.jobs[rid], "timeout", _timeout_message(self.jobs[rid]))
 
     def _end(
-        self, job: ActiveJob, reason: FinishReason, out: StepOutput | None,
+        self, job: ActiveJob, reason: FinishReason, out: TextOutput | None,
         error: str | None = None, kind: ErrorKind | None = None,
     ) -> Outgoing:
         """Forget a job that the engine no longer holds; its terminal event."""

@@ -81,7 +81,7 @@ class WorkerService:
         self.intake = Intake(settings, self.held, self.slots, self.mailbox, self.outbox,
                              engine.has_unfinished_requests, self.dead, self.prompts,
                              self.ledger, self.gate, self.affinity)
-        self.book = StatsBook(engine.stats, self.metrics, self.ledger)
+        self.book = StatsBook(engine.stats(), self.metrics, self.ledger)
         self.control = Control(settings, self.held, self.mailbox, self._heartbeat_stats,
                                self.gate, self.affinity)
         self.tokenizer_responder = TokenizerResponder(settings, engine.prompts, engine.tokenizer,
@@ -194,7 +194,7 @@ class WorkerService:
             self._drain_mailbox(0.0 if busy else 0.05)
             if self.lora.manager is not None:  # adapters the sync thread loaded or dropped
                 self.lora.apply()
-            if self.drafts is not None:  # the fleet's outputs, a few per step when busy
+            if self.drafts is not None and self.engine.spec is not None:  # the fleet's outputs
                 self.drafts.drain(self.engine.spec.store, 8 if busy else 256)
             self.table.expire()
             self.table.poll()  # an output process's stop strings, settled entries (or death)
@@ -202,7 +202,7 @@ class WorkerService:
                 return
             if self.engine.has_unfinished_requests():
                 self._step()
-            self.book.refresh()
+            self.book.engine_stats = self.engine.stats()  # cheap: counters, lengths
 
     def _past_drain(self) -> bool:
         return self._drain_until is not None and time.monotonic() >= self._drain_until
@@ -236,7 +236,8 @@ class WorkerService:
         elapsed = time.perf_counter() - start
         self.slots.set_running(len(self.engine.scheduler.running))
         batch, tokens = self.table.events(outputs, time.monotonic())
-        self.outbox.put(batch, self._past_drain)
+        if batch:  # none with an output process: it makes the events
+            self.outbox.put(batch, self._past_drain)
         self.metrics.observe_step(elapsed, tokens)
 
     def _token_text(self, token_id: int) -> str:

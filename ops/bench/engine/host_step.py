@@ -11,20 +11,21 @@ that end are replaced at once, so the batch stays full. One JSON line per worklo
   JSON-schema grammar; ``logprobs`` — every row asks for 5 logprobs.
 
 Fields: ``engine_ms_per_step`` (median wall time of ``Engine.step()``, which emits token
-ids only), ``host_ms_per_step`` (the same less the device stand-ins, ``host_stub.DeviceClock``)
-and ``host_cpu_ms_per_step`` (that in the engine thread's CPU time: steadier on a shared
-machine, where wall time also counts the time other processes hold the cores),
-``phases_ms`` (mean per step of each engine phase), ``sampling_bytes_per_step`` (device
-traffic of the sampling ops at 256 x 128k, ``sampling_traffic.py``). Each step's batch also goes
-to a real output process (``worker/service/output_proc/process.py``) publishing to a real
+ids only), ``host_ms_per_step`` (the same less the device stand-ins,
+``host_stub.DeviceClock``) and ``host_cpu_ms_per_step`` (that in the engine thread's CPU
+time: steadier on a shared machine, where wall time also counts the time other processes
+hold the cores), ``phases_ms`` (mean per step of each engine phase),
+``sampling_bytes_per_step`` (device traffic of the sampling ops at 256 x 128k,
+``sampling_traffic.py``). Each step's batch also goes to a real output process
+(``service/standalone_output.py``: the worker's text path) publishing to a real
 redis-server the bench starts: ``output_ms_per_step`` (its busy time per batch: text,
 events, Redis), ``published_tok_s`` (tokens that reached Redis per second of the measured
 run), ``output_capacity_tok_s`` (tokens per second of its busy time: wall, so on a shared
 machine it also counts the time other processes and Redis hold the cores),
 ``output_cpu_tok_s`` (tokens per second of its pass loop's own CPU time) and
 ``texts_identical`` (every stream's text from the output process equals the in-process
-path's, ``TextOutputs``' ``StreamTexts`` over the same batches). ``--no-output`` skips
-it. Results go to ``ops/bench/results/host_step.json``.
+path's, ``TextOutputs``' ``StreamTexts`` over the same batches). ``--no-output`` skips it.
+Results go to ``ops/bench/results/host_step.json``.
 """
 
 from __future__ import annotations
@@ -176,12 +177,12 @@ DECODE_STREAM = False  # --decode-stream: DecodeStream, not the byte table (A/B)
 
 
 def start_output(engine: Any, redis_url: str) -> Any:
+    from ops.bench.service.standalone_output import start
     from worker.engine.output.rust_decode import decode_spec
-    from worker.service.output_proc.link import OutputLink
 
-    return OutputLink.start({"tokenizer": engine.config.model.model, "redis_url": redis_url,
-                             "collect": True, "decode_spec": decode_spec(engine.tokenizer),
-                             "window_decode": WINDOW_DECODE, "decode_stream": DECODE_STREAM})
+    return start({"tokenizer": engine.config.model.model, "redis_url": redis_url,
+                  "collect": True, "decode_spec": decode_spec(engine.tokenizer),
+                  "window_decode": WINDOW_DECODE, "decode_stream": DECODE_STREAM})
 
 
 def wait_caught_up(link: Any, batches: int) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from worker.engine.speculative.resolve import resolve_rest  # noqa: E402
 
 def per_position(engine: Any, sampling: list[Request], accepted: list[list[int]],
                  outputs: StepBatch) -> None:
-    """The loop of old (the merge base's ``SpecDecoding._resolve_rest``)."""
+    """The per-position loop (the merge base's ``SpecDecoding._resolve_rest``)."""
     position = 1
     while True:
         todo = [(r, seq[position]) for r, seq in zip(sampling, accepted, strict=True)

@@ -19,7 +19,7 @@ byte (at most four; none when W ends on a whole character, as every emitted chun
 ``after = lossy(W - T) + lossy(T + N)``: the delta is ``lossy(T + N)[len(lossy(T)):]``,
 whether it ends in U+FFFD is read off the last four bytes, and T + N is decoded only when
 it ends on a whole character: a token costs a table look-up and a few byte tests, and N is
-decoded about once. ``byte_table.byte_pieces`` checks the table against the tokenizer's own decode
+decoded about once. ``rust_decode.byte_pieces`` checks the table against the tokenizer's own decode
 before anything uses it; the tests compare the deltas with ``DecodeStream``'s and the
 window decodes' over random byte soup, real text, stop strings and resumed requests.
 """
@@ -28,14 +28,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.engine.output.byte_table import ByteTable
 from worker.engine.output.detokenizer import (
     _WINDOW,
     DetokenizerResult,
     IncrementalDetokenizer,
     StreamingDetokenizer,
 )
-from worker.engine.output.rust_decode import RustDecoder
+from worker.engine.output.rust_decode import RustDecoder, TokenBytes
 
 _NOTHING = DetokenizerResult("", False)  # frozen: one for every token that emits nothing
 
@@ -69,7 +68,7 @@ class ByteDetokenizer(IncrementalDetokenizer):
     at once, so ``flush`` has nothing left), so a token costs no copy of the text so far."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], **kw: Any) -> None:
-        table: ByteTable = tokenizer.byte_pieces[kw.get("skip_special_tokens", True)]
+        table: TokenBytes = tokenizer.byte_pieces[kw.get("skip_special_tokens", True)]
         self._table, self._whole, self._results = table
         self._pending = bytearray()
         tail = list(prompt_token_ids[-_WINDOW:])

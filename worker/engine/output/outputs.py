@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class StepOutput:
+class TextOutput:
     """New tokens of one request in one step (the unit the service publishes)."""
 
     request_id: str

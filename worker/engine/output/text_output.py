@@ -1,6 +1,6 @@
 """Token ids -> text: the output side of a step, in-process.
 
-``StreamTexts`` turns ``StepBatch``es into the per-request ``StepOutput``s (text deltas,
+``StreamTexts`` turns ``StepBatch``es into the per-request ``TextOutput``s (text deltas,
 stop strings, usage) that the engine produced itself before it emitted token ids only. It
 needs a tokenizer and nothing of the engine, so the worker's output process runs the same
 code (``worker/service/output_proc/process.py``). ``TextOutputs`` binds it to an in-process
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from worker.engine.output.byte_detokenizer import make_detokenizer
-from worker.engine.output.outputs import StepOutput
+from worker.engine.output.outputs import TextOutput
 from worker.engine.output.rust_decode import text_decoder
 from worker.engine.output.step_batch import EngineEnd, StepBatch, StreamOpen
 
@@ -71,7 +71,7 @@ class StreamTexts:
             )
             self.streams[o.stream] = _Stream(o, detok, len(o.prior_output_ids))
 
-    def apply(self, batch: StepBatch) -> list[StepOutput]:
+    def apply(self, batch: StepBatch) -> list[TextOutput]:
         """The batch's outputs: one per row (final with its request's end), then the ends
         that came without a token. Rows of a stream already ended here (a stop string
         found a step before the engine heard of it) are dropped: never published."""
@@ -80,7 +80,7 @@ class StreamTexts:
             if stream in self.streams:
                 self.streams[stream].num_cached_tokens = cached
         at_row = {end.row: end for end in batch.ends if end.row >= 0}
-        outputs: list[StepOutput] = []
+        outputs: list[TextOutput] = []
         append, streams, lps = outputs.append, self.streams, batch.logprobs
         prompt_lps = batch.prompt_logprobs or None  # most batches have none: no look-up
         seen = 0
@@ -102,7 +102,7 @@ class StreamTexts:
                 append(self._final(end, [token], result.text_delta, lp))
                 continue
             o = s.open
-            append(StepOutput(
+            append(TextOutput(
                 o.request_id, [token], result.text_delta,
                 num_prompt_tokens=o.num_prompt_tokens, num_output_tokens=s.num_output_tokens,
                 logprobs=[lp] if lp is not None else None, index=o.index,
@@ -113,11 +113,11 @@ class StreamTexts:
                     if end.row < 0 and end.stream in self.streams]
         return outputs
 
-    def ends(self, ends: list[EngineEnd]) -> list[StepOutput]:
+    def ends(self, ends: list[EngineEnd]) -> list[TextOutput]:
         """Final outputs of ends that came outside a step (an abort)."""
         return [self._final(end, [], "") for end in ends if end.stream in self.streams]
 
-    def abort(self, request_id: str) -> list[StepOutput]:
+    def abort(self, request_id: str) -> list[TextOutput]:
         """The final outputs of a request's streams still open here, ended as the engine's
         ``abort`` ends them: the output process's view of an abort the engine makes after
         this batch (its own ends then find these streams closed and are dropped)."""
@@ -128,11 +128,11 @@ class StreamTexts:
 
     def _final(
         self, end: EngineEnd, tokens: list[int], text: str, lp: Any = None
-    ) -> StepOutput:
+    ) -> TextOutput:
         s = self.streams.pop(end.stream)
         if end.finish_reason != "stop":
             text += s.detok.flush()
-        return StepOutput(
+        return TextOutput(
             s.open.request_id, tokens, text, finished=True,
             finish_reason=end.finish_reason, error=end.error, stop_reason=end.stop_reason,
             num_prompt_tokens=end.num_prompt_tokens, num_output_tokens=end.num_output_tokens,
@@ -168,10 +168,10 @@ class TextOutputs:
     def _stop(self, stream: int, stop_str: str) -> EngineEnd | None:
         return self.engine.finish_stream(stream, "stop", stop_str)
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[TextOutput]:
         return self.texts.apply(self.engine.step())
 
-    def abort(self, request_id: str, reason: FinishReason | None = None) -> list[StepOutput]:
+    def abort(self, request_id: str, reason: FinishReason | None = None) -> list[TextOutput]:
         ends = self.engine.abort(request_id) if reason is None else \
             self.engine.abort(request_id, reason)
         self.texts.open(self.engine.streams.take_opened())

@@ -200,7 +200,7 @@ class RowConstants:
 
 
 class RowFacts:
-    """``RowConstants``'s questions answered from the row objects (when no table is given:
+    """``RowConstants``'s questions answered from the row objects (when no constants are given:
     outputs built by hand, speculative steps)."""
 
     _ATTRS = {PENALISED: "penalised", MASKED: "masked", LOGPROBS: "wants_logprobs"}
@@ -257,7 +257,7 @@ class SamplerColumns:
         assert self.flags[row] == flags_of(request), f"{request.request_id}: sampler flags"
 
     def take(self, rows: np.ndarray, tokens: np.ndarray) -> RowConstants:
-        """The table of ``rows`` (in order), whose requests hold ``tokens`` tokens each
+        """The constants of ``rows`` (in order), whose requests hold ``tokens`` tokens each
         (``BatchRows.tokens``: their output index is what follows the prompt)."""
         flags = self.flags[rows]
         return RowConstants(self.params[rows], self.seed_mix[rows],

@@ -102,17 +102,17 @@ class Sampler:
     def launch(
         self, logits: torch.Tensor, rows: list[SamplingRow],
         grammar_mask: tuple[list[int], torch.Tensor] | None = None,
-        table: RowConstants | None = None,
+        constants: RowConstants | None = None,
     ) -> PendingSample:
         """logits: [num_rows, vocab] (any float dtype, any device).
 
         ``grammar_mask``: (constrained row indices, their int32 bitmask), see
         ``apply_token_bitmask``; reported logprobs are the model's, before the masks
-        (the grammar's, ``allowed_token_ids``, ``bad_words``). ``table``: the rows'
+        (the grammar's, ``allowed_token_ids``, ``bad_words``). ``constants``: the rows'
         constants as arrays (``sample/rows.py``), read in place of the row objects'
         attributes when given (the same values, so the same tokens).
         """
-        facts = RowFacts(rows) if table is None else table
+        facts = RowFacts(rows) if constants is None else constants
         if facts.any(PENALISED):
             logits = apply_penalties(logits.float(), rows)
         asked = facts.rows_with(LOGPROBS)
@@ -127,8 +127,8 @@ class Sampler:
         if not facts.any(NOT_PLAIN_GREEDY):
             tokens = _greedy_pass(logits)  # [B]: nothing else to do, no parameters to send
         else:
-            tensors = sampling_tensors(rows, self.keys(rows), logits.device) if table is None \
-                else sampling_tensors(rows, self.table_keys(table), logits.device, table)
+            keys = self.keys(rows) if constants is None else self.constant_keys(constants)
+            tensors = sampling_tensors(rows, keys, logits.device, constants)
             # [B] int64; bias, filters, race inside
             tokens = _sample_pass(logits, tensors, self.fused)
         packed = None
@@ -158,19 +158,19 @@ class Sampler:
             keys[seeded] = keys_at(mixes, indices)
         return keys
 
-    def table_keys(self, table: RowConstants) -> np.ndarray:
+    def constant_keys(self, constants: RowConstants) -> np.ndarray:
         """``keys`` from the rows' columns: the same keys, the host generator drawn for the
         same rows in the same order."""
-        seeded = table.flags & SEEDED
+        seeded = constants.flags & SEEDED
         if seeded.all():
-            return keys_at(table.seed_mix, table.output_index)
+            return keys_at(constants.seed_mix, constants.output_index)
         keys = np.zeros(len(seeded), dtype=np.int64)
-        for i in table.rows_with(SAMPLED):
+        for i in constants.rows_with(SAMPLED):
             if not seeded[i]:
                 keys[i] = random_key(self._rng)
         where = seeded.nonzero()[0]
         if len(where):
-            keys[where] = keys_at(table.seed_mix[where], table.output_index[where])
+            keys[where] = keys_at(constants.seed_mix[where], constants.output_index[where])
         return keys
 
     def _key(self, row: SamplingRow) -> int:
@@ -184,24 +184,24 @@ class Sampler:
 
 
 def sampling_tensors(rows: list[SamplingRow], keys: list[int] | np.ndarray,
-                     device: torch.device, table: RowConstants | None = None,
+                     device: torch.device, constants: RowConstants | None = None,
                      ) -> SamplingTensors:
     """The rows' parameters as the sampling pass reads them: two copies up, three more
     when a row has a logit bias. Greedy rows (temperature 0 or top-k 1) get temperature 0;
-    top-k off is any value >= the vocabulary (2**24 here). ``table``: the same parameters
+    top-k off is any value >= the vocabulary (2**24 here). ``constants``: the same parameters
     as arrays (``sample/rows.py``)."""
     host: Sequence[Sequence[float]] | np.ndarray
-    if table is None:  # [B, 4] float32 from each row's bytes (~10x faster than np.array)
+    if constants is None:  # [B, 4] float32 from each row's bytes (~10x faster than np.array)
         host = tuple(map(_PARAMS_ROW, rows))
         flat = np.frombuffer(b"".join([r.params_bytes for r in rows]), dtype=np.float32)
         host_params = flat.reshape(-1, 4).copy()
     else:  # a fresh array (gathered for this step), the host copy too: the torch pass
         # decides (> 0, < 1, top-k) from its float32 values as from the rows' own; the
         # fused kernel reads none of it
-        host = host_params = table.params
+        host = host_params = constants.params
     params = host_to_device(torch.from_numpy(host_params), device)
     keys_up = host_to_device(torch.from_numpy(np.asarray(keys, dtype=np.int64)), device)
-    if not (any(r.has_bias for r in rows) if table is None else table.any(BIAS)):
+    if not (any(r.has_bias for r in rows) if constants is None else constants.any(BIAS)):
         return SamplingTensors(params, keys_up, host)
     offsets: list[int] = [0]
     entries: list[list[int]] = [[], []]

@@ -4,7 +4,10 @@
 ``resolve_sampled`` at read-back (placeholders filled, token-level stops checked over the
 batch's arrays, requests finished); ``advance_resolve`` is the two at once for a step read
 back at once, with a faster path when every row is a plain decode. A mixin of
-``Scheduler``, apart from the admission half so that each reads on its own.
+``Scheduler``, apart from the admission half so that each reads on its own. The bulk
+forms of ``Request``'s per-token updates (``advance_decodes``, ``resolve_placeholders``,
+``append_decodes``: one pass over a batch, no call per request) are here, with their one
+caller.
 """
 
 from __future__ import annotations
@@ -15,13 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from worker.engine.kv.block_manager import BlockManager
-from worker.engine.request import (
-    FinishReason,
-    Request,
-    advance_decodes,
-    append_decodes,
-    resolve_placeholders,
-)
+from worker.engine.request import PLACEHOLDER, FinishReason, Request
 from worker.engine.sched.batch_rows import BatchRows
 from worker.engine.sched.schedule_output import Resolved, SchedulerOutput
 
@@ -155,3 +152,33 @@ class StepUpdates:
         return Resolved(index, [requests[i] for i in index.tolist()],
                         [token_list[i] for i in index.tolist()],
                         np.searchsorted(index, ended).tolist())
+
+
+def advance_decodes(requests: list[Request]) -> None:
+    """Each request computed one token and sampled the next: ``num_computed_tokens += 1``
+    and ``append_placeholder``, inlined (one pass over the batch, no call per request)."""
+    for r in requests:
+        r.num_computed_tokens += 1
+        r.output_token_ids.append(PLACEHOLDER)
+        r.all_token_ids.append(PLACEHOLDER)
+        r.num_pending += 1
+
+
+def resolve_placeholders(requests: list[Request], tokens: list[int]) -> None:
+    """``resolve_placeholder`` for each (request, token), inlined; the caller has checked
+    that each has a pending token (``BatchRows.resolve``)."""
+    for r, token in zip(requests, tokens, strict=True):
+        pending = r.num_pending
+        r.output_token_ids[-pending] = token
+        r.all_token_ids[-pending] = token
+        r.num_pending = pending - 1
+
+
+def append_decodes(requests: list[Request], tokens: list[int]) -> None:
+    """``advance_decodes`` then ``resolve_placeholders`` for a step read back at once (no
+    overlap): each request computed one token and its sampled one goes straight in, with
+    no placeholder between (one pass over the batch, not two)."""
+    for r, token in zip(requests, tokens, strict=True):
+        r.num_computed_tokens += 1
+        r.output_token_ids.append(token)
+        r.all_token_ids.append(token)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
@@ -51,6 +51,9 @@ from worker.engine.speculative.config import SpeculativeConfig
 from worker.engine.speculative.draft_store import DraftStore
 from worker.engine.speculative.resolve import resolve_rest
 from worker.engine.speculative.suffix_proposer import SuffixProposer
+
+if TYPE_CHECKING:
+    from worker.engine.speculative.host import StepHost
 
 _log = structlog.get_logger("ferry.worker.spec")
 
@@ -78,9 +81,9 @@ def eligible(request: Request) -> bool:
 class SpecDecoding:
     """The engine's speculative decoding: the proposer, its counters, the verifying step."""
 
-    def __init__(self, config: SpeculativeConfig, engine: Any) -> None:
+    def __init__(self, config: SpeculativeConfig, engine: StepHost) -> None:
         self.config = config
-        self.engine = engine  # an Engine (typed loosely: engine.py imports this module)
+        self.engine = engine
         self.proposer = SuffixProposer(config)
         # tokens each request's drafter has observed, and the request's tenant
         self._seen: dict[str, tuple[int, str]] = {}
@@ -104,7 +107,7 @@ class SpecDecoding:
         return self.proposer.store
 
     @classmethod
-    def create(cls, config: SpeculativeConfig, engine: Any) -> SpecDecoding | None:
+    def create(cls, config: SpeculativeConfig, engine: StepHost) -> SpecDecoding | None:
         if not config.enabled:
             return None
         if engine.overlap:

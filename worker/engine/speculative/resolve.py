@@ -6,8 +6,8 @@ row's run is cut at its first finishing token by one scan (``run_length``: the c
 ``Request.check_token_stop``: EOS and stop ids once ``min_tokens`` are out, ``max_tokens``,
 the model's context), appended at once (``Scheduler.extend_known``), and its rows go into
 the ``StepBatch`` in the order the per-position loop gave them (position-major across
-rows), each request finished (``Scheduler.finish``, ``Engine._final``) at the same point of
-that order, so the batch, the ends and the order of the store's additions are unchanged.
+rows), each request finished (``Scheduler.finish``, ``Engine.engine_end``) at the same
+point of that order, so the batch, the ends and the order of the store's additions are unchanged.
 
 A row with a grammar still advances its matcher after each token (its state reads the
 known output, and a grammar end cuts the run), as a plain step would.
@@ -15,10 +15,13 @@ known output, and a grammar end cuts the run), as a plain step would.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from worker.engine.output.step_batch import StepBatch
 from worker.engine.request import FinishReason, Request
+
+if TYPE_CHECKING:
+    from worker.engine.speculative.host import StepHost
 
 # A row's run: its request, the tokens it takes, the finish its last one implies, the error
 Run = tuple[Request, list[int], FinishReason | None, str | None]
@@ -41,7 +44,7 @@ def run_length(request: Request, tokens: list[int], max_model_len: int
     return len(tokens), None
 
 
-def _grammar_run(engine: Any, request: Request, tokens: list[int],
+def _grammar_run(engine: StepHost, request: Request, tokens: list[int],
                  reason: FinishReason | None) -> Run:
     """Append ``tokens`` one at a time, the grammar advanced after each but a last one that
     ends the request by a token-level stop (a plain step finishes it before the matcher
@@ -58,7 +61,7 @@ def _grammar_run(engine: Any, request: Request, tokens: list[int],
     return request, tokens, reason, None
 
 
-def _runs(engine: Any, sampling: list[Request], accepted: list[list[int]]) -> list[Run]:
+def _runs(engine: StepHost, sampling: list[Request], accepted: list[list[int]]) -> list[Run]:
     runs: list[Run] = []
     for request, seq in zip(sampling, accepted, strict=True):
         if len(seq) < 2 or request.is_finished:
@@ -75,7 +78,7 @@ def _runs(engine: Any, sampling: list[Request], accepted: list[list[int]]) -> li
     return runs
 
 
-def resolve_rest(engine: Any, sampling: list[Request], accepted: list[list[int]],
+def resolve_rest(engine: StepHost, sampling: list[Request], accepted: list[list[int]],
                  outputs: StepBatch) -> None:
     """Each sampling row's accepted tokens after its first (``accepted[i][1:]``; a row
     finished by its first token takes none) into its request and ``outputs``."""
@@ -100,9 +103,9 @@ def resolve_rest(engine: Any, sampling: list[Request], accepted: list[list[int]]
                     _end(engine, outputs, run, row)
 
 
-def _end(engine: Any, outputs: StepBatch, run: Run, row: int) -> None:
+def _end(engine: StepHost, outputs: StepBatch, run: Run, row: int) -> None:
     """A run whose last token finishes its request: finish it, its end at ``row``."""
     request, _, reason, error = run
     if reason is not None:
         engine.scheduler.finish(request, reason, error=error)
-        outputs.ends.append(engine._final(request, row))
+        outputs.ends.append(engine.engine_end(request, row))

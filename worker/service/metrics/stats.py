@@ -1,11 +1,13 @@
 """The service's numbers, for the heartbeat (``ferry top``, readiness) and Prometheus.
 
-The engine loop writes (``refresh`` after every iteration, ``finished`` per request: plain
-attribute stores and metric updates, no I/O); the control thread reads a consistent-enough
-snapshot once per heartbeat. Reading a reference another thread replaced is atomic in
-CPython, so no lock is needed on the engine loop's side.
+The engine loop writes (``engine_stats``, the engine's snapshot, stored after every
+iteration; ``finished`` per request: plain attribute stores and metric updates, no I/O);
+the control thread reads a consistent-enough snapshot once per heartbeat. Reading a
+reference another thread replaced is atomic in CPython, so no lock is needed on the
+engine loop's side. The snapshot is stored, not fetched through a method here: taking it
+is the engine's (``Engine.stats``), on the loop's thread, and the book only keeps it.
 
-The book takes what it reads as arguments (an engine-stats callable, the metrics, and a
+The book takes what it reads as arguments (the first engine snapshot, the metrics, and a
 ``ServiceCounters`` per heartbeat) rather than the service object, so it depends on
 nothing above it.
 """
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,18 +46,13 @@ class ServiceCounters:
 
 
 class StatsBook:
-    def __init__(self, engine_stats: Callable[[], EngineStats], metrics: WorkerMetrics,
+    def __init__(self, engine_stats: EngineStats, metrics: WorkerMetrics,
                  ledger: FairLedger | None = None) -> None:
-        self._read_engine = engine_stats
         self.metrics = metrics
         self.ledger = ledger or FairLedger()
-        self.engine_stats = engine_stats()
+        self.engine_stats = engine_stats  # the engine loop stores each iteration's
         self._samples: deque[tuple[float, int]] = deque()
         self._reported = {"reclaimed": 0, "dead_lettered": 0}
-
-    def refresh(self) -> None:
-        """Engine loop: take a fresh engine snapshot (cheap: counters and lengths)."""
-        self.engine_stats = self._read_engine()
 
     def finished(self, job: ActiveJob, item: Outgoing) -> None:
         """Engine loop: a request ended; record its outcome and latencies."""

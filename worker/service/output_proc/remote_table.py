@@ -26,7 +26,7 @@ from worker.engine import EngineEnd, StepBatch, StreamOpen
 from worker.service.active_job import ActiveJob
 from worker.service.job_table import JobTable
 from worker.service.jobs import Command, Outgoing
-from worker.service.output_proc import messages as m
+from worker.service.output_proc import link as m
 from worker.service.output_proc.link import OutputDied, OutputLink
 
 

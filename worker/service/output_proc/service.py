@@ -31,7 +31,7 @@ from worker.service.jobs import Command, Outgoing
 from worker.service.metrics.prometheus import GapBins
 from worker.service.metrics.stats import finished_fields
 from worker.service.outbox.thread import Outbox
-from worker.service.output_proc import messages as m
+from worker.service.output_proc import link as m
 from worker.service.redis.connection import LazyClusterClient
 
 Send = Callable[[list[Any]], None]

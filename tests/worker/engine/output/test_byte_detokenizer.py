@@ -14,9 +14,8 @@ from worker.engine.output.byte_detokenizer import (
     ends_in_replacement,
     make_detokenizer,
 )
-from worker.engine.output.byte_table import byte_pieces
 from worker.engine.output.detokenizer import IncrementalDetokenizer, StreamingDetokenizer
-from worker.engine.output.rust_decode import RustDecoder, decode_spec
+from worker.engine.output.rust_decode import RustDecoder, byte_pieces, decode_spec
 
 STUB_VOCAB = 512  # ops/bench/engine/host_stub.py: the stub model's ids
 

@@ -1,8 +1,8 @@
 import pytest
 
 from tests.checkpoints import build_tokenizer
-from worker.engine.output.byte_table import gpt2_byte_chars
 from worker.engine.output.detokenizer import IncrementalDetokenizer
+from worker.engine.output.rust_decode import gpt2_byte_chars
 
 
 @pytest.fixture(scope="module")

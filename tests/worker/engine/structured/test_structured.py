@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from protocol.sampling import SamplingParams
-from worker.engine.output.outputs import StepOutput
+from worker.engine.output.outputs import TextOutput
 from worker.engine.output.text_output import TextOutputs
 from worker.engine.sample.logits_processors import (
     _apply_bitmask_numpy,
@@ -214,8 +214,8 @@ def test_bitmask_applies_to_constrained_rows_only(apply: Any) -> None:
     assert torch.equal(apply_token_bitmask(logits, [0, 2, 4], words), got)
 
 
-def _drain(engine: Any) -> list[StepOutput]:
-    outs: list[StepOutput] = []
+def _drain(engine: Any) -> list[TextOutput]:
+    outs: list[TextOutput] = []
     while engine.has_unfinished_requests():
         outs += TextOutputs.of(engine).step()
     return outs

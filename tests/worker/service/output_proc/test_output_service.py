@@ -12,8 +12,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from worker.service.jobs import Outgoing
-from worker.service.output_proc import messages as m
-from worker.service.output_proc.process import _Inbox
+from worker.service.output_proc import link as m
+from worker.service.output_proc.process import Inbox
 from worker.service.output_proc.service import ServiceOutputs
 from worker.service.redis.connection import WorkerSettings
 
@@ -64,7 +64,7 @@ def test_a_full_outbox_is_waiting_not_hung() -> None:
                               max_outbox_events=3)
     outputs = ServiceOutputs({"settings": pickle.dumps(settings)}, None, sent.append)
     rfd, wfd = os.pipe()
-    inbox = _Inbox(m.FrameReader(rfd))
+    inbox = Inbox(m.FrameReader(rfd))
     outputs.alive = functools.partial(inbox.answer, sent.append)
     events = [Outgoing(("s", f"1-{i}"), "r", i, [i], "x") for i in range(7)]
     outputs.outbox.put(events[:3])

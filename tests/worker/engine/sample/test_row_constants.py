@@ -120,7 +120,7 @@ def test_a_full_batch_is_sampled_from_the_table(checkpoint: str) -> None:
     assert seen and all(t is not None and len(t.flags) == 10 for t in seen)
 
 
-def test_table_keys_equal_the_rows_keys_with_unseeded_rows_between() -> None:
+def test_constant_keys_equal_the_rows_keys_with_unseeded_rows_between() -> None:
     """Seeded, greedy and unseeded rows mixed: the same keys, the generator advanced the
     same way (the next key drawn after them is the same too)."""
     mixes = np.array([5, 0, 0, 9, 0], dtype=np.uint64)
@@ -131,7 +131,7 @@ def test_table_keys_equal_the_rows_keys_with_unseeded_rows_between() -> None:
     rows = [_Row(int(m) if f & SEEDED else None, int(o), not f & SAMPLED)
             for m, o, f in zip(mixes, table.output_index, flags, strict=True)]
     a, b = Sampler(seed=4), Sampler(seed=4)
-    assert a.table_keys(table).tolist() == b.keys(rows).tolist()  # type: ignore[arg-type]
+    assert a.constant_keys(table).tolist() == b.keys(rows).tolist()  # type: ignore[arg-type]
     assert a._rng.getrandbits(64) == b._rng.getrandbits(64)
 
 

@@ -1,7 +1,8 @@
-"""The output process: token ids in, the same text out, published to a real Redis.
+"""The benches' standalone output process: token ids in, the same text out, in Redis.
 
 One engine runs its steps with text made in-process (``TextOutputs``), a second one with
-its batches sent to ``python -m worker.service.output_proc.process``; every stream's text and
+its batches sent to ``ops/bench/service/standalone_output.py`` over an ``OutputLink``
+(the worker's link, its liveness checks included); every stream's text and
 tokens must be equal, a stop string must end its request a step late without the extra
 token ever reaching Redis, a stalled output process must coalesce batches (not lose
 them), it must never import torch, and its death must surface as ``OutputDied``, as must
@@ -19,13 +20,14 @@ from typing import Any
 
 import pytest
 
+from ops.bench.service import standalone_output
 from protocol.codec import decode_event
 from protocol.keys import Keys
 from protocol.sampling import SamplingParams
 from tests.worker.service.conftest import make_engine
 from worker.engine.output.rust_decode import decode_spec
 from worker.engine.output.text_output import TextOutputs
-from worker.service.output_proc import messages as m
+from worker.service.output_proc import link as m
 from worker.service.output_proc.link import OutputDied, OutputLink
 
 
@@ -74,9 +76,14 @@ def _published(redis_client: Any, rid: str) -> tuple[str, list[int], list[int]]:
             [len(e.token_ids) for e in events])
 
 
-def _start(engine: Any, url: str | None) -> OutputLink:
-    return OutputLink.start({"tokenizer": engine.config.model.model, "redis_url": url,
-                             "collect": True, "decode_spec": decode_spec(engine.tokenizer)})
+def _start(engine: Any, url: str | None, hang_s: float | None = None) -> OutputLink:
+    return standalone_output.start({"tokenizer": engine.config.model.model, "redis_url": url,
+                                    "collect": True,
+                                    "decode_spec": decode_spec(engine.tokenizer)}, hang_s)
+
+
+def _step(link: OutputLink, engine: Any) -> Any:
+    return standalone_output.step(link, engine)
 
 
 def test_same_streams_and_a_stop_string_ends_one_step_late(
@@ -88,7 +95,7 @@ def test_same_streams_and_a_stop_string_ends_one_step_late(
     for rid, prompt, params in work:
         engine.add_request(rid, prompt, params)
     while engine.has_unfinished_requests():
-        link.step(engine)
+        _step(link, engine)
     link.close()
     assert link.stats["torch_loaded"] is False
     # r0's tokens sampled after its stop string (one step or more, as the output process
@@ -126,18 +133,18 @@ def test_a_killed_output_process_is_output_died(checkpoint: str) -> None:
     engine = make_engine(checkpoint)
     link = _start(engine, None)
     engine.add_request("k", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
-    link.step(engine)
+    _step(link, engine)
     os.kill(link.proc.pid, signal.SIGKILL)
     link.proc.wait(10)
     with pytest.raises(OutputDied):
         for _ in range(100):
-            link.step(engine)
+            _step(link, engine)
 
 
 def test_fast_token_event_bytes_equal_the_codec() -> None:
+    from ops.bench.service.standalone_output import token_event_bytes
     from protocol.codec import encode_event
     from protocol.models import TokenEvent
-    from worker.service.output_proc.process import token_event_bytes
 
     for rid, seq, ids, text, index in (("a", 0, [1], "x", 0), ("t::b-c", 7, [5, 6], "é😀", 2),
                                        ("z", 3, [9], "", 0)):
@@ -147,14 +154,14 @@ def test_fast_token_event_bytes_equal_the_codec() -> None:
 
 
 def test_coalesce_merges_a_passes_outputs_per_stream_in_order() -> None:
-    from worker.engine.output.outputs import StepOutput
-    from worker.service.output_proc.process import coalesce
+    from ops.bench.service.standalone_output import coalesce
+    from worker.engine.output.outputs import TextOutput
 
     lp = [(-0.5, [(1, -0.5)])]
-    outs = [StepOutput("a", [1], "x", logprobs=lp), StepOutput("b", [7], "q"),
-            StepOutput("a", [2], "y", logprobs=lp), StepOutput("a", [3], "z", finished=True,
+    outs = [TextOutput("a", [1], "x", logprobs=lp), TextOutput("b", [7], "q"),
+            TextOutput("a", [2], "y", logprobs=lp), TextOutput("a", [3], "z", finished=True,
                                                                finish_reason="stop", logprobs=lp),
-            StepOutput("a", [4], "w", index=1), StepOutput("b", [8], "r")]
+            TextOutput("a", [4], "w", index=1), TextOutput("b", [8], "r")]
     merged = coalesce(outs)
     assert [(o.request_id, o.index) for o in merged] == [("a", 0), ("b", 0), ("a", 1)]
     a = merged[0]
@@ -162,7 +169,7 @@ def test_coalesce_merges_a_passes_outputs_per_stream_in_order() -> None:
                                                                      "stop")
     assert a.logprobs == lp * 3
     assert (merged[1].new_token_ids, merged[1].text, merged[1].logprobs) == ([7, 8], "qr", None)
-    single = [StepOutput("c", [5], "t")]
+    single = [TextOutput("c", [5], "t")]
     assert coalesce(single) is single  # nothing to merge: the same list
 
 
@@ -172,25 +179,24 @@ def test_publisher_writes_each_event_to_its_list_ttl_and_channel_in_order(
     RPUSH, EXPIRE, PUBLISH per event made: the replay lists, their TTL, the channel order."""
     import time
 
-    from worker.engine.output.outputs import StepOutput
-    from worker.service import output_publish
+    from worker.engine.output.outputs import TextOutput
 
-    monkeypatch.setattr(output_publish, "MAX_EVENTS", 3)
+    monkeypatch.setattr(standalone_output, "MAX_EVENTS", 3)
     keys = Keys("ferry")
     sub = redis_client.pubsub()
     sub.subscribe(keys.tokens("p1"), keys.tokens("p2"))
     while sub.get_message(timeout=1.0) is not None:
         pass  # the two subscribe confirmations
-    publisher = output_publish.Publisher(redis_server.url, "ferry", 120)
-    passes = [[StepOutput("p1", [1], "a"), StepOutput("p2", [2], "b")],
-              [StepOutput("p1", [3, 4], "cd"), StepOutput("p2", [5], "é"),
-               StepOutput("p1", [6], "", finished=True, finish_reason="length"),
-               StepOutput("p2", [7], "f"), StepOutput("p2", [], "", finished=True,
+    publisher = standalone_output.Publisher(redis_server.url, "ferry", 120)
+    passes = [[TextOutput("p1", [1], "a"), TextOutput("p2", [2], "b")],
+              [TextOutput("p1", [3, 4], "cd"), TextOutput("p2", [5], "é"),
+               TextOutput("p1", [6], "", finished=True, finish_reason="length"),
+               TextOutput("p2", [7], "f"), TextOutput("p2", [], "", finished=True,
                                                       finish_reason="stop", stop_reason="x")]]
     for outputs in passes:
         publisher.publish(outputs)
     assert publisher.published_tokens == 7 and publisher.seq == {}
-    heard = []
+    heard: list[Any] = []
     deadline = time.monotonic() + 5
     while len(heard) < 7 and time.monotonic() < deadline:
         message = sub.get_message(timeout=0.5)
@@ -211,16 +217,15 @@ def test_a_stopped_output_process_is_hung_and_killed(checkpoint: str) -> None:
     """SIGSTOP: nothing answers the link's pings, so after ``hang_s`` the next poll kills
     the process and raises ``OutputDied``, as for a dead one (not a stall forever)."""
     engine = make_engine(checkpoint)
-    link = OutputLink.start({"tokenizer": engine.config.model.model, "redis_url": None,
-                             "decode_spec": decode_spec(engine.tokenizer)}, hang_s=1.0)
+    link = _start(engine, None, hang_s=1.0)
     engine.add_request("h", [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True))
     try:
         while not link._answered:  # its main loop answered once: the bound is hang_s
-            link.step(engine)
+            _step(link, engine)
         os.kill(link.proc.pid, signal.SIGSTOP)
         with pytest.raises(OutputDied, match="hung"):
             while True:  # steps while the request runs, then the idle loop's polls
-                link.step(engine) if engine.has_unfinished_requests() else link.poll()
+                _step(link, engine) if engine.has_unfinished_requests() else link.poll()
                 time.sleep(0.005)
         assert link.proc.poll() == -signal.SIGKILL  # killed, not left stopped
     finally:
@@ -233,8 +238,7 @@ def test_a_full_pipe_to_a_stopped_output_process_is_hung(checkpoint: str) -> Non
     """The engine's write onto a pipe nobody reads does not block the loop for good: once
     the pipe took nothing for ``hang_s``, the process is killed and ``OutputDied`` raised."""
     engine = make_engine(checkpoint)
-    link = OutputLink.start({"tokenizer": engine.config.model.model, "redis_url": None,
-                             "decode_spec": decode_spec(engine.tokenizer)}, hang_s=1.0)
+    link = _start(engine, None, hang_s=1.0)
     os.kill(link.proc.pid, signal.SIGSTOP)
     raised: list[BaseException] = []
 
