@@ -100,6 +100,14 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     # suffix decoding: off unless asked for (worker/engine/speculative/)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # ranks the model is sharded over inside this worker (worker/engine/runner/tp_ranks.py):
+    # rank 0 runs the engine, ranks 1..N-1 are processes it spawns; 1: one process
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
 
     @classmethod
     def create(cls, model: str, **kwargs: object) -> EngineConfig:
@@ -120,7 +128,7 @@ class EngineConfig:
             target = next((g for g, f in fields.items() if key in f), None)
             if key == "kv_cache_blocks":
                 groups["cache"]["num_blocks"] = value
-            elif key in ("seed", "enable_lora", "lora_modules"):
+            elif key in ("seed", "enable_lora", "lora_modules", "tensor_parallel_size"):
                 top[key] = value
             elif key in ("speculative", "spec_max_batch") or (
                     key in SpeculativeConfig.__dataclass_fields__ and key != "method"):
@@ -195,6 +203,7 @@ def env_options(env: dict[str, str]) -> dict[str, object]:
         kv_cache_dtype=env.get("FERRY_KV_CACHE_DTYPE"),
         enable_prefix_caching=_bool("FERRY_PREFIX_CACHING"),
         max_num_seqs=_int("FERRY_MAX_NUM_SEQS"),
+        tensor_parallel_size=_int("FERRY_TENSOR_PARALLEL_SIZE"),
         max_num_batched_tokens=_int("FERRY_MAX_NUM_BATCHED_TOKENS"),
         async_scheduling=_bool("FERRY_ASYNC_SCHEDULING"),
         enable_lora=_bool("FERRY_ENABLE_LORA"),
