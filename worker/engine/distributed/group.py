@@ -66,3 +66,14 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def agree_min(value: int) -> int:
+    """The smallest ``value`` over the ranks (e.g. the KV blocks every rank can hold)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = torch.tensor([value], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        box = box.cuda()
+    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    return int(box.item())
