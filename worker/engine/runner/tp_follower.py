@@ -31,7 +31,8 @@ def start_ranks(config: EngineConfig) -> RankLead | None:
         return None
     check_tensor_parallel(config)
     return RankLead.start(follower_main, config.model, config.cache,
-                          config.scheduler.max_num_seqs, config.tensor_parallel_size)
+                          config.scheduler.max_num_seqs, config.tensor_parallel_size,
+                          config.tensor_parallel_timeout_s)
 
 
 def _follow_the_leader() -> None:
