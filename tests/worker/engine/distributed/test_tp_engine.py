@@ -6,6 +6,7 @@ longer than a step's token budget (chunked prefill) in a pool small enough to pr
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ from protocol.sampling import SamplingParams
 from tests.family_checkpoints import build_family
 from worker.engine.config import EngineConfig
 from worker.engine.distributed.tp_config import TensorParallelError
+from worker.engine.engine import Engine
 from worker.engine.llm import LLM
+from worker.engine.output.text_output import TextOutputs
 from worker.engine.runner.tp_checks import check_tensor_parallel
 
 FAMILIES = ["llama", "qwen3", "mixtral", "gpt_oss"]
@@ -91,3 +94,44 @@ def test_size_from_the_environment() -> None:
     assert config.tensor_parallel_size == 2
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         EngineConfig.create("m", tensor_parallel_size=0)
+
+
+def _cached_run(path: str, size: int) -> tuple[list[Any], list[int], list[list[int]]]:
+    """A request with prompt logprobs, then two sharing its 24-token prefix (3 blocks of
+    the prefix cache): (prompt logprobs, cached prompt tokens, tokens) per request."""
+    engine = Engine(EngineConfig.create(path, tensor_parallel_size=size, block_size=8,
+                                        num_blocks=64, **{k: v for k, v in ENGINE.items()
+                                                          if k in ("device", "lean_decode")}))
+    try:
+        rng = random.Random(3)
+        prefix = [rng.randrange(engine.runner.shape.vocab_size) for _ in range(24)]
+        prompt_lps: list[Any] = []
+        cached: list[int] = []
+        tokens: list[list[int]] = []
+        for i, tail in enumerate(([5, 6], [7], [9, 10, 11])):
+            engine.add_request(str(i), prefix + tail, SamplingParams(
+                temperature=0, max_tokens=6, ignore_eos=True,
+                prompt_logprobs=0 if i == 0 else None))
+            got: list[int] = []
+            while engine.has_unfinished_requests():
+                for out in TextOutputs.of(engine).step():
+                    got += out.new_token_ids
+                    if out.prompt_logprobs is not None:
+                        prompt_lps = [lp for _, lp, _ in out.prompt_logprobs]
+                    if out.finished:
+                        cached.append(out.num_cached_tokens)
+            tokens.append(got)
+        return prompt_lps, cached, tokens
+    finally:
+        engine.close()
+
+
+def test_prefix_cache_and_prompt_logprobs_under_tp2(root) -> None:
+    path = build_family("llama", root)
+    want_lps, want_cached, want_tokens = _cached_run(path, 1)
+    got_lps, got_cached, got_tokens = _cached_run(path, 2)
+    assert got_tokens == want_tokens
+    assert got_cached == want_cached and min(got_cached[1:]) >= 16  # hits, not recomputed
+    assert got_lps[0] is None and len(got_lps) == 26
+    torch.testing.assert_close(torch.tensor(got_lps[1:]), torch.tensor(want_lps[1:]),
+                               rtol=0, atol=1e-5)
