@@ -6,6 +6,7 @@ longer than a step's token budget (chunked prefill) in a pool small enough to pr
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 import pytest
@@ -135,3 +136,22 @@ def test_prefix_cache_and_prompt_logprobs_under_tp2(root) -> None:
     assert got_lps[0] is None and len(got_lps) == 26
     torch.testing.assert_close(torch.tensor(got_lps[1:]), torch.tensor(want_lps[1:]),
                                rtol=0, atol=1e-5)
+
+
+def test_seeded_sampling_and_structured_output_under_tp2(root) -> None:
+    """Rank 0 samples from the gathered logits: seeded draws at temperature 1 and a regex
+    constraint give one process's text."""
+    path = build_family("llama", root)
+    params = [SamplingParams(temperature=1.0, seed=40 + i, max_tokens=12, ignore_eos=True,
+                             structured_output={"regex": "[a-e]{3,6}-[0-9]{2}"} if i else None)
+              for i in range(3)]
+    texts = []
+    for size in (1, 2):
+        llm = LLM(path, tensor_parallel_size=size, device="cpu", kv_cache_blocks=64)
+        try:
+            outs = llm.generate(["def f(x):", "The fox", "Name: "], params)
+            texts.append([(o.token_ids, o.text) for o in outs])
+        finally:
+            llm.close()
+    assert texts[1] == texts[0]
+    assert re.fullmatch("[a-e]{3,6}-[0-9]{2}", texts[1][1][1])
