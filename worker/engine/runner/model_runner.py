@@ -140,6 +140,8 @@ class ModelRunner:
     def use_static_decode(self) -> None:
         """Run pure-decode steps through the static-buffer (graph) path uncaptured: on a
         CPU, tests compare it with the eager path token for token."""
+        if self.tp.enabled:  # its steps would not reach the follower ranks
+            raise ValueError("the static decode path is not served under tensor parallelism")
         self.graphs = DecodeGraphs(self, self.tables.rows, None)
 
     def _kv_dtype(self, name: str) -> torch.dtype:
@@ -238,8 +240,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def follow(self, message: tuple[object, ...]) -> None:
-        """A follower rank: run the step rank 0 broadcast, on this rank's shards."""
-        self._forward(*open_message(message, self.device))
+        """A follower rank: run the step rank 0 broadcast, on this rank's shards (on one
+        thread where rank 0 runs it on one, ``step_threads.py``)."""
+        ids, positions, meta, sample_rows = open_message(message, self.device)
+        with serial_if(ids.numel() <= self.serial_tokens):
+            self._forward(ids, positions, meta, sample_rows)
 
     def _execute(
         self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None,
