@@ -11,6 +11,8 @@ sampled tokens.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import structlog
 import torch
@@ -39,7 +41,7 @@ from worker.engine.runner.model_loader import (
     load_model,
 )
 from worker.engine.runner.step_inputs import build_inputs, patch_placeholders, to_device_packed
-from worker.engine.runner.tp_ranks import RankLead, TensorParallelFault, open_message, step_message
+from worker.engine.runner.tp_ranks import RankLead, open_message, step_message
 from worker.engine.runner.transfer import to_device
 from worker.engine.runner.warmup import warm_up_kernels
 from worker.engine.sched.schedule_output import SchedulerOutput
@@ -228,15 +230,9 @@ class ModelRunner:
         """Run one step; returns logits [num_sampled, vocab] for the rows that sample.
         ``prev``: the step launched before, whose sampled tokens fill the placeholders.
         ``extra_rows``: more flat token rows whose logits follow (prompt logprobs)."""
-        with serial_if(sched.num_batched_tokens <= self.serial_tokens):
-            if self.lead is None:
-                return self._execute(sched, blocks, prev, extra_rows)
-            try:  # the followers wait on this step: any failure ends the whole group
-                return self._execute(sched, blocks, prev, extra_rows)
-            except TensorParallelFault:
-                raise
-            except Exception as exc:
-                raise self.lead.fault(f"step failed: {type(exc).__name__}: {exc}") from exc
+        with serial_if(sched.num_batched_tokens <= self.serial_tokens), (
+                nullcontext() if self.lead is None else self.lead.guard()):
+            return self._execute(sched, blocks, prev, extra_rows)
 
     @torch.inference_mode()
     def follow(self, message: tuple[object, ...]) -> None:

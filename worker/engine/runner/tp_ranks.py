@@ -15,10 +15,11 @@ hands its requests back and exits, and another worker resumes them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -113,6 +114,16 @@ class RankLead:
     def send(self, message: tuple[Any, ...]) -> None:
         """Hand the followers this step's inputs (they run it as rank 0 does)."""
         broadcast_object(message)
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """A step the followers wait on: any failure in it ends the whole group."""
+        try:
+            yield
+        except TensorParallelFault:
+            raise
+        except Exception as exc:
+            raise self.fault(f"step failed: {type(exc).__name__}: {exc}") from exc
 
     def check(self) -> None:
         """Raise ``TensorParallelFault`` if a follower has exited."""
