@@ -55,3 +55,15 @@ def test_worker_refuses_heads_that_do_not_split_naming_both(checkpoint: str) -> 
     assert result.exit_code != 0
     assert "tensor-parallel size 3" in result.output
     assert "attention heads" in result.output
+
+
+def test_worker_refuses_more_ranks_than_cuda_devices_naming_both(checkpoint: str) -> None:
+    import torch
+
+    visible = torch.cuda.device_count()
+    size = max(2, visible + 1)
+    result = CliRunner().invoke(app, ["worker", "--model", checkpoint, "--device", "cuda",
+                                      "--tensor-parallel-size", str(size)])
+    assert result.exit_code != 0
+    assert f"tensor-parallel size {size}" in result.output
+    assert f"{visible} visible CUDA device" in result.output
