@@ -17,6 +17,11 @@ import torch
 from worker.engine.config import EngineConfig
 from worker.engine.distributed.tp_config import TensorParallelError, check_devices, check_heads
 
+# The model types whose sharding is proven against one process on the paged engine
+# (tests/worker/engine/distributed/test_tp_engine.py); any other is refused by name, not
+# cut by a plan that may miss its own layout (a fused qkv, a norm over all heads).
+SHARDED_TYPES = frozenset({"llama", "qwen3", "mixtral", "gpt_oss"})
+
 
 def _refuse(feature: str, fix: str, size: int) -> TensorParallelError:
     return TensorParallelError(
@@ -74,6 +79,10 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any | None = None) ->
         hf_config = AutoConfig.from_pretrained(
             config.model.model, trust_remote_code=config.model.trust_remote_code)
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    kind = getattr(text, "model_type", None) or getattr(hf_config, "model_type", "?")
+    if kind not in SHARDED_TYPES:
+        raise _refuse(f"model type {kind!r}", "served sharded: "
+                      f"{', '.join(sorted(SHARDED_TYPES))}", size)
     if getattr(text, "quantization_config", None) or getattr(
             hf_config, "quantization_config", None):
         raise _refuse("a quantized checkpoint", "serve an unquantized one", size)

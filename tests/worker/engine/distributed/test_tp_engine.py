@@ -155,3 +155,10 @@ def test_seeded_sampling_and_structured_output_under_tp2(root) -> None:
             llm.close()
     assert texts[1] == texts[0]
     assert re.fullmatch("[a-e]{3,6}-[0-9]{2}", texts[1][1][1])
+
+
+def test_a_model_type_without_a_proven_plan_is_refused_by_name(root) -> None:
+    config = EngineConfig.create(build_family("phi3", root), tensor_parallel_size=2,
+                                 device="cpu")
+    with pytest.raises(TensorParallelError, match="model type 'phi3'.*tensor-parallel size 2"):
+        check_tensor_parallel(config)
