@@ -20,7 +20,8 @@ from worker.engine.distributed.tp_config import TensorParallelError, check_devic
 # The model types whose sharding is proven against one process on the paged engine
 # (tests/worker/engine/distributed/test_tp_engine.py); any other is refused by name, not
 # cut by a plan that may miss its own layout (a fused qkv, a norm over all heads).
-SHARDED_TYPES = frozenset({"llama", "qwen3", "mixtral", "gpt_oss"})
+SHARDED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                           "qwen3_moe", "gpt_oss"})
 
 
 def _refuse(feature: str, fix: str, size: int) -> TensorParallelError:

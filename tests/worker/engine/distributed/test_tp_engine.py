@@ -1,6 +1,7 @@
 """The paged engine under tensor parallelism: ``LLM(path, tensor_parallel_size=2)`` on
 gloo (rank 0 here, rank 1 a spawned process) gives the tokens of one process, chosen-token
-logprobs within 1e-5, for tiny Llama, Qwen3, Mixtral and gpt-oss checkpoints, with prompts
+logprobs within 1e-5, for tiny Llama, Qwen3, Mixtral and gpt-oss checkpoints (and
+Mistral, Qwen2, Qwen2-MoE, Qwen3-MoE), with prompts
 longer than a step's token budget (chunked prefill) in a pool small enough to preempt."""
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from worker.engine.llm import LLM
 from worker.engine.output.text_output import TextOutputs
 from worker.engine.runner.tp_checks import check_tensor_parallel
 
-FAMILIES = ["llama", "qwen3", "mixtral", "gpt_oss"]
+# the four the plan was written for, then the served types it also proves out on
+FAMILIES = ["llama", "qwen3", "mixtral", "gpt_oss", "mistral", "qwen2", "qwen2_moe",
+            "qwen3_moe"]
 PROMPT_LENS = [3, 20, 41, 9, 30]
 MAX_TOKENS = 8
 # 12 blocks of 8 tokens for 5 requests of up to 49 tokens: some are preempted; a step
