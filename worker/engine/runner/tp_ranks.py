@@ -19,6 +19,8 @@ import contextlib
 import dataclasses
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -35,6 +37,9 @@ from worker.engine.health import DeviceFault
 from worker.engine.runner.attention.metadata import AttentionMetadata
 
 _log = structlog.get_logger("ferry.worker.tp")
+
+
+STEP_LIMIT = 4  # a step longer than this many collective timeouts: the group is hung
 
 
 class TensorParallelFault(DeviceFault):
@@ -91,6 +96,9 @@ class RankLead:
         self._rendezvous = rendezvous
         self._closed = False
         self._threads = torch.get_num_threads()
+        self._step_since: float | None = None  # when the step in flight began
+        self._hung = ""  # set by the watchdog: why it ended the followers
+        threading.Thread(target=self._watch, name="ferry-tp-watchdog", daemon=True).start()
 
     @classmethod
     def start(cls, target: Callable[[int, RankSpec], None], model: ModelConfig,
@@ -118,12 +126,31 @@ class RankLead:
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """A step the followers wait on: any failure in it ends the whole group."""
+        self._step_since = time.monotonic()
         try:
             yield
         except TensorParallelFault:
             raise
         except Exception as exc:
-            raise self.fault(f"step failed: {type(exc).__name__}: {exc}") from exc
+            raise self.fault(self._hung or f"step failed: {type(exc).__name__}: {exc}") \
+                from exc
+        finally:
+            self._step_since = None
+
+    def _watch(self) -> None:
+        """A step in flight for ``STEP_LIMIT`` collective timeouts is a hung rank that the
+        collectives did not catch (a stopped peer can leave a gloo send waiting): kill
+        the followers, so rank 0's collective fails on their closed connections."""
+        limit = STEP_LIMIT * self.spec.group.timeout_s
+        while not self._closed:
+            since = self._step_since
+            if since is not None and time.monotonic() - since > limit:
+                self._hung = f"a step hung for more than {limit:.0f} s"
+                for proc in self.procs:
+                    if proc.is_alive():
+                        proc.kill()
+                return
+            time.sleep(0.2)
 
     def check(self) -> None:
         """Raise ``TensorParallelFault`` if a follower has exited."""
