@@ -252,6 +252,9 @@ def up(
     quantization: Annotated[str | None, typer.Option(
         envvar="FERRY_QUANTIZATION", help="Workers quantize the weights at load: fp8, int8, "
         "int4 (docs/quantization.md).")] = None,
+    tensor_parallel_size: Annotated[int | None, typer.Option(
+        min=1, envvar="FERRY_TENSOR_PARALLEL_SIZE", help="Each worker shards the model over "
+        "this many ranks (one device each on CUDA; docs/tensor-parallel.md).")] = None,
     demo: Annotated[bool, typer.Option(help="Stream a few prompts, then stop.")] = False,
     demo_max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     ready_timeout_s: Annotated[float, typer.Option()] = 600.0,
@@ -262,6 +265,8 @@ def up(
     worker_args = [*named, *lora_args(lora, enable_lora, max_loras, max_lora_rank, lora_root)]
     if quantization:  # every worker quantizes the checkpoint at load
         worker_args += ["--quantization", quantization]
+    if tensor_parallel_size:  # every worker owns this many ranks (devices on CUDA)
+        worker_args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
     tmp = Path(tempfile.mkdtemp(prefix="ferry-up-"))

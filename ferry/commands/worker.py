@@ -100,6 +100,9 @@ EnableLora = Annotated[bool | None, _opt(
 MaxLoras = Annotated[int | None, _opt("FERRY_MAX_LORAS", "Adapters on the device at once.")]
 MaxLoraRank = Annotated[int | None, _opt("FERRY_MAX_LORA_RANK", "Largest adapter rank "
                                          "accepted.")]
+TensorParallelSize = Annotated[int | None, _opt(
+    "FERRY_TENSOR_PARALLEL_SIZE", "Shard the model over this many ranks (processes, one "
+    "device each on CUDA) inside this worker; docs/tensor-parallel.md.")]
 OutputHangS = Annotated[float, _opt(
     "FERRY_OUTPUT_HANG_S", "An output process that answers nothing for this long (stopped, "
     "deadlocked) is killed and the worker exits 71, as when it dies.")]
@@ -132,6 +135,7 @@ def worker(
     output_hang_s: OutputHangS = 5.0, quantization: Quantization = None,
     enable_lora: EnableLora = None,
     max_loras: MaxLoras = None, max_lora_rank: MaxLoraRank = None,
+    tensor_parallel_size: TensorParallelSize = None,
 ) -> None:
     """Run one worker: pull requests, batch them on the engine, stream tokens back."""
     from protocol.cluster.nodes import Replication
@@ -148,7 +152,12 @@ def worker(
             attention_backend=attention_backend, lora_modules=lora or None,
             speculative=speculative, enable_lora=enable_lora, max_loras=max_loras,
             max_lora_rank=max_lora_rank, quantization=quantization,
+            tensor_parallel_size=tensor_parallel_size,
         )
+        if config.tensor_parallel_size > 1:  # devices, heads, features: before any load
+            from worker.engine.runner.tp_checks import check_tensor_parallel
+
+            check_tensor_parallel(config)
         settings = WorkerSettings(
             redis_url=redis_url, prefix=prefix, worker_id=worker_id or default_worker_id(),
             model_name=model_name or _name_for(config.model.model), lease_s=lease_s,

@@ -102,6 +102,20 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     # suffix decoding: off unless asked for (worker/engine/speculative/)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # ranks the model is sharded over inside this worker (worker/engine/runner/tp_ranks.py):
+    # rank 0 runs the engine, ranks 1..N-1 are processes it spawns; 1: one process
+    tensor_parallel_size: int = 1
+    # seconds a collective waits for the other ranks: a rank that hangs ends the worker
+    # within this bound
+    tensor_parallel_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(f"tensor_parallel_timeout_s must be > 0, "
+                             f"got {self.tensor_parallel_timeout_s!r}")
 
     @classmethod
     def create(cls, model: str, **kwargs: object) -> EngineConfig:
@@ -122,7 +136,8 @@ class EngineConfig:
             target = next((g for g, f in fields.items() if key in f), None)
             if key == "kv_cache_blocks":
                 groups["cache"]["num_blocks"] = value
-            elif key in ("seed", "enable_lora", "lora_modules"):
+            elif key in ("seed", "enable_lora", "lora_modules", "tensor_parallel_size",
+                         "tensor_parallel_timeout_s"):
                 top[key] = value
             elif key in ("speculative", "spec_max_batch") or (
                     key in SpeculativeConfig.__dataclass_fields__ and key != "method"):
@@ -171,6 +186,10 @@ def env_options(env: dict[str, str]) -> dict[str, object]:
         raw = env.get(name)
         return int(raw) if raw not in (None, "") else None
 
+    def _float(name: str) -> float | None:
+        raw = env.get(name)
+        return float(raw) if raw not in (None, "") else None
+
     def _bool(name: str) -> bool | None:
         raw = env.get(name, "").strip().lower()
         if raw in ("", "auto"):
@@ -197,6 +216,8 @@ def env_options(env: dict[str, str]) -> dict[str, object]:
         kv_cache_dtype=env.get("FERRY_KV_CACHE_DTYPE"),
         enable_prefix_caching=_bool("FERRY_PREFIX_CACHING"),
         max_num_seqs=_int("FERRY_MAX_NUM_SEQS"),
+        tensor_parallel_size=_int("FERRY_TENSOR_PARALLEL_SIZE"),
+        tensor_parallel_timeout_s=_float("FERRY_TENSOR_PARALLEL_TIMEOUT_S"),
         max_num_batched_tokens=_int("FERRY_MAX_NUM_BATCHED_TOKENS"),
         async_scheduling=_bool("FERRY_ASYNC_SCHEDULING"),
         enable_lora=_bool("FERRY_ENABLE_LORA"),

@@ -16,6 +16,7 @@ from typing import Any
 from protocol.sampling import SamplingParams
 from worker.engine.choices import CandidateGroups, candidate_id, candidate_params
 from worker.engine.config import EngineConfig
+from worker.engine.distributed.tp_config import TPConfig
 from worker.engine.engine_stats import EngineStats, StepTimer, engine_stats
 from worker.engine.health import raise_if_device_fault
 from worker.engine.inflight import InflightStep
@@ -27,6 +28,7 @@ from worker.engine.output.step_batch import EngineEnd, StepBatch, StreamRegistry
 from worker.engine.request import FinishReason, Request
 from worker.engine.request_ends import RequestEnds
 from worker.engine.runner.model_runner import ModelRunner
+from worker.engine.runner.tp_follower import start_ranks
 from worker.engine.runner.warmup import warm_up_sampling
 from worker.engine.sample.prompt_logprobs import PromptScoring, take
 from worker.engine.sample.rows import ONE_BY_ONE, SamplerColumns
@@ -41,8 +43,16 @@ _GRAMMAR_WAIT_S = 0.005  # idle loop: how long to wait for a pending grammar com
 class Engine(RequestEnds):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config.model, config.cache, config.scheduler.max_num_seqs,
-                                  config.lora)
+        self.ranks = start_ranks(config)  # None: one process (tensor_parallel_size 1)
+        try:
+            self.runner = ModelRunner(config.model, config.cache,
+                                      config.scheduler.max_num_seqs, config.lora,
+                                      lead=self.ranks,
+                                      tp=TPConfig(config.tensor_parallel_size, 0))
+        except Exception as exc:
+            if self.ranks is not None:  # the followers wait on a group rank 0 will not lead
+                raise self.ranks.fault(f"rank 0 failed to load: {exc}") from exc
+            raise
         self.tokenizer = self.runner.loaded.tokenizer
         self.max_model_len = self.runner.shape.max_model_len
         self.block_manager = BlockManager(
@@ -50,7 +60,8 @@ class Engine(RequestEnds):
             enable_caching=config.cache.enable_prefix_caching,
             salt=f"{config.model.model}|{self.runner.loaded.dtype}|{self.runner.kv_dtype}",
         )
-        tier_bytes = host_tier_bytes(config.cache.host_memory_bytes, self.runner.device)
+        tier_bytes = 0 if self.ranks else host_tier_bytes(config.cache.host_memory_bytes,
+                                                          self.runner.device)
         self.block_manager.attach_tier(HostTier.for_pool(self.runner.kv_pool, tier_bytes))
         self.columns = SamplerColumns()  # the sampler's constants, by the batch's rows
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
@@ -70,7 +81,8 @@ class Engine(RequestEnds):
         self.scoring = PromptScoring()  # requests still missing prompt logprobs
         overlap = config.scheduler.async_scheduling
         if overlap is None:  # speculation needs known tokens: it wins over the default
-            overlap = self.runner.device.type == "cuda" and not config.speculative.enabled
+            overlap = (self.runner.device.type == "cuda" and not config.speculative.enabled
+                       and self.ranks is None)
         self.overlap = overlap
         self.spec = SpecDecoding.create(config.speculative, self)  # None: off
         self._inflight: InflightStep | None = None  # launched, not read back
@@ -156,6 +168,18 @@ class Engine(RequestEnds):
         self.scoring.add(request)
         self.scheduler.add(request)
         return request
+
+    # -- tensor-parallel ranks -----------------------------------------------------------
+    def check_ranks(self) -> None:
+        """Raise ``TensorParallelFault`` (a ``DeviceFault``: the worker ends) if a rank of
+        this worker's tensor-parallel group has exited; a no-op in one process."""
+        if self.ranks is not None:
+            self.ranks.check()
+
+    def close(self) -> None:
+        """End the tensor-parallel followers and leave their group (one process: no-op)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     # -- stepping ----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

@@ -75,6 +75,9 @@ def is_device_fault(exc: BaseException) -> bool:
 
 
 def raise_if_device_fault(exc: Exception) -> None:
-    """Re-raise ``exc`` as a ``DeviceFault`` when the CUDA context did not survive it."""
+    """Re-raise ``exc`` as a ``DeviceFault`` when the CUDA context did not survive it (or
+    it is one already: a tensor-parallel rank lost, ``runner/tp_ranks.py``)."""
+    if isinstance(exc, DeviceFault):
+        raise exc
     if is_device_fault(exc):
         raise DeviceFault(f"{type(exc).__name__}: {exc}") from exc

@@ -42,6 +42,10 @@ class LLM:
         self.text = TextOutputs(self.engine)  # token ids -> text, in this process
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """End the tensor-parallel ranks, if any (``tensor_parallel_size`` > 1)."""
+        self.engine.close()
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -81,5 +81,8 @@ def run_worker(
     log.info("model_loaded", kv_blocks=stats.kv_blocks_total,
              device=str(getattr(engine.runner, "device", config.model.device)),
              packed_gemv_rows=getattr(loaded, "packed_gemv_rows", None) or None)
-    return service.run()
+    try:
+        return service.run()
+    finally:
+        engine.close()  # tensor parallelism: the follower ranks end with the worker
 

@@ -190,6 +190,7 @@ class WorkerService:
     # -- the loop ----------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
+            self.engine.check_ranks()  # a tensor-parallel rank gone: DeviceFault, exit
             busy = self.engine.has_unfinished_requests()
             self._drain_mailbox(0.0 if busy else 0.05)
             if self.lora.manager is not None:  # adapters the sync thread loaded or dropped

@@ -49,7 +49,8 @@ def spawn_followers(size: int, target: Callable[..., None],
     """Start ranks 1..size-1 as ``target(rank, *args)`` in fresh processes."""
     ctx = mp.get_context("spawn")
     procs: list[BaseProcess] = [
-        ctx.Process(target=target, args=(rank, *args), name=f"ferry-tp-rank{rank}")
+        ctx.Process(target=target, args=(rank, *args), name=f"ferry-tp-rank{rank}",
+                    daemon=True)  # ended with rank 0 when it exits normally
         for rank in range(1, size)]
     for proc in procs:
         proc.start()

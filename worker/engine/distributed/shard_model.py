@@ -3,13 +3,15 @@
 Our own plan rather than transformers' ``tp_plan``: the paged path needs each rank's
 attention to see whole local heads (and KV heads replicated when there are fewer than
 ranks, which transformers' plans do not do), and the row-parallel outputs summed by our
-collectives with the group's timeout. Llama-, Qwen3- and Mixtral-style modules:
+collectives with the group's timeout. Llama-, Qwen3-, Mixtral- and gpt-oss-style modules:
 
 - q_proj by query heads, k_proj/v_proj by KV heads (replicated below the size), o_proj
   by rows: one all-reduce per attention block;
 - gate_proj/up_proj by columns, down_proj by rows: one all-reduce per MLP;
-- fused experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) by the
-  intermediate size: one all-reduce per MoE block;
+- fused experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], or gpt-oss's
+  transposed, interleaved and biased ones) by the intermediate size: one all-reduce per
+  MoE block;
+- attention sinks (gpt-oss, one per query head) with their heads;
 - embed_tokens and lm_head by vocabulary.
 """
 
@@ -46,19 +48,49 @@ class _HeadLinear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)  # [..., local heads * d]
 
 
+def _intermediate(experts: Any) -> int:
+    """The experts' intermediate size (down_proj is [E, H, I], or [E, I, H] transposed)."""
+    down = experts.down_proj
+    return int(down.shape[1] if getattr(experts, "is_transposed", False) else down.shape[-1])
+
+
+def _gate_up_index(experts: Any, start: int, end: int) -> torch.Tensor:
+    """Positions along the gate/up axis of intermediate units ``[start, end)``: the gate
+    and up halves of a concatenated layout, or the interleaved pairs of gpt-oss's."""
+    inter = _intermediate(experts)
+    if getattr(experts, "is_concatenated", True):
+        return torch.cat([torch.arange(start, end), torch.arange(inter + start, inter + end)])
+    return torch.arange(2 * start, 2 * end)  # gate at even, up at odd positions
+
+
 class _ReducedExperts(nn.Module):
-    """Fused experts holding one rank's intermediate slice; their sum is all-reduced."""
+    """Fused experts holding one rank's intermediate slice; their sum is all-reduced.
+
+    ``gate_up_proj`` is [E, 2I, H] ([E, H, 2I] transposed), ``down_proj`` [E, H, I]
+    ([E, I, H] transposed); a down bias is kept by rank 0 alone (zeros elsewhere), so the
+    all-reduce adds it once.
+    """
 
     def __init__(self, experts: Any, rank: int, size: int) -> None:
         super().__init__()
-        inter = experts.down_proj.shape[-1]
-        start, end = even_range(inter, rank, size)
-        gate_up = experts.gate_up_proj.detach()  # [E, 2I, H]
-        shard = torch.cat([gate_up[:, start:end], gate_up[:, inter + start:inter + end]], 1)
-        experts.gate_up_proj = nn.Parameter(shard.clone(), requires_grad=False)
-        experts.down_proj = nn.Parameter(experts.down_proj.detach()[..., start:end].clone(),
-                                         requires_grad=False)
-        experts.intermediate_dim = end - start
+        transposed = getattr(experts, "is_transposed", False)
+        start, end = even_range(_intermediate(experts), rank, size)
+        cols = _gate_up_index(experts, start, end)
+        gate_up = experts.gate_up_proj.detach()
+        shard = gate_up[:, :, cols] if transposed else gate_up[:, cols]
+        experts.gate_up_proj = nn.Parameter(shard.contiguous(), requires_grad=False)
+        down = experts.down_proj.detach()
+        down = down[:, start:end] if transposed else down[..., start:end]
+        experts.down_proj = nn.Parameter(down.contiguous(), requires_grad=False)
+        if getattr(experts, "has_bias", False):
+            experts.gate_up_proj_bias = nn.Parameter(
+                experts.gate_up_proj_bias.detach()[:, cols].contiguous(), requires_grad=False)
+            bias = experts.down_proj_bias.detach()
+            experts.down_proj_bias = nn.Parameter(bias.clone() if rank == 0 else
+                                                  torch.zeros_like(bias), requires_grad=False)
+        for attr in ("intermediate_dim", "intermediate_size"):
+            if hasattr(experts, attr):
+                setattr(experts, attr, end - start)
         self.inner = experts
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -75,6 +107,9 @@ def _shard_attention(attn: Any, config: Any, tp: TPConfig) -> None:
     attn.v_proj = _HeadLinear(attn.v_proj, head_dim, kv)
     attn.o_proj = RowParallelLinear(attn.o_proj, tp.rank, tp.size)
     attn.num_key_value_groups = (q_heads[1] - q_heads[0]) // (kv[1] - kv[0])
+    if isinstance(getattr(attn, "sinks", None), nn.Parameter):  # gpt-oss: one per head
+        attn.sinks = nn.Parameter(attn.sinks.detach()[q_heads[0]:q_heads[1]].clone(),
+                                  requires_grad=False)
 
 
 def _noop(module: Any) -> None:

@@ -20,6 +20,8 @@ from worker.engine.distributed.shard_model import shard_model
 from worker.engine.distributed.tp_config import TPConfig
 
 _TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+# per-expert checkpoint layouts (Mixtral's original one, Qwen-MoE's): gate, up, down
+_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 
 
 class _Checkpoint:
@@ -38,9 +40,35 @@ class _Checkpoint:
 
     def get(self, name: str) -> torch.Tensor:
         key = name if name in self.where else _TIED.get(name, name)
-        if key not in self.where:
+        if key not in self.where and ".mlp." in name:  # Mixtral's block_sparse_moe
+            key = name.replace(".mlp.", ".block_sparse_moe.")
+        if key in self.where:
+            return self.files[self.where[key]].get_tensor(key)
+        fused = self._per_expert(name)
+        if fused is None:
             raise KeyError(f"the checkpoint has no tensor {name!r}")
-        return self.files[self.where[key]].get_tensor(key)
+        return fused
+
+    def _per_expert(self, name: str) -> torch.Tensor | None:
+        """A fused experts weight (``gate_up_proj`` [E, 2I, H]: gate rows, then up rows;
+        ``down_proj`` [E, H, I]) stacked from a checkpoint that stores each expert."""
+        parent, _, leaf = name.rpartition(".experts.")
+        if leaf not in ("gate_up_proj", "down_proj"):
+            return None
+        for where in (parent, parent.rpartition(".")[0] + ".block_sparse_moe"):
+            for gate, up, down in _EXPERT_NAMES:
+                count = 0
+                while f"{where}.experts.{count}.{gate}.weight" in self.where:
+                    count += 1
+                if not count:
+                    continue
+                def one(e: int, proj: str, where: str = where) -> torch.Tensor:
+                    return self.get(f"{where}.experts.{e}.{proj}.weight")
+                if leaf == "down_proj":
+                    return torch.stack([one(e, down) for e in range(count)])
+                return torch.stack([torch.cat([one(e, gate), one(e, up)])
+                                    for e in range(count)])
+        return None
 
 
 def _filler(ckpt: _Checkpoint, names: dict[int, str], dtype: torch.dtype) -> Any:

@@ -7,12 +7,14 @@ Any architecture whose transformers implementation routes attention through
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from worker.engine.config import ModelConfig
+from worker.engine.distributed.sharding import kv_head_range
+from worker.engine.distributed.tp_config import TPConfig
 from worker.engine.runner import model_check, quant
 from worker.engine.runner.attention import interface as attention
 from worker.engine.runner.attention.layer_features import prepare_layers
@@ -83,7 +85,10 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: Any) -> tor
     return torch.bfloat16
 
 
-def load_model(cfg: ModelConfig) -> LoadedModel:
+def load_model(cfg: ModelConfig, tp: TPConfig | None = None) -> LoadedModel:
+    """``cfg``'s model on its device; with ``tp`` of size > 1, rank ``tp.rank``'s shards
+    only (``distributed/sharded_load.py``), its shape naming this rank's KV heads."""
+    tp = tp or TPConfig()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -103,12 +108,17 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
     attention.register()
     try:
-        with quant.loading(scheme):  # a quantized checkpoint's tensors: read by quant.apply
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, attn_implementation=attention.ATTENTION_NAME,
-                trust_remote_code=cfg.trust_remote_code,
-                **({"config": hf_config} if scheme is not None else {}),
-            )
+        if tp.enabled:  # quantized weights are refused under TP (runner/tp_checks.py)
+            from worker.engine.distributed.sharded_load import load_sharded
+
+            model = load_sharded(path, tp, dtype, attention.ATTENTION_NAME)
+        else:
+            with quant.loading(scheme):  # a quantized checkpoint's tensors: quant.apply's
+                model = AutoModelForCausalLM.from_pretrained(
+                    path, dtype=dtype, attn_implementation=attention.ATTENTION_NAME,
+                    trust_remote_code=cfg.trust_remote_code,
+                    **({"config": hf_config} if scheme is not None else {}),
+                )
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except OSError as exc:
         raise ValueError(f"cannot load model weights or tokenizer from {path!r}: {exc}") from exc
@@ -119,6 +129,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             quant.apply(model, scheme, path)
     prepare_layers(model)
     shape = model_shape(hf_config, cfg.max_model_len)
+    if tp.enabled:
+        kv = kv_head_range(shape.num_kv_heads, tp.rank, tp.size)
+        shape = replace(shape, num_kv_heads=kv[1] - kv[0])
     model_check.probe_attention(model, path, shape.num_layers, shape.num_kv_heads,
                                 shape.head_dim, device)
     gemv_rows: dict[str, int] = {}

@@ -11,11 +11,15 @@ sampled tokens.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import structlog
 import torch
 
 from worker.engine.config import CacheConfig, ModelConfig
+from worker.engine.distributed.group import agree_min
+from worker.engine.distributed.tp_config import TPConfig
 from worker.engine.health import EngineHealth
 from worker.engine.inflight import InflightStep
 from worker.engine.kv.block_manager import BlockManager
@@ -37,6 +41,7 @@ from worker.engine.runner.model_loader import (
     load_model,
 )
 from worker.engine.runner.step_inputs import build_inputs, patch_placeholders, to_device_packed
+from worker.engine.runner.tp_ranks import RankLead, open_message, step_message
 from worker.engine.runner.transfer import to_device
 from worker.engine.runner.warmup import warm_up_kernels
 from worker.engine.sched.schedule_output import SchedulerOutput
@@ -66,11 +71,16 @@ def decode_buckets(lens: list[int] | np.ndarray,
 class ModelRunner:
     def __init__(
         self, model_cfg: ModelConfig, cache_cfg: CacheConfig, max_num_seqs: int = 64,
-        lora: LoraConfig | None = None,
+        lora: LoraConfig | None = None, tp: TPConfig | None = None,
+        lead: RankLead | None = None,
     ) -> None:
+        """``tp``: this process's rank of a tensor-parallel group (its shards, its heads'
+        KV pool); ``lead``: on rank 0 of one, the followers each step is broadcast to."""
         if not 1 <= cache_cfg.block_size <= 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {cache_cfg.block_size}")
-        self.loaded: LoadedModel = load_model(model_cfg)
+        self.tp = tp or TPConfig()
+        self.lead = lead
+        self.loaded: LoadedModel = load_model(model_cfg, self.tp)
         self.model_name = model_cfg.model
         self.lora: LoraManager | None = None  # enable_lora
         self.model = self.loaded.model
@@ -82,10 +92,10 @@ class ModelRunner:
         self.kv_dtype = self._kv_dtype(cache_cfg.kv_cache_dtype)
         self.logits_head = LogitsHead(self.model)
         self.lean = build_lean_decode(self.model, self.backend) if (
-            self.device.type == "cpu" and model_cfg.lean_decode) else None
+            self.device.type == "cpu" and model_cfg.lean_decode and not self.tp.enabled) else None
         # CPU steps of at most this many tokens run on one thread (step_threads.py)
         self.serial_tokens = serial_tokens(self.model) if self.device.type == "cpu" else 0
-        self.num_blocks = self._num_blocks(cache_cfg)
+        self.num_blocks = agree_min(self._num_blocks(cache_cfg))  # one numbering, all ranks
         self.kv_caches = self._allocate_cache()
         if use_checkpoint_kv_scales(self.model, model_cfg.model, self.shape.num_layers,
                                     self.kv_dtype):
@@ -95,7 +105,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if lora is not None:  # before the capture: the graphs record the LoRA kernels
             self.enable_lora(lora)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.tp.enabled:  # graphs refused under TP
             warm_up_kernels(self)
             if not model_cfg.enforce_eager:
                 self.graphs = self.capture_graphs(CudaGraphCapturer(self.device),
@@ -132,6 +142,8 @@ class ModelRunner:
     def use_static_decode(self) -> None:
         """Run pure-decode steps through the static-buffer (graph) path uncaptured: on a
         CPU, tests compare it with the eager path token for token."""
+        if self.tp.enabled:  # its steps would not reach the follower ranks
+            raise ValueError("the static decode path is not served under tensor parallelism")
         self.graphs = DecodeGraphs(self, self.tables.rows, None)
 
     def _kv_dtype(self, name: str) -> torch.dtype:
@@ -218,8 +230,17 @@ class ModelRunner:
         """Run one step; returns logits [num_sampled, vocab] for the rows that sample.
         ``prev``: the step launched before, whose sampled tokens fill the placeholders.
         ``extra_rows``: more flat token rows whose logits follow (prompt logprobs)."""
-        with serial_if(sched.num_batched_tokens <= self.serial_tokens):
+        with serial_if(sched.num_batched_tokens <= self.serial_tokens), (
+                nullcontext() if self.lead is None else self.lead.guard()):
             return self._execute(sched, blocks, prev, extra_rows)
+
+    @torch.inference_mode()
+    def follow(self, message: tuple[object, ...]) -> None:
+        """A follower rank: run the step rank 0 broadcast, on this rank's shards (on one
+        thread where rank 0 runs it on one, ``step_threads.py``)."""
+        ids, positions, meta, sample_rows = open_message(message, self.device)
+        with serial_if(ids.numel() <= self.serial_tokens):
+            self._forward(ids, positions, meta, sample_rows)
 
     def _execute(
         self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None,
@@ -242,6 +263,13 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare(sched, blocks, prev)
         if extra_rows:  # prompt logprobs' rows, or the drafts' of a verification step
             sample_rows = torch.cat([sample_rows, to_device(extra_rows, torch.long, self.device)])
+        if self.lead is not None:
+            self.lead.send(step_message(input_ids, positions, meta, sample_rows))
+        return self._forward(input_ids, positions, meta, sample_rows)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata, sample_rows: torch.Tensor) -> torch.Tensor:
+        """The model on one flattened step: logits [rows of sample_rows, vocab]."""
         if self.lean is not None and self.lean.usable(meta, self.kv_caches):
             return self.lean(input_ids, positions, meta, self.kv_caches, sample_rows)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend,

@@ -11,7 +11,13 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from worker.engine.distributed.group import GroupSpec, broadcast_object, close_group, init_group
+from worker.engine.distributed.group import (
+    GroupSpec,
+    all_reduce_sum,
+    broadcast_object,
+    close_group,
+    init_group,
+)
 from worker.engine.distributed.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -62,7 +68,7 @@ def _dying_rank(rank: int, init_method: str, result: str) -> None:
         os._exit(9)  # as a kill -9 would: no goodbye to the group
     started = time.monotonic()
     try:
-        torch.distributed.all_reduce(torch.ones(4))
+        all_reduce_sum(torch.ones(4))  # the forward's reduction, on its timed group
         outcome = "returned"
     except RuntimeError as err:  # gloo: the peer closed, or the timeout ran out
         outcome = f"raised {type(err).__name__}"
@@ -93,7 +99,7 @@ def _hanging_rank(rank: int, init_method: str, result: str) -> None:
         os._exit(0)
     started = time.monotonic()
     try:
-        torch.distributed.all_reduce(torch.ones(4))
+        all_reduce_sum(torch.ones(4))  # the forward's reduction, on its timed group
         outcome = "returned"
     except RuntimeError:
         outcome = "raised"

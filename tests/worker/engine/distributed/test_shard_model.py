@@ -1,4 +1,4 @@
-"""A tiny Llama, Qwen3 and Mixtral sharded over two gloo ranks score every token as the
+"""A tiny Llama, Qwen3, Mixtral and gpt-oss sharded over two gloo ranks score every token as the
 unsharded model does: logits within 1e-5, greedy tokens equal."""
 
 from __future__ import annotations
@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    GptOssConfig,
+    LlamaConfig,
+    MixtralConfig,
+    Qwen3Config,
+)
 
 from worker.engine.distributed.group import GroupSpec, close_group, init_group
 from worker.engine.distributed.shard_model import shard_model
@@ -25,12 +31,22 @@ CONFIGS = {
                                  tie_word_embeddings=True, **COMMON),
     "mixtral": lambda: MixtralConfig(num_attention_heads=4, num_key_value_heads=2,
                                      num_local_experts=4, num_experts_per_tok=2, **COMMON),
+    # sinks per head, biased interleaved experts, a sliding window under the sequence
+    "gpt_oss": lambda: GptOssConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    num_local_experts=4, num_experts_per_tok=2,
+                                    sliding_window=4, attention_bias=True,
+                                    layer_types=["sliding_attention", "full_attention"],
+                                    **COMMON),
 }
 
 
 def _model(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[family]())
+    with torch.no_grad():  # drawn, not left at their zero/empty init: the split must show
+        for name, param in model.named_parameters():
+            if "sinks" in name or name.endswith("_bias"):
+                param.normal_()
     return model.eval()
 
 
@@ -82,7 +98,7 @@ def _loaded_rank(rank: int, ckpt: str, init_method: str, result: str) -> None:
         close_group()
 
 
-@pytest.mark.parametrize("family", ["llama_gqa", "qwen3"])
+@pytest.mark.parametrize("family", ["llama_gqa", "qwen3", "gpt_oss"])
 def test_each_rank_loads_only_its_shards(family: str, tmp_path: Path) -> None:
     _model(family).save_pretrained(tmp_path / "ckpt")
     result = tmp_path / "ratio"

@@ -1,0 +1,91 @@
+"""What a tensor-parallel engine refuses at start, by name, before any rank is spawned.
+
+The sharded paged path covers the forward, the paged KV cache (each rank its heads),
+chunked prefill, preemption, the prefix cache, prompt logprobs and everything sampled on
+rank 0 (seeded sampling, structured output). Paths whose state lives outside the
+broadcast step inputs, or whose weights the shard plan does not cut, are refused here
+rather than served wrong: CUDA graphs, overlapped steps, the host tier, LoRA,
+speculative decoding, quantized weights, an FP8 KV cache, the CPU lean decode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker.engine.config import EngineConfig
+from worker.engine.distributed.tp_config import TensorParallelError, check_devices, check_heads
+
+# The model types whose sharding is proven against one process on the paged engine
+# (tests/worker/engine/distributed/test_tp_engine.py); any other is refused by name, not
+# cut by a plan that may miss its own layout (a fused qkv, a norm over all heads).
+SHARDED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                           "qwen3_moe", "gpt_oss"})
+
+
+def _refuse(feature: str, fix: str, size: int) -> TensorParallelError:
+    return TensorParallelError(
+        f"{feature} is not supported with tensor-parallel size {size} yet; {fix}")
+
+
+def tp_refusals(config: EngineConfig) -> list[TensorParallelError]:
+    """The configured features a tensor-parallel engine does not serve yet."""
+    size, model, cache = config.tensor_parallel_size, config.model, config.cache
+    refused = []
+    if config.lora is not None or config.lora_modules:
+        refused.append(_refuse("LoRA", "start without enable_lora / lora_modules", size))
+    if config.speculative.enabled:
+        refused.append(_refuse("speculative decoding", "start with speculative=off", size))
+    if model.quantization is not None:
+        refused.append(_refuse(f"quantization={model.quantization}",
+                               "serve the unquantized checkpoint", size))
+    if config.scheduler.async_scheduling:
+        refused.append(_refuse("async_scheduling (overlapped steps)",
+                               "leave it unset or off", size))
+    if cache.host_memory_bytes:
+        refused.append(_refuse("the KV cache's host tier (host_memory_bytes)",
+                               "set FERRY_KV_HOST_BYTES=0", size))
+    if cache.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        refused.append(_refuse(f"kv_cache_dtype={cache.kv_cache_dtype}",
+                               "use kv_cache_dtype=auto", size))
+    if _on_cuda(model.device) and not model.enforce_eager:
+        refused.append(_refuse("CUDA graphs", "start with enforce_eager "
+                               "(FERRY_ENFORCE_EAGER=1)", size))
+    return refused
+
+
+def _on_cuda(device: str) -> bool:
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
+def check_tensor_parallel(config: EngineConfig, hf_config: Any | None = None) -> None:
+    """Refuse, before spawning any rank, a size this host, this model or these settings
+    cannot serve; the message names the size and what it met."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    if config.model.device.startswith("cuda:"):
+        raise TensorParallelError(
+            f"tensor-parallel size {size} takes devices cuda:0..cuda:{size - 1}; "
+            f"device {config.model.device!r} names one (use device=cuda)")
+    if _on_cuda(config.model.device):
+        check_devices(size, "cuda", torch.cuda.device_count())
+    refused = tp_refusals(config)
+    if refused:
+        raise refused[0]
+    if hf_config is None:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(
+            config.model.model, trust_remote_code=config.model.trust_remote_code)
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    kind = getattr(text, "model_type", None) or getattr(hf_config, "model_type", "?")
+    if kind not in SHARDED_TYPES:
+        raise _refuse(f"model type {kind!r}", "served sharded: "
+                      f"{', '.join(sorted(SHARDED_TYPES))}", size)
+    if getattr(text, "quantization_config", None) or getattr(
+            hf_config, "quantization_config", None):
+        raise _refuse("a quantized checkpoint", "serve an unquantized one", size)
+    heads = text.num_attention_heads
+    check_heads(size, heads, getattr(text, "num_key_value_heads", None) or heads)
