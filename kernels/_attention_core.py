@@ -40,6 +40,12 @@ def pow2_at_least(n: int, floor: int) -> int:
     return max(floor, triton.next_power_of_2(max(1, n)))
 
 
+def block_n(dims_pad: int) -> int:
+    """Keys per tile for K and V rows of ``dims_pad`` padded values together: 64 up to
+    the usual 2 x 128, fewer for wider rows (MLA's latent keys are 576 wide)."""
+    return 64 if dims_pad <= 256 else 32 if dims_pad <= 512 else 16
+
+
 @triton.jit
 def _tanh(x):
     # tanh via exp: portable (interpreter and GPU) and saturates cleanly to +-1.
@@ -62,8 +68,8 @@ def attend_kv_range(
     kv_hi,  # one past the last key position to visit (<= context length)
     window,  # sliding window (used when SLIDING)
     chunk,  # local-attention chunk size (used when CHUNKED): keys of the row's own chunk
-    k_cache_ptr,
-    v_cache_ptr,  # [num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM]
+    k_cache_ptr,  # [num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM]
+    v_cache_ptr,  # [num_blocks, PAGE_SIZE, num_kv_heads, V_DIM], K's strides
     block_table_ptr,  # this sequence's row of the block table
     kv_head,
     stride_kb,
@@ -81,13 +87,17 @@ def attend_kv_range(
     SOFT_CAP: tl.constexpr,
     UPCAST: tl.constexpr,
     CHUNKED: tl.constexpr = False,
+    V_DIM: tl.constexpr = 1,  # the values' head size (MLA's differs from the keys')
+    V_DIM_PAD: tl.constexpr = 16,
 ):
-    """Online softmax over keys [kv_lo, kv_hi); returns (acc [M, D] fp32, l [M], m [M])."""
+    """Online softmax over keys [kv_lo, kv_hi); returns (acc [M, Dv] fp32, l [M], m [M])."""
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask_d = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, V_DIM_PAD)
+    mask_dv = offs_dv < V_DIM
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M, V_DIM_PAD], tl.float32)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)  # [N] key positions
         mask_n = offs_n < kv_hi
@@ -97,7 +107,9 @@ def attend_kv_range(
         tile_off = kv_off[:, None] + offs_d[None, :]  # [N, D]
         tile_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + tile_off, mask=tile_mask, other=0.0).to(q.dtype)  # [N, D]
-        v = tl.load(v_cache_ptr + tile_off, mask=tile_mask, other=0.0).to(q.dtype)  # FP8: widen
+        v_mask = mask_n[:, None] & mask_dv[None, :]
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_dv[None, :], mask=v_mask,
+                    other=0.0).to(q.dtype)  # [N, Dv]; FP8: widen
 
         s = _dot(q, tl.trans(k), UPCAST) * scale  # [M, N] fp32
         if SOFT_CAP:

@@ -33,6 +33,7 @@ import triton.language as tl
 from kernels import _checks as chk
 from kernels._attention_core import (
     attend_kv_range,
+    block_n,
     dot_needs_upcast,
     normalise_rows,
     pow2_at_least,
@@ -69,8 +70,8 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 def _prefill_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, PAGE_SIZE, Hkv, D]
-    v_cache_ptr,
-    out_ptr,  # [T, Hq, D]
+    v_cache_ptr,  # [num_blocks, PAGE_SIZE, Hkv, Dv], K's strides
+    out_ptr,  # [T, Hq, Dv]
     block_tables_ptr,  # [S, max_blocks] int32
     query_start_loc_ptr,  # [S + 1] int32
     seq_lens_ptr,  # [S] int32
@@ -100,6 +101,8 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     CHUNKED: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False,
+    V_DIM: tl.constexpr = 1,
+    V_DIM_PAD: tl.constexpr = 16,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -133,15 +136,17 @@ def _prefill_kernel(
         scale, soft_cap,
         BLOCK_M=BLOCK_Q * GROUP_PAD, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
         HEAD_DIM_PAD=HEAD_DIM_PAD, PAGE_SIZE=PAGE_SIZE, CAUSAL=True, SLIDING=SLIDING,
-        SOFT_CAP=SOFT_CAP, UPCAST=UPCAST, CHUNKED=CHUNKED,
+        SOFT_CAP=SOFT_CAP, UPCAST=UPCAST, CHUNKED=CHUNKED, V_DIM=V_DIM, V_DIM_PAD=V_DIM_PAD,
     )  # fmt: skip
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + heads, mask=offs_m % GROUP_PAD < GROUP, other=0.0).to(tl.float32)
-        o = normalise_rows(acc, l_i, m_i, sink * 1.4426950408889634)  # [M, D]
+        o = normalise_rows(acc, l_i, m_i, sink * 1.4426950408889634)  # [M, Dv]
     else:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [M, D]
-    o_off = tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=mask)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [M, Dv]
+    offs_v = tl.arange(0, V_DIM_PAD)
+    mask_v = ((tok < q_end) & (offs_m % GROUP_PAD < GROUP))[:, None] & (offs_v < V_DIM)[None, :]
+    o_off = tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_v[None, :]
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=mask_v)
 
 
 def _check_prefill_args(
@@ -169,7 +174,7 @@ def _check_prefill_args(
 def paged_prefill_attention(
     q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, v_head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, offsets into q
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length incl. the new tokens
@@ -189,7 +194,8 @@ def paged_prefill_attention(
     block_size, num_kv_heads = _check_prefill_args(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     )
-    out = torch.empty_like(q) if out is None else chk.check_out(out, q)
+    out_shape = (*q.shape[:2], v_cache.shape[3])  # [T, Hq, Dv]
+    out = q.new_empty(out_shape) if out is None else chk.check_out(out, q, out_shape)
     chk.check_same_device(
         q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
         query_start_loc=query_start_loc, seq_lens=seq_lens, out=out,
@@ -209,6 +215,8 @@ def paged_prefill_attention(
     if max_query_len is not None:  # decode-like batches: don't pad 1 token to 64 rows
         block_q = min(block_q, pow2_at_least(max_query_len, triton.cdiv(16, group_pad)))
     head_dim_pad = pow2_at_least(head_dim, 16)
+    v_dim = v_cache.shape[3]
+    v_dim_pad = pow2_at_least(v_dim, 16)
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
@@ -216,9 +224,10 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        BLOCK_N=64 if head_dim_pad <= 128 else 32,
+        BLOCK_N=block_n(head_dim_pad + v_dim_pad),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=block_size,
         SLIDING=window > 0, SOFT_CAP=soft_cap > 0, UPCAST=dot_needs_upcast(q.dtype),
-        CHUNKED=chunk > 0, HAS_SINKS=sinks is not None, num_warps=4,
+        CHUNKED=chunk > 0, HAS_SINKS=sinks is not None, V_DIM=v_dim, V_DIM_PAD=v_dim_pad,
+        num_warps=4,
     )  # fmt: skip
     return out

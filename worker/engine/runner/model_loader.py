@@ -15,6 +15,7 @@ import torch
 from worker.engine.config import ModelConfig
 from worker.engine.runner import model_check, quant
 from worker.engine.runner.attention import interface as attention
+from worker.engine.runner.attention import mla
 from worker.engine.runner.attention.layer_features import prepare_layers
 from worker.engine.runner.cpu.gemv_calibration import set_gemv_rows
 from worker.engine.runner.cpu.packed_linear import PackedLinear, pack_linears
@@ -30,10 +31,18 @@ class ModelShape:
 
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # of the queries and keys the cache holds
     vocab_size: int
     max_model_len: int
     hidden_size: int = 0  # the width of the last hidden state (the LM head's input)
+    v_head_dim: int = 0  # of the values, where it differs from head_dim (MLA); 0: head_dim
+    # the values are the first v_head_dim columns of each key (MLA's latent cache): the
+    # cache stores keys only
+    v_in_k: bool = False
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
 
 @dataclass
@@ -119,8 +128,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             quant.apply(model, scheme, path)
     prepare_layers(model)
     shape = model_shape(hf_config, cfg.max_model_len)
-    model_check.probe_attention(model, path, shape.num_layers, shape.num_kv_heads,
-                                shape.head_dim, device)
+    if mla.is_mla(hf_config):
+        shape = mla.mla_shape(shape, hf_config, latent=False)
+    model_check.probe_attention(model, path, shape, device)
     gemv_rows: dict[str, int] = {}
     if device.type == "cpu" and cfg.pack_weights and pack_linears(model):
         packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
