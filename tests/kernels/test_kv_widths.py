@@ -105,3 +105,33 @@ def test_triton_kernels_equal_the_reference(name, device, close):
                                      num_kv_splits=splits)
         assert got.shape == (len(SEQ_LENS), 4, layout.v_dim)
         close(got, want)
+
+
+def test_absorbed_latent_attention_equals_expanded_mla():
+    """MLA's weight absorption over the latent layout: scores of ``[q_nope W_UK, q_pe]``
+    over ``[c, k_pe]`` and the output times ``W_UV`` are the expanded per-head attention
+    (keys ``[W_UK c, k_pe]``, values ``W_UV c``), through the paged reference."""
+    gen = torch.Generator().manual_seed(11)
+    heads, nope, rope, rank, v_dim, scale = 4, 16, 8, 20, 12, 0.2
+    layout = LAYOUTS["latent"]
+    cpu = torch.device("cpu")
+    k_cache, v_cache, tables, lens, keys, _ = _context(layout, cpu, False)
+    latent, k_pe = keys[:, 0, :rank], keys[:, 0, rank:]  # [N, L], [N, R]
+    w_uk = torch.randn(heads, nope, rank, generator=gen) / rank ** 0.5
+    w_uv = torch.randn(heads, rank, v_dim, generator=gen) / rank ** 0.5
+    q = torch.randn(sum(Q_LENS), heads, nope + rope, generator=gen)
+    q_abs = torch.cat([torch.einsum("thn,hnl->thl", q[..., :nope], w_uk), q[..., nope:]], -1)
+    starts = torch.tensor([0, *torch.tensor(Q_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    out = reference.paged_prefill_attention(q_abs, k_cache, v_cache, tables, starts, lens,
+                                            scale)  # [T, H, L]
+    got = torch.einsum("thl,hlv->thv", out, w_uv)
+    first = 0
+    for i, (n, ql) in enumerate(zip(SEQ_LENS, Q_LENS, strict=True)):
+        lo = sum(SEQ_LENS[:i])
+        c, pe = latent[lo:lo + n], k_pe[lo:lo + n]
+        k_full = torch.cat([torch.einsum("hnl,sl->shn", w_uk, c),
+                            pe[:, None].expand(n, heads, rope)], -1)  # [L, H, nope + R]
+        v_full = torch.einsum("hlv,sl->shv", w_uv, c)  # [L, H, v]
+        want = _dense(q[first:first + ql], k_full, v_full, scale)
+        torch.testing.assert_close(got[first:first + ql], want, atol=1e-5, rtol=1e-5)
+        first += ql

@@ -129,7 +129,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     prepare_layers(model)
     shape = model_shape(hf_config, cfg.max_model_len)
     if mla.is_mla(hf_config):
-        shape = mla.mla_shape(shape, hf_config, latent=False)
+        shape = mla.mla_shape(shape, hf_config, latent=cfg.mla_latent_cache)
+        if cfg.mla_latent_cache:
+            mla.use_latent_attention(model)
     model_check.probe_attention(model, path, shape, device)
     gemv_rows: dict[str, int] = {}
     if device.type == "cpu" and cfg.pack_weights and pack_linears(model):
