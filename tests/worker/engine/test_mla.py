@@ -57,3 +57,22 @@ def test_latent_blocks_round_trip_through_the_host_tier(path):
     tier = engine.block_manager.tier
     assert tier is not None and tier.stats.offloaded > 0 and tier.stats.restored > 0
     assert_matches(got, reference(path, FAMILY), "latent + host tier")
+
+
+def test_deepseek_v3_kv_bytes_per_token_at_full_size():
+    """DeepSeek-V3's own config (61 layers, 128 heads, latent 512 + rope 64, keys 192 and
+    values 128 per head) in a bf16 cache: the sizes docs/models.md quotes."""
+    from transformers import DeepseekV3Config
+
+    from worker.engine.kv.pool import PoolLayout
+    from worker.engine.runner.attention.mla import mla_shape
+    from worker.engine.runner.model_loader import model_shape
+
+    config = DeepseekV3Config()
+    sizes = {}
+    for latent in (True, False):
+        s = mla_shape(model_shape(config, None), config, latent=latent)
+        layout = PoolLayout(s.num_layers, s.num_kv_heads, s.head_dim, s.value_dim, s.v_in_k)
+        sizes[latent] = layout.bytes_per_token(2)
+    assert sizes[True] == (512 + 64) * 2 * 61 == 70_272
+    assert sizes[False] == 128 * (192 + 128) * 2 * 61 == 4_997_120

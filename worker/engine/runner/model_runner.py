@@ -90,6 +90,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_cache()
         if use_checkpoint_kv_scales(self.model, model_cfg.model, self.shape.num_layers,
                                     self.kv_dtype):
+            if self.shape.v_in_k:  # one latent row serves as K and V: one scale for both
+                raise ValueError(f"model {model_cfg.model!r}: per-layer FP8 KV cache scales "
+                                 "are not implemented for the latent MLA cache")
             self.lean = None  # it attends outside the modules, where the scales live
         self.tables = BlockTableBuffer(
             max_num_seqs, -(-self.shape.max_model_len // self.block_size), self.device)

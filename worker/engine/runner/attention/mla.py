@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from worker.engine.runner.attention.interface import IGNORED_KWARGS, check_kwargs
-from worker.engine.runner.attention.kv_scales import KV_SCALE_ATTR
 from worker.engine.runner.attention.layer_features import attention_modules, text_config
 
 # The MLA configs whose modules ``latent_forward`` reads (their attribute names and rope
@@ -103,8 +102,6 @@ def latent_forward(
     kwargs.pop("cache", None)  # transformers' cache: Ferry's is in ctx
     if attention_mask is not None or not IGNORED_KWARGS.issuperset(kwargs):
         check_kwargs(self, attention_mask, kwargs)
-    if getattr(self, KV_SCALE_ATTR, None) is not None:
-        raise ValueError("per-layer FP8 KV scales are not implemented for the latent MLA cache")
     x = hidden_states[0]  # [T, hidden]
     t, heads, nope = x.shape[0], self.num_heads, self.qk_nope_head_dim
     rank = self.kv_lora_rank
