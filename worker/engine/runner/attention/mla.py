@@ -58,7 +58,8 @@ def mla_shape(shape: Any, hf_config: Any, *, latent: bool) -> Any:
 
 def use_latent_attention(model: torch.nn.Module) -> int:
     """Give every MLA module the absorbed weights and ``latent_forward``; returns how many.
-    Runs before the CPU packs the linear layers (it reads ``kv_b_proj.weight``)."""
+    ``kv_b_proj`` is split into ``W_UK`` and ``W_UV`` and dropped (no weight is held
+    twice). Runs before the CPU packs the linear layers."""
     count = 0
     for module in attention_modules(model).values():
         attn: Any = module
@@ -72,6 +73,7 @@ def use_latent_attention(model: torch.nn.Module) -> int:
         w = proj.weight.detach().view(heads, nope + v_dim, attn.kv_lora_rank)  # [H, n+v, L]
         setattr(attn, W_UK_ATTR, w[:, :nope].contiguous())  # [H, nope, L]
         setattr(attn, W_UV_ATTR, w[:, nope:].transpose(1, 2).contiguous())  # [H, L, v]
+        attn.kv_b_proj = None  # its two halves now live above, in the layouts bmm reads
         attn.forward = types.MethodType(latent_forward, attn)
         count += 1
     return count
@@ -95,7 +97,11 @@ def latent_forward(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The MLA module's forward over the latent cache, weights absorbed; [1, T, hidden]."""
+    """The MLA module's forward over the latent cache, weights absorbed; [1, T, hidden].
+    Every token, prefill or decode, takes the absorbed form (one code path). For a long
+    prefill chunk the expanded form needs fewer FLOPs (per query head and key, ``qk_nope
+    + qk_rope + v`` against ``2 kv_lora_rank + qk_rope``), which is why vLLM expands there;
+    decode, bound by reading the cache, is where the latent form wins."""
     ctx = kwargs.get("ferry_ctx")
     if ctx is None:
         raise RuntimeError("MLA attention called without a ForwardContext")
