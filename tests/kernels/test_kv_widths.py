@@ -4,7 +4,9 @@ The pool's two MLA layouts (``worker/engine/kv/pool.py``): per-head keys and val
 by side in one row (keys 24 wide, values 12), and the latent cache (one head whose 28
 values are a latent vector of 20 and a rope key of 8, with V its first 20 columns). The
 reference is checked against the dense formula, and the Triton store, decode and prefill
-kernels against the reference, over a shuffled block table with trash in the free slots.
+kernels against the reference (the latent layout through their split path: the latent
+columns read once as keys and values, the rope columns beside), over a shuffled block
+table with trash in the free slots.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels._attention_core import latent_pe_dim
 from kernels.decode_attention import paged_decode_attention
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.store_kv import store_kv
@@ -63,8 +66,8 @@ def _dense(q, k, v, scale):  # type: ignore[no-untyped-def]
     return (probs @ vv).transpose(0, 1)  # [Lq, Hq, Dv]
 
 
-def _queries(layout: PoolLayout, device: torch.device) -> torch.Tensor:
-    return torch.randn(sum(Q_LENS), 4, layout.k_dim,
+def _queries(layout: PoolLayout, device: torch.device, heads: int = 4) -> torch.Tensor:
+    return torch.randn(sum(Q_LENS), heads, layout.k_dim,
                        generator=torch.Generator().manual_seed(5)).to(device)
 
 
@@ -84,14 +87,18 @@ def test_reference_equals_the_dense_formula(name):
         first += ql
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_triton_kernels_equal_the_reference(name, device, close):
+@pytest.mark.parametrize(("name", "heads"), [("split", 4), ("latent", 4), ("latent", 40)])
+def test_triton_kernels_equal_the_reference(name, heads, device, close):
+    """40 query heads over the latent cache's one: more than one program per KV head
+    (``LATENT_ROWS`` heads each), the last one part empty."""
     layout = LAYOUTS[name]
     k_cache, v_cache, tables, lens, _, _ = _context(layout, device, True)
     k_ref, v_ref, *_ = _context(layout, device, False)
+    # the latent layout takes the kernels' split path: latent tile read once as K and V
+    assert latent_pe_dim(k_cache, v_cache) == (8 if layout.v_in_k else 0)
     torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0)  # the Triton store
     torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
-    q = _queries(layout, device)
+    q = _queries(layout, device, heads)
     starts = torch.tensor([0, *torch.tensor(Q_LENS).cumsum(0).tolist()], dtype=torch.int32,
                           device=device)
     want = reference.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.3)
@@ -103,7 +110,7 @@ def test_triton_kernels_equal_the_reference(name, device, close):
     for splits in (1, 3):
         got = paged_decode_attention(last, k_cache, v_cache, tables, lens, 0.3,
                                      num_kv_splits=splits)
-        assert got.shape == (len(SEQ_LENS), 4, layout.v_dim)
+        assert got.shape == (len(SEQ_LENS), heads, layout.v_dim)
         close(got, want)
 
 
