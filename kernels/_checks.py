@@ -19,7 +19,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # An FP8 (e4m3) cache: the kernels widen each tile to the query dtype on load (unit scale)
 FP8_KV = torch.float8_e4m3fn
 CACHE_DTYPES = (*FLOAT_DTYPES, FP8_KV)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 576  # MLA's latent keys: kv_lora_rank 512 + rope 64
 MAX_BLOCK_SIZE = 256
 
 
@@ -53,13 +53,17 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 def check_kv_cache(k_cache: object, v_cache: object, dtype: torch.dtype) -> tuple[int, int]:
     """Validate the paged caches; return ``(block_size, num_kv_heads)``.
 
-    K and V must share shape *and* strides, as the kernels take one set of cache strides
-    (true for the usual layouts: two tensors, or two views of one ``[2, ...]`` tensor).
+    K and V must share strides, as the kernels take one set of cache strides (true for
+    the pool's layouts, ``worker/engine/kv/pool.py``: two views of one ``[2, ...]``
+    tensor, or column views of one row per token), and every dimension but the head size
+    (MLA's values are narrower than its keys).
     """
     k = check_tensor("k_cache", k_cache, ndim=4, dtypes=CACHE_DTYPES)
     v = check_tensor("v_cache", v_cache, ndim=4, dtypes=CACHE_DTYPES)
-    if k.shape != v.shape:
+    if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if not 1 <= v.shape[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"v head_dim must be in [1, {MAX_HEAD_DIM}], got {v.shape[3]}")
     if k.stride() != v.stride():
         raise ValueError(f"k_cache/v_cache strides differ: {k.stride()} vs {v.stride()}")
     if k.dtype != v.dtype or k.dtype not in (dtype, FP8_KV):
@@ -96,11 +100,14 @@ def check_block_tables(block_tables: object, seq_lens: object, num_seqs: int) ->
         raise ValueError(f"seq_lens has {sl.shape[0]} entries, expected {num_seqs}")
 
 
-def check_out(out: object, like: torch.Tensor) -> torch.Tensor:
-    """``out`` must match ``like`` in shape and dtype, contiguous in the last dim."""
+def check_out(out: object, like: torch.Tensor,
+              shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``out`` must have ``like``'s dtype and ``shape`` (default ``like``'s), contiguous
+    in the last dim."""
     o = check_tensor("out", out, ndim=like.dim(), dtypes=(like.dtype,))
-    if o.shape != like.shape:
-        raise ValueError(f"out shape {tuple(o.shape)} != {tuple(like.shape)}")
+    want = tuple(like.shape) if shape is None else shape
+    if tuple(o.shape) != want:
+        raise ValueError(f"out shape {tuple(o.shape)} != {want}")
     return o
 
 

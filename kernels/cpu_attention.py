@@ -40,7 +40,7 @@ def paged_decode_sdpa(
         q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask.view(num_seqs, 1, 1, -1),
         scale=scale, enable_gqa=k.shape[1] != num_q_heads,
     )  # [S, Hq, 1, D]
-    return out.view(num_seqs, num_q_heads, head_dim)
+    return out.view(num_seqs, num_q_heads, v_cache.shape[3])  # [S, Hq, Dv]
 
 
 def _zeroed(gathered: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

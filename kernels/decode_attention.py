@@ -47,7 +47,9 @@ import triton.language as tl
 from kernels import _checks as chk
 from kernels._attention_core import (
     attend_kv_range,
+    block_n,
     dot_needs_upcast,
+    latent_pe_dim,
     normalise_rows,
     pow2_at_least,
 )
@@ -58,6 +60,10 @@ MIN_TOKENS_PER_SPLIT = 256
 EAGER_MIN_TOKENS_PER_SPLIT = 8192
 MAX_KV_SPLITS = 64
 MAX_FORCED_SPLITS = 1024  # callers may force more than the heuristic ever picks
+# Query heads one program holds over MLA's latent cache (rows 512 + 64 wide at full size,
+# every query head on one KV head): DeepSeek-V3's 128 heads in one tile spill ~17 KB per
+# thread on sm_90; 16 rows spill none (``tests/kernels/test_compile_sm90.py``)
+LATENT_ROWS = 16
 
 
 def eager_warmup_contexts(max_context: int) -> list[int]:
@@ -82,11 +88,12 @@ def _num_sms(device: torch.device) -> int:
 _WORKSPACE: dict[torch.device, torch.Tensor] = {}
 
 
-def _partials(q: torch.Tensor, splits: int, reuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 1's partial outputs [S, Hq, splits, D] and LSEs [S, Hq, splits], fp32: one
+def _partials(q: torch.Tensor, splits: int, reuse: bool,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1's partial outputs [S, Hq, splits, Dv] and LSEs [S, Hq, splits], fp32: one
     reused buffer per device when launched eagerly (``reuse``: an allocation per call was
     part of the measured eager cost), fresh (from the graph's pool) for a CUDA graph."""
-    num_seqs, num_q_heads, head_dim = q.shape
+    num_seqs, num_q_heads = q.shape[:2]
     rows = num_seqs * num_q_heads * splits
     size = rows * (head_dim + 1)
     cached = _WORKSPACE.get(q.device) if reuse else None
@@ -123,10 +130,10 @@ def choose_num_kv_splits(
 def _decode_split_kernel(
     q_ptr,  # [S, Hq, D]
     k_cache_ptr,  # [num_blocks, PAGE_SIZE, Hkv, D]
-    v_cache_ptr,
+    v_cache_ptr,  # [num_blocks, PAGE_SIZE, Hkv, Dv], K's strides
     block_tables_ptr,  # [S, max_blocks] int32
     seq_lens_ptr,  # [S] int32
-    out_ptr,  # WRITE_PARTIAL: [S, Hq, num_splits, D] fp32; else [S, Hq, D]
+    out_ptr,  # WRITE_PARTIAL: [S, Hq, num_splits, Dv] fp32; else [S, Hq, Dv]
     lse_ptr,  # WRITE_PARTIAL: [S, Hq, num_splits] fp32 (log2 domain); else unused
     sinks_ptr,  # HAS_SINKS: [Hq] fp32 attention-sink logits (added by stage 2 when split)
     scale,
@@ -154,9 +161,15 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     CHUNKED: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False,
+    V_DIM: tl.constexpr = 1,
+    V_DIM_PAD: tl.constexpr = 16,
+    PE_DIM: tl.constexpr = 0,  # V inside K: the rope columns after it (attend_kv_range)
+    PE_PAD: tl.constexpr = 16,
+    HEAD_BLOCKS: tl.constexpr = 1,  # programs per KV head, GROUP_PAD query heads each
 ):
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    first_head = tl.program_id(1) % HEAD_BLOCKS * GROUP_PAD  # within the KV head's group
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     kv_lo = 0
@@ -168,34 +181,45 @@ def _decode_split_kernel(
     lo = kv_lo + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
-    offs_g = tl.arange(0, GROUP_PAD)
+    offs_g = first_head + tl.arange(0, GROUP_PAD)  # [G] within the group
     offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_v = tl.arange(0, V_DIM_PAD)
     heads = kv_head * GROUP + offs_g  # [G] query heads of this KV head
-    mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [G, D]
-    q_off = seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=mask, other=0.0)  # [G, D]
+    mask_v = (offs_g < GROUP)[:, None] & (offs_v < V_DIM)[None, :]  # [G, Dv]
+    q_row = q_ptr + seq * stride_qs + heads[:, None] * stride_qh  # [G, 1]
+    if PE_DIM > 0:  # the latent columns, then the rope ones
+        q = tl.load(q_row + offs_v[None, :], mask=mask_v, other=0.0)  # [G, Dv]
+        offs_pe = tl.arange(0, PE_PAD)
+        q_pe = tl.load(q_row + V_DIM + offs_pe[None, :],
+                       mask=(offs_g < GROUP)[:, None] & (offs_pe < PE_DIM)[None, :], other=0.0)
+    else:
+        mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [G, D]
+        q = tl.load(q_row + offs_d[None, :], mask=mask, other=0.0)  # [G, D]
+        q_pe = q
 
     acc, l_i, m_i = attend_kv_range(
-        q, lo, lo, hi, window, chunk, k_cache_ptr, v_cache_ptr,
+        q, q_pe, lo, lo, hi, window, chunk, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq * stride_bt, kv_head, stride_kb, stride_kt, stride_kh,
         scale, soft_cap,
         BLOCK_M=GROUP_PAD, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
         PAGE_SIZE=PAGE_SIZE, CAUSAL=False, SLIDING=False, SOFT_CAP=SOFT_CAP, UPCAST=UPCAST,
+        V_DIM=V_DIM, V_DIM_PAD=V_DIM_PAD, PE_DIM=PE_DIM, PE_PAD=PE_PAD,
     )  # fmt: skip
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split has l = 0 and acc = 0
-    o = acc / l_safe[:, None]  # [G, D]
+    o = acc / l_safe[:, None]  # [G, Dv]
     if HAS_SINKS and not WRITE_PARTIAL:
         sink = tl.load(sinks_ptr + heads, mask=offs_g < GROUP, other=0.0).to(tl.float32)
         sink = sink * 1.4426950408889634  # log2 domain
         o = normalise_rows(acc, l_i, m_i, sink)
     if WRITE_PARTIAL:
-        row = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [G]
-        tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
+        num_q_heads = tl.num_programs(1) // HEAD_BLOCKS * GROUP
+        row = (seq * num_q_heads + heads) * num_splits + split  # [G]
+        tl.store(out_ptr + row[:, None] * V_DIM + offs_v[None, :], o, mask=mask_v)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + row, lse, mask=offs_g < GROUP)
     else:
-        o_off = seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=mask)
+        o_off = seq * stride_os + heads[:, None] * stride_oh + offs_v[None, :]
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=mask_v)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -238,7 +262,7 @@ def _decode_reduce_kernel(
 def paged_decode_attention(
     q: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, v_head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length incl. the current token
     scale: float,
@@ -265,7 +289,8 @@ def paged_decode_attention(
     block_size, num_kv_heads = chk.check_kv_cache(k_cache, v_cache, q.dtype)
     chk.check_heads(num_q_heads, num_kv_heads, head_dim, k_cache.shape[3])
     chk.check_block_tables(block_tables, seq_lens, num_seqs)
-    out = torch.empty_like(q) if out is None else chk.check_out(out, q)
+    out_shape = (num_seqs, num_q_heads, v_cache.shape[3])
+    out = q.new_empty(out_shape) if out is None else chk.check_out(out, q, out_shape)
     chk.check_same_device(
         q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
         seq_lens=seq_lens, out=out,
@@ -310,27 +335,34 @@ def _launch(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     head_dim_pad = pow2_at_least(head_dim, 16)
+    v_dim = v_cache.shape[3]
+    v_dim_pad = pow2_at_least(v_dim, 16)
+    pe_dim = latent_pe_dim(k_cache, v_cache)
+    pe_pad = pow2_at_least(pe_dim, 16)
     partial = num_kv_splits > 1
     if partial:
-        dest, lse = _partials(q, num_kv_splits, reuse_workspace)
+        dest, lse = _partials(q, num_kv_splits, reuse_workspace, v_dim)
     else:
         dest, lse = out, out  # lse is unused without splits
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
+    group_pad = pow2_at_least(group, 16)
+    rows = min(group_pad, LATENT_ROWS) if pe_dim else group_pad
+    head_blocks = triton.cdiv(group, rows)
+    _decode_split_kernel[(num_seqs, num_kv_heads * head_blocks, num_kv_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, dest, lse,
         q if sinks is None else sinks, scale, soft_cap, window, chunk, num_kv_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=pow2_at_least(group, 16),
-        BLOCK_N=64 if head_dim_pad <= 128 else 32,
+        GROUP=group, GROUP_PAD=rows, HEAD_BLOCKS=head_blocks,
+        BLOCK_N=block_n(v_dim_pad + pe_pad if pe_dim else head_dim_pad + v_dim_pad),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=block_size,
         SLIDING=window > 0, SOFT_CAP=soft_cap > 0, WRITE_PARTIAL=partial,
         UPCAST=dot_needs_upcast(q.dtype), CHUNKED=chunk > 0, HAS_SINKS=sinks is not None,
-        num_warps=4,
+        V_DIM=v_dim, V_DIM_PAD=v_dim_pad, PE_DIM=pe_dim, PE_PAD=pe_pad, num_warps=4,
     )  # fmt: skip
     if partial:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             dest, lse, out, q if sinks is None else sinks, num_kv_splits,
-            out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            out.stride(0), out.stride(1), HEAD_DIM=v_dim, HEAD_DIM_PAD=v_dim_pad,
             SPLITS_PAD=pow2_at_least(num_kv_splits, 2), HAS_SINKS=sinks is not None,
             num_warps=4,
         )  # fmt: skip

@@ -27,9 +27,9 @@ def store_kv(
     slot_mapping: torch.Tensor,  # [num_tokens] int, negative = skip
 ) -> None:
     """Write each token's K/V into its slot; tokens with a negative slot are skipped."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    num_kv_heads = k_cache.shape[2]
+    flat_k = k_cache.view(-1, num_kv_heads, k_cache.shape[3])  # [num_slots, Hkv, Dk]
+    flat_v = v_cache.view(-1, num_kv_heads, v_cache.shape[3])  # [num_slots, Hkv, Dv]
     slots = slot_mapping.to(torch.long)
     if bool((slots < 0).any()):
         keep = slots >= 0
@@ -153,7 +153,7 @@ def paged_decode_attention(
     k.masked_fill_(~allowed.view(num_seqs, 1, -1, 1), 0.0)
     v.masked_fill_(~allowed.view(num_seqs, 1, -1, 1), 0.0)
     res = _attend(qg, k, v, allowed.view(num_seqs, 1, 1, 1, -1), scale, logits_soft_cap, sinks)
-    res = res.view(num_seqs, num_q_heads, head_dim).to(q.dtype)
+    res = res.view(num_seqs, num_q_heads, v_cache.shape[3]).to(q.dtype)
     if out is not None:
         out.copy_(res)
         return out
@@ -186,7 +186,8 @@ def paged_prefill_attention(
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    result = out if out is not None else torch.empty_like(q)
+    v_dim = v_cache.shape[3]  # the values' head size may differ from the keys' (MLA)
+    result = out if out is not None else q.new_empty(*q.shape[:2], v_dim)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for i, ctx_len in enumerate(lens):
@@ -212,7 +213,7 @@ def paged_prefill_attention(
         res = _attend(qi, k, v, allowed.view(1, 1, 1, q_len, ctx_len), scale, logits_soft_cap,
                       sinks)
         # [1, Hkv, G, Lq, D] -> [Lq, Hq, D]
-        result[q_lo:q_hi] = res[0].permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim).to(
+        result[q_lo:q_hi] = res[0].permute(2, 0, 1, 3).reshape(q_len, num_q_heads, v_dim).to(
             result.dtype
         )
     return result

@@ -65,6 +65,25 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "llama4": dict(cls="Llama4TextConfig", **_GQA, head_dim=16, num_local_experts=4,
                    num_experts_per_tok=1, intermediate_size_mlp=128, attention_chunk_size=16,
                    no_rope_layers=[1, 0], floor_scale=4, attn_scale=0.5, use_qk_norm=True),
+    # MLA: a compressed query (q_lora_rank) and a latent K/V of 20 plus a shared rope key
+    # of 8 (28 wide, not a power of two); keys 16 + 8 wide and values 12; layer 0 dense,
+    # layer 1 MoE with grouped routing and a shared expert
+    "deepseek_v3": dict(cls="DeepseekV3Config", num_attention_heads=4, num_key_value_heads=4,
+                        q_lora_rank=32, kv_lora_rank=20, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=2, topk_group=1),
+    # DeepSeek-V2-Lite's shape in a V3 config: a full-rank query projection, rope on
+    # halves (not interleaved pairs), YaRN with mscale folded into the softmax scale
+    "deepseek_v3_lite": dict(cls="DeepseekV3Config", num_attention_heads=4,
+                             num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=20,
+                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                             rope_interleave=False, n_routed_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, n_shared_experts=1,
+                             first_k_dense_replace=1, n_group=1, topk_group=1,
+                             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0,
+                                                  factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+                                                  original_max_position_embeddings=128)),
 }
 
 

@@ -60,25 +60,39 @@ def compile_variants() -> None:
     from kernels.store_kv import _store_kv_kernel
 
     decode = dict(GROUP=4, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=80, HEAD_DIM_PAD=128, PAGE_SIZE=16,
-                  SLIDING=True, SOFT_CAP=True, WRITE_PARTIAL=True, UPCAST=False)  # fmt: skip
+                  SLIDING=True, SOFT_CAP=True, WRITE_PARTIAL=True, UPCAST=False,
+                  V_DIM=80, V_DIM_PAD=128, PE_DIM=0, PE_PAD=16, HEAD_BLOCKS=1)  # fmt: skip
     partial = {"out_ptr": "fp32", "lse_ptr": "fp32"}
     _compile(_decode_split_kernel, "fp16", decode, partial)
     big = decode | dict(HEAD_DIM=256, HEAD_DIM_PAD=256, BLOCK_N=32, GROUP=32, GROUP_PAD=32,
-                        SLIDING=False, SOFT_CAP=False, WRITE_PARTIAL=False)  # fmt: skip
+                        SLIDING=False, SOFT_CAP=False, WRITE_PARTIAL=False, V_DIM=256,
+                        V_DIM_PAD=256)  # fmt: skip
     _compile(_decode_split_kernel, "bf16", big)
-    _compile(_decode_split_kernel, "fp32", decode | dict(HEAD_DIM=64, HEAD_DIM_PAD=64), partial)
+    _compile(_decode_split_kernel, "fp32", decode | dict(HEAD_DIM=64, HEAD_DIM_PAD=64, V_DIM=64,
+                                                         V_DIM_PAD=64), partial)
+    # MLA's latent cache: values inside the keys, the rope columns apart, heads in blocks
+    latent = decode | dict(HEAD_DIM=576, HEAD_DIM_PAD=1024, V_DIM=512, V_DIM_PAD=512,
+                           PE_DIM=64, PE_PAD=64, BLOCK_N=16, GROUP=128, HEAD_BLOCKS=8,
+                           SLIDING=False, SOFT_CAP=False)  # fmt: skip
+    _compile(_decode_split_kernel, "bf16", latent, partial)
     reduce = dict(HEAD_DIM=80, HEAD_DIM_PAD=128, SPLITS_PAD=64)
     _compile(_decode_reduce_kernel, "bf16", reduce, {"part_ptr": "fp32", "lse_ptr": "fp32"})
 
     prefill = dict(GROUP=8, GROUP_PAD=8, BLOCK_Q=8, BLOCK_N=64, HEAD_DIM=128, HEAD_DIM_PAD=128,
-                   PAGE_SIZE=16, SLIDING=True, SOFT_CAP=True, UPCAST=False)  # fmt: skip
+                   PAGE_SIZE=16, SLIDING=True, SOFT_CAP=True, UPCAST=False, V_DIM=128,
+                   V_DIM_PAD=128, PE_DIM=0, PE_PAD=16, HEAD_BLOCKS=1)  # fmt: skip
     _compile(_prefill_kernel, "bf16", prefill)
+    _compile(_prefill_kernel, "bf16", prefill | dict(
+        HEAD_DIM=576, HEAD_DIM_PAD=1024, V_DIM=512, V_DIM_PAD=512, PE_DIM=64, PE_PAD=64,
+        GROUP=128, GROUP_PAD=16, BLOCK_Q=1, BLOCK_N=16, HEAD_BLOCKS=8, SLIDING=False,
+        SOFT_CAP=False))
     # the search over sequences with a known count of 1 (not specialized at launch any more,
     # but the code must stay valid for any count)
     one_seq = prefill | dict(GROUP=1, GROUP_PAD=1, BLOCK_Q=64, SLIDING=False, num_seqs=1)
     _compile(_prefill_kernel, "fp16", one_seq)
 
-    store = dict(PAGE_SIZE=16, BLOCK_H=1, HEAD_DIM=96, HEAD_DIM_PAD=128, num_kv_heads=1)
+    store = dict(PAGE_SIZE=16, BLOCK_H=1, HEAD_DIM=96, HEAD_DIM_PAD=128, num_kv_heads=1,
+                 V_DIM=96, V_DIM_PAD=128)
     _compile(_store_kv_kernel, "bf16", store,
              {"key_ptr": "fp32", "value_ptr": "fp32", "slot_mapping_ptr": "i64"})  # fmt: skip
 
@@ -218,6 +232,58 @@ def register_report() -> None:
                                   "registers": regs, "spill_bytes": spill}), flush=True)
 
 
+def _record_latent_launches(num_q_heads: int) -> dict[str, list]:
+    """The launches over MLA's latent cache at DeepSeek-V3's widths (one KV head of a
+    512-wide latent and a 64-wide rope key, V its first 512 columns; bf16), as
+    ``_record_launches`` records them."""
+    import torch
+
+    from kernels import decode_attention, prefill_attention
+    from worker.engine.kv.pool import PoolLayout
+
+    names = [(decode_attention, "_decode_split_kernel"),
+             (decode_attention, "_decode_reduce_kernel"), (prefill_attention, "_prefill_kernel")]
+    recorders = {name: _Recorder(getattr(mod, name)) for mod, name in names}
+    layout = PoolLayout(1, 1, 576, 512, v_in_k=True)
+    _, caches = layout.allocate(40, 16, torch.bfloat16, torch.device("cpu"))
+    k_cache, v_cache = caches[0]
+    q = torch.zeros(4, num_q_heads, 576, dtype=torch.bfloat16)
+    tables = torch.zeros(4, 10, dtype=torch.int32)
+    lens = torch.full((4,), 100, dtype=torch.int32)
+    prefill_q = torch.zeros(200, num_q_heads, 576, dtype=torch.bfloat16)
+    starts = torch.tensor([0, 100, 200], dtype=torch.int32)
+    for mod, name in names:
+        setattr(mod, name, recorders[name])
+    try:
+        for splits in (1, 4):
+            decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1,
+                                                    num_kv_splits=splits)
+        prefill_attention.paged_prefill_attention(
+            prefill_q, k_cache, v_cache, tables[:2], starts, lens[:2], 0.1, max_query_len=100)
+    finally:
+        for mod, name in names:
+            setattr(mod, name, recorders[name].fn)
+    return {name: rec.calls for name, rec in recorders.items()}
+
+
+def latent_register_report() -> None:
+    """One JSON line per compiled latent-MLA variant, 16 and 128 query heads."""
+    seen: set[str] = set()
+    for heads in (16, 128):
+        for kernel, calls in _record_latent_launches(heads).items():
+            fn = getattr(_kernel_module(kernel), kernel)
+            for args, kwargs in calls:
+                src, options = _launch_source(fn, args, kwargs)
+                key = src.hash() + repr(sorted(options.items()))
+                if key in seen:
+                    continue
+                seen.add(key)
+                regs, spill = _ptxas_usage(fn, args, kwargs)
+                print(json.dumps({"heads": heads, "kernel": kernel, "registers": regs,
+                                  "partial": bool(kwargs.get("WRITE_PARTIAL", False)),
+                                  "spill_bytes": spill}), flush=True)
+
+
 def _kernel_module(kernel: str) -> Any:
     from kernels import decode_attention, prefill_attention
 
@@ -266,6 +332,21 @@ def test_attention_kernels_do_not_spill_on_sm90(tmp_path):
                     f"spill={r['spill_bytes']}" for r in rows))
     shapes = {(r["dtype"], r["head_dim"], r["group"]) for r in rows}
     assert len(shapes) == 24
+    for kernel in ("_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel"):
+        assert any(r["kernel"] == kernel for r in rows), kernel
+    spilling = [r for r in rows if r["spill_bytes"]]
+    assert not spilling, spilling
+
+
+@needs_ptxas
+def test_latent_mla_kernels_do_not_spill_on_sm90(tmp_path):
+    """DeepSeek-V3's latent cache (576-wide keys, 128 query heads on one KV head): the
+    kernels take LATENT_ROWS query heads a program, and none spills."""
+    proc = _run_compiled(tmp_path, "import test_compile_sm90 as t; t.latent_register_report()",
+                         600)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    print("\n".join(f"{r['kernel']:<22} heads={r['heads']:<3} partial={r['partial']!s:<5} "
+                    f"regs={r['registers']:>3} spill={r['spill_bytes']}" for r in rows))
     for kernel in ("_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel"):
         assert any(r["kernel"] == kernel for r in rows), kernel
     spilling = [r for r in rows if r["spill_bytes"]]

@@ -49,6 +49,10 @@ class ModelConfig:
     # (worker/engine/runner/quant/); None: as the checkpoint is (a quantized checkpoint's
     # own quantization_config is read either way)
     quantization: str | None = None
+    # Multi-head latent attention (DeepSeek-V3): cache each token's compressed latent and
+    # shared rope key and attend with the weights absorbed; False caches the K and V
+    # expanded per head (worker/engine/runner/attention/mla.py)
+    mla_latent_cache: bool = True
 
     def __post_init__(self) -> None:
         rows = self.packed_gemv_rows

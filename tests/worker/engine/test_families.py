@@ -1,7 +1,8 @@
 """Every model family Ferry serves, token for token and logprob for logprob against
 transformers (fp32), with each family's own features shrunk until they bite
 (``tests/family_checkpoints.py``): sliding windows, soft caps, attention sinks, chunked
-local attention, NoPE temperature tuning, MoE blocks, rope scaling.
+local attention, NoPE temperature tuning, MoE blocks, rope scaling, multi-head latent
+attention (keys and values of different widths).
 
 Five requests of mixed lengths (contexts up to ~50 tokens: past a window or chunk of 16
 several times) run in one engine with chunked prefill (a 32-token budget) on a pool small
@@ -35,7 +36,7 @@ LOGPROB_ATOL = 1e-4
 PROMPT_LENS = [3, 20, 41, 9, 30]
 MAX_TOKENS = 8
 # the features SDPA or the default kernel path do not have
-SPECIAL = ["gpt_oss", "llama4", "gemma2"]
+SPECIAL = ["gpt_oss", "llama4", "gemma2", "deepseek_v3"]
 # the families the lean CPU decode path describes (worker/engine/runner/cpu/layer_plan.py)
 LEAN = ["llama", "llama_rope3", "mistral", "qwen2", "qwen2_window", "qwen3", "gemma2",
         "gemma3", "phi3", "phi3_partial", "mixtral", "qwen3_moe", "qwen3_moe_dense"]
@@ -186,7 +187,7 @@ def test_torch_backend_matches_transformers(family, root):
     assert_matches(got, reference(path, family), f"{family} torch")
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "llama4"])
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4", "deepseek_v3"])
 def test_triton_backend_matches_transformers(family, root):
     if not triton_interpreting():
         pytest.skip("the Triton backend runs on the CPU only under TRITON_INTERPRET=1")

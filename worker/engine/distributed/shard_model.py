@@ -31,7 +31,7 @@ from worker.engine.distributed.layers import (
     VocabParallelEmbedding,
 )
 from worker.engine.distributed.sharding import even_range, head_shard, kv_head_range
-from worker.engine.distributed.tp_config import TPConfig, check_heads
+from worker.engine.distributed.tp_config import TensorParallelError, TPConfig, check_heads
 
 
 class _HeadLinear(nn.Module):
@@ -126,6 +126,10 @@ def shard_model(model: Any, tp: TPConfig, materialise: Callable[[Any], None] = _
     if not tp.enabled:
         return model
     config: Any = model.config
+    if getattr(config, "kv_lora_rank", None):
+        raise TensorParallelError(f"{type(config).__name__}: multi-head latent attention (MLA) "
+                                  "is not implemented with tensor parallelism (its heads are "
+                                  "not sharded)")
     check_heads(tp.size, config.num_attention_heads, config.num_key_value_heads)
     module: Any
     for module in list(model.modules()):

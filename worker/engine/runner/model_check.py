@@ -4,8 +4,8 @@ Loading through transformers' ``AttentionInterface`` makes almost every architec
 *run*; it does not make it *right*. Three checks stand between a checkpoint and traffic:
 
 * **The config** (``check_config``, before the weights load): multi-head latent attention
-  (DeepSeek-V2/V3, Kimi K2: its K and V differ in width and the paged cache holds one
-  width), and any ``quantization_config`` whose ``quant_method`` is not in
+  in a config class whose modules Ferry's MLA path has not been proven on
+  (``mla.SERVED_MLA_CONFIGS``), and any ``quantization_config`` whose ``quant_method`` is not in
   ``SUPPORTED_QUANT_METHODS`` (an unknown method is named as such: transformers would
   load it silently unquantized).
 * **The weights' headers** (``check_weights``): fp8 tensors without their scales (a
@@ -28,6 +28,7 @@ import torch
 from worker.engine.runner.attention.interface import UnsupportedAttention
 from worker.engine.runner.attention.layer_features import model_body, text_config
 from worker.engine.runner.attention.metadata import AttentionMetadata, ForwardContext
+from worker.engine.runner.attention.mla import SERVED_MLA_CONFIGS, is_mla
 from worker.engine.runner.quant.config import SUPPORTED_CHECKPOINT_METHODS
 
 # The checkpoint formats Ferry serves (``quantization_config.quant_method``) are the quant
@@ -56,11 +57,10 @@ def known_quant_methods() -> frozenset[str]:
 def check_config(hf_config: Any, model: str) -> None:
     """Refuse MLA and unsupported quantization from the config alone."""
     cfg = text_config(hf_config)
-    if getattr(cfg, "kv_lora_rank", None) or getattr(cfg, "q_lora_rank", None):
+    if is_mla(cfg) and type(cfg).__name__ not in SERVED_MLA_CONFIGS:
         raise UnservableModel(model, "multi-head latent attention (MLA)",
-                              f"{type(cfg).__name__}: keys of qk_nope_head_dim + "
-                              "qk_rope_head_dim and values of v_head_dim do not fit the "
-                              "paged KV cache")
+                              f"{type(cfg).__name__}: MLA is served for "
+                              f"{', '.join(sorted(SERVED_MLA_CONFIGS))} only")
     for owner in (hf_config, cfg):
         quant = getattr(owner, "quantization_config", None)
         if quant is not None:
@@ -123,11 +123,10 @@ class _ProbeBackend:
     def forward(self, q, k, v, cache, meta, scale, sliding_window, soft_cap,  # type: ignore[no-untyped-def]
                 sinks=None, chunk=None):
         self.calls.append((tuple(q.shape), tuple(k.shape), tuple(v.shape)))
-        return torch.zeros_like(q)
+        return q.new_zeros(*q.shape[:2], v.shape[2])  # [T, Hq, Dv]
 
 
-def probe_attention(model: Any, model_name: str, num_layers: int, num_kv_heads: int,
-                    head_dim: int, device: torch.device) -> None:
+def probe_attention(model: Any, model_name: str, shape: Any, device: torch.device) -> None:
     """One 3-token forward through a recording backend: each layer must call attention
     once with the cache's head sizes and nothing Ferry does not implement."""
     n = 3
@@ -142,7 +141,7 @@ def probe_attention(model: Any, model_name: str, num_layers: int, num_kv_heads: 
     backend = _ProbeBackend()
     empty = torch.empty(0, device=dev)
     positions = torch.arange(n, device=dev)
-    ctx = ForwardContext(meta=meta, kv_caches=[(empty, empty)] * (num_layers + 64),
+    ctx = ForwardContext(meta=meta, kv_caches=[(empty, empty)] * (shape.num_layers + 64),
                          backend=backend, positions=positions)
     with torch.inference_mode():
         try:
@@ -154,19 +153,22 @@ def probe_attention(model: Any, model_name: str, num_layers: int, num_kv_heads: 
             raise UnservableModel(model_name, "this architecture's forward",
                                   f"a probe forward failed: {type(exc).__name__}: "
                                   f"{exc}") from exc
-    _check_calls(backend.calls, model_name, num_layers, num_kv_heads, head_dim)
+    _check_calls(backend.calls, model_name, shape)
 
 
-def _check_calls(calls: list[tuple[tuple[int, ...], ...]], model: str, num_layers: int,
-                 num_kv_heads: int, head_dim: int) -> None:
+def _check_calls(calls: list[tuple[tuple[int, ...], ...]], model: str, shape: Any) -> None:
+    """``shape``: the ``ModelShape`` the cache is built for (``model_loader``, which
+    imports this module)."""
+    num_layers, num_kv_heads, head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
     if len(calls) != num_layers:
         raise UnservableModel(model, "attention layers that share or skip the KV cache",
                               f"{len(calls)} attention calls per forward for "
                               f"{num_layers} layers")
     for q, k, v in calls:  # [T, H, D] each
-        if not q[2] == k[2] == v[2] == head_dim:
-            raise UnservableModel(model, "query, key and value head sizes that differ",
-                                  f"q/k/v head sizes {q[2]}/{k[2]}/{v[2]}, cache {head_dim}")
+        if not (q[2] == k[2] == head_dim and v[2] == shape.value_dim):
+            raise UnservableModel(model, "these query, key and value head sizes",
+                                  f"q/k/v head sizes {q[2]}/{k[2]}/{v[2]}, cache "
+                                  f"{head_dim}/{head_dim}/{shape.value_dim}")
         if k[1] != num_kv_heads or v[1] != num_kv_heads or q[1] % num_kv_heads:
             raise UnservableModel(model, "this layout of attention heads",
                                   f"{q[1]} query heads over {k[1]} key heads, cache "

@@ -17,6 +17,7 @@ from worker.engine.distributed.sharding import kv_head_range
 from worker.engine.distributed.tp_config import TPConfig
 from worker.engine.runner import model_check, quant
 from worker.engine.runner.attention import interface as attention
+from worker.engine.runner.attention import mla
 from worker.engine.runner.attention.layer_features import prepare_layers
 from worker.engine.runner.cpu.gemv_calibration import set_gemv_rows
 from worker.engine.runner.cpu.packed_linear import PackedLinear, pack_linears
@@ -32,10 +33,18 @@ class ModelShape:
 
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # of the queries and keys the cache holds
     vocab_size: int
     max_model_len: int
     hidden_size: int = 0  # the width of the last hidden state (the LM head's input)
+    v_head_dim: int = 0  # of the values, where it differs from head_dim (MLA); 0: head_dim
+    # the values are the first v_head_dim columns of each key (MLA's latent cache): the
+    # cache stores keys only
+    v_in_k: bool = False
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
 
 @dataclass
@@ -132,8 +141,11 @@ def load_model(cfg: ModelConfig, tp: TPConfig | None = None) -> LoadedModel:
     if tp.enabled:
         kv = kv_head_range(shape.num_kv_heads, tp.rank, tp.size)
         shape = replace(shape, num_kv_heads=kv[1] - kv[0])
-    model_check.probe_attention(model, path, shape.num_layers, shape.num_kv_heads,
-                                shape.head_dim, device)
+    if mla.is_mla(hf_config):
+        shape = mla.mla_shape(shape, hf_config, latent=cfg.mla_latent_cache)
+        if cfg.mla_latent_cache:
+            mla.use_latent_attention(model)
+    model_check.probe_attention(model, path, shape, device)
     gemv_rows: dict[str, int] = {}
     if device.type == "cpu" and cfg.pack_weights and pack_linears(model):
         packed = [m for m in model.modules() if isinstance(m, PackedLinear)]

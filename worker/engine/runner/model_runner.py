@@ -23,6 +23,7 @@ from worker.engine.distributed.tp_config import TPConfig
 from worker.engine.health import EngineHealth
 from worker.engine.inflight import InflightStep
 from worker.engine.kv.block_manager import BlockManager
+from worker.engine.kv.pool import PoolLayout
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.manager import LoraManager
 from worker.engine.runner.attention.interface import make_backend
@@ -99,6 +100,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_cache()
         if use_checkpoint_kv_scales(self.model, model_cfg.model, self.shape.num_layers,
                                     self.kv_dtype):
+            if self.shape.v_in_k:  # one latent row serves as K and V: one scale for both
+                raise ValueError(f"model {model_cfg.model!r}: per-layer FP8 KV cache scales "
+                                 "are not implemented for the latent MLA cache")
             self.lean = None  # it attends outside the modules, where the scales live
         self.tables = BlockTableBuffer(
             max_num_seqs, -(-self.shape.max_model_len // self.block_size), self.device)
@@ -161,10 +165,19 @@ class ModelRunner:
         return dtype
 
     @property
-    def bytes_per_block(self) -> int:
+    def pool_layout(self) -> PoolLayout:
         s = self.shape
+        return PoolLayout(s.num_layers, s.num_kv_heads, s.head_dim, s.value_dim, s.v_in_k)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one token takes, every layer included."""
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
+        return self.pool_layout.bytes_per_token(elem)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
 
     def _num_blocks(self, cfg: CacheConfig) -> int:
         if cfg.num_blocks is not None:
@@ -184,18 +197,15 @@ class ModelRunner:
         return int(num)
 
     def _allocate_cache(self) -> list[KVCache]:
-        """The whole pool, allocated once: [layers][k|v] of [blocks, block_size, Hkv, D],
-        plus one scratch block owned by no request (the graphs' padded rows write there)."""
-        s = self.shape
-        pool = torch.zeros(
-            (s.num_layers, 2, self.num_blocks + 1, self.block_size, s.num_kv_heads,
-             s.head_dim),
-            dtype=self.kv_dtype, device=self.device,
-        )
+        """The whole pool, allocated once (``kv/pool.py``): [layers][k|v] of [blocks,
+        block_size, Hkv, D], plus one scratch block owned by no request (the graphs'
+        padded rows write there)."""
+        pool, caches = self.pool_layout.allocate(self.num_blocks + 1, self.block_size,
+                                                 self.kv_dtype, self.device)
         # the host tier copies whole blocks of every layer at once, as bytes for an FP8 pool
         # (not every device has an FP8 index_put)
         self.kv_pool = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
-        return [(pool[i, 0], pool[i, 1]) for i in range(s.num_layers)]
+        return caches
 
     def prepare(
         self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None = None

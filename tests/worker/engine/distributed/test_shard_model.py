@@ -78,6 +78,19 @@ def test_heads_that_do_not_divide_are_refused_before_any_weight_moves() -> None:
         shard_model(model, TPConfig(size=3, rank=0))
 
 
+def test_mla_is_refused_by_name_before_any_weight_moves() -> None:
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                              q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                              v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                              n_group=1, topk_group=1, moe_intermediate_size=16,
+                              **COMMON)  # type: ignore[arg-type]
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(TensorParallelError, match=r"multi-head latent attention \(MLA\)"):
+        shard_model(model, TPConfig(size=2, rank=0))
+
+
 def _loaded_rank(rank: int, ckpt: str, init_method: str, result: str) -> None:
     torch.set_num_threads(1)
     from worker.engine.distributed.sharded_load import load_sharded

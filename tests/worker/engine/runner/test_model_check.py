@@ -4,6 +4,7 @@ feature Ferry does not implement is refused with the feature and the model named
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from tests.family_checkpoints import build_family
 from worker.engine.config import ModelConfig
 from worker.engine.runner import model_check
 from worker.engine.runner.attention import interface
-from worker.engine.runner.model_loader import load_model
+from worker.engine.runner.model_loader import ModelShape, load_model
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +36,17 @@ def _load(path: str):  # type: ignore[no-untyped-def]
     return load_model(ModelConfig(model=path, device="cpu"))
 
 
-def test_mla_is_refused_by_name(tmp_path):
-    """DeepSeek-V3 (and Kimi K2, which is a DeepSeek-V3 config): refused from the config,
-    before any weight is read."""
-    from transformers import DeepseekV3Config
+def test_mla_outside_the_served_configs_is_refused_by_name(tmp_path):
+    """DeepSeek-V2's MLA module (its own rope layout, not proven here): refused from the
+    config, before any weight is read; DeepSeek-V3's is served (test_families.py)."""
+    from transformers import DeepseekV2Config
 
-    DeepseekV3Config(vocab_size=64, hidden_size=64, num_hidden_layers=2,
+    DeepseekV2Config(vocab_size=64, hidden_size=64, num_hidden_layers=2,
                      num_attention_heads=4, kv_lora_rank=16, q_lora_rank=32,
                      qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                      ).save_pretrained(tmp_path)
     with pytest.raises(model_check.UnservableModel,
-                       match=r"multi-head latent attention \(MLA\).*DeepseekV3Config") as err:
+                       match=r"multi-head latent attention \(MLA\).*DeepseekV2Config") as err:
         _load(str(tmp_path))
     assert str(tmp_path) in str(err.value)
 
@@ -143,12 +144,20 @@ def test_check_kwargs_refuses(mask, kwargs, match):
                                             "unused": None})
 
 
+_SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_dim=16, vocab_size=64,
+                    max_model_len=64)
+
+
 @pytest.mark.parametrize(("calls", "match"), [
     ([((3, 4, 16), (3, 2, 16), (3, 2, 16))], "share or skip"),
-    ([((3, 4, 24), (3, 2, 24), (3, 2, 16))] * 2, "head sizes that differ"),
+    ([((3, 4, 24), (3, 2, 24), (3, 2, 16))] * 2, "head sizes"),
+    ([((3, 4, 16), (3, 2, 16), (3, 2, 12))] * 2, "head sizes"),
     ([((3, 4, 16), (3, 1, 16), (3, 1, 16))] * 2, "layout of attention heads"),
 ])
 def test_attention_calls_that_do_not_fit_the_cache_are_refused(calls, match):
     with pytest.raises(model_check.UnservableModel, match=match):
-        model_check._check_calls(calls, "m", num_layers=2, num_kv_heads=2, head_dim=16)
-    model_check._check_calls([((3, 4, 16), (3, 2, 16), (3, 2, 16))] * 2, "m", 2, 2, 16)
+        model_check._check_calls(calls, "m", _SHAPE)
+    model_check._check_calls([((3, 4, 16), (3, 2, 16), (3, 2, 16))] * 2, "m", _SHAPE)
+    # values narrower than keys fit a cache built for them (MLA expanded per head)
+    model_check._check_calls([((3, 4, 24), (3, 2, 24), (3, 2, 12))] * 2, "m",
+                             replace(_SHAPE, head_dim=24, v_head_dim=12))

@@ -54,7 +54,7 @@ class TorchAttentionBackend:
         mask = Masking(sliding_window, soft_cap, sinks, chunk)
         k_cache, v_cache = cache
         reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v_cache.shape[-1])  # [T, Hq, Dv]
         nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, mask)
@@ -65,7 +65,7 @@ class TorchAttentionBackend:
         return out
 
     def _decode(self, q, k_cache, v_cache, meta, scale, mask):  # type: ignore[no-untyped-def]
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v_cache.shape[-1])  # [S, Hq, Dv]
         for lo, hi, max_len in meta.decode_buckets:
             tables, lens = meta.block_tables[lo:hi], meta.seq_lens[lo:hi]
             if mask.sdpa_unfit:
@@ -125,7 +125,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         each (a per-sequence loop that costs more than the rows' arithmetic)."""
         k_cache, v_cache = cache
         tokens, seqs, lens = short_chunks(meta)
-        if not tokens or soft_cap or k_cache.dtype not in cpu_decode_attention.CACHE_DTYPES:
+        if not tokens or soft_cap or not _native_fits(k_cache, v_cache):
             return super().forward(q, k, v, cache, meta, scale, sliding_window, soft_cap,
                                    sinks, chunk)
         mask = Masking(sliding_window, soft_cap, sinks, chunk)
@@ -149,12 +149,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return out
 
     def _decode(self, q, k_cache, v_cache, meta, scale, mask):  # type: ignore[no-untyped-def]
-        if k_cache.dtype not in cpu_decode_attention.CACHE_DTYPES:  # a float16 cache
+        if not _native_fits(k_cache, v_cache):  # a float16 cache, or K and V differ
             return super()._decode(q, k_cache, v_cache, meta, scale, mask)
         nd = meta.num_decodes
         return cpu_decode_attention.paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
             **mask.reference_kwargs())
+
+
+def _native_fits(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the C++ kernel reads this cache: its dtype, and K and V of one width."""
+    return k_cache.dtype in cpu_decode_attention.CACHE_DTYPES and \
+        k_cache.shape[-1] == v_cache.shape[-1]
 
 
 def _prefill_one(
@@ -200,7 +206,7 @@ def prefix_attention(
     layer, default model, one thread); this is the path of every prefix-cache hit, device
     or host tier. Queries are grouped per KV head, so K and V are read as they are (GQA)."""
     q_len, num_heads, dim = q.shape
-    ctx, num_kv, _ = k.shape
+    ctx, num_kv, v_dim = v.shape
     group = num_heads // num_kv
     qh = q.transpose(0, 1).reshape(num_kv, group * q_len, dim)  # [Hkv, G*Lq, D]
     scores = torch.bmm(qh, k.permute(1, 2, 0)).mul_(scale)  # [Hkv, G*Lq, L]
@@ -213,8 +219,8 @@ def prefix_attention(
         hidden |= k_pos < q_pos // chunk * chunk
     scores.view(num_kv, group, q_len, ctx).masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # every row keeps its own token: no empty row
-    out = torch.bmm(probs, v.transpose(0, 1))  # [Hkv, G*Lq, D]
-    return out.view(num_heads, q_len, dim).transpose(0, 1)
+    out = torch.bmm(probs, v.transpose(0, 1))  # [Hkv, G*Lq, Dv]
+    return out.view(num_heads, q_len, v_dim).transpose(0, 1)
 
 
 def causal_sdpa(

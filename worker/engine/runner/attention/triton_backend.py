@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from kernels.decode_attention import paged_decode_attention
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.store_kv import store_kv
@@ -19,7 +17,7 @@ class TritonAttentionBackend:
                 sinks=None, chunk=None):
         k_cache, v_cache = cache
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v_cache.shape[-1])  # [T, Hq, Dv]
         nd = meta.num_decodes  # decodes are one token each, so they are rows [0, nd)
         if nd:
             paged_decode_attention(
