@@ -55,6 +55,7 @@ from protocol.client import FerryClient  # noqa: E402
 from protocol.codec import decode_heartbeat  # noqa: E402
 from protocol.keys import Keys  # noqa: E402
 from protocol.models import ChatMessage, GenerateRequest, JobStatus, SamplingParams  # noqa: E402
+from protocol.store import as_str  # noqa: E402
 
 RESULT = ROOT / "ops" / "bench" / "results" / "affinity.json"
 WORDS = ["queue", "lease", "worker", "stream", "tenant", "prefix", "cache", "block", "token",
@@ -192,10 +193,6 @@ def routed(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
     return total
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value or "")
-
-
 def resume_times(url: str, keys: Keys, dead: str, killed_at: float,
                  out: dict[str, Any]) -> None:
     """The requests ``dead`` held when it was killed (taken, running or queued) and how
@@ -205,12 +202,12 @@ def resume_times(url: str, keys: Keys, dead: str, killed_at: float,
     held = []
     for key in r.scan_iter(match=keys.job("*"), count=1000):
         state, worker = r.hmget(key, "state", "worker_id")
-        if _text(worker) == dead and _text(state) not in ("done", "failed", "cancelled"):
+        if as_str(worker) == dead and as_str(state) not in ("done", "failed", "cancelled"):
             held.append(key)
     waits: dict[Any, float] = {}
     while len(waits) < len(held) and time.monotonic() < killed_at + 120:
         for key in held:
-            if key not in waits and _text(r.hget(key, "worker_id")) != dead:
+            if key not in waits and as_str(r.hget(key, "worker_id")) != dead:
                 waits[key] = round(time.monotonic() - killed_at, 2)
         time.sleep(0.02)
     out.update(held=len(held), resumed=len(waits), after_s=sorted(waits.values()))
