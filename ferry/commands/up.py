@@ -17,13 +17,10 @@ import json
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Annotated, Any
@@ -39,15 +36,19 @@ from ferry.commands.lora_flags import (
     gateway_lora_env,
     lora_args,
 )
+from ferry.commands.up_children import (
+    WorkerSlot,
+    metrics_ports,
+    start_batchers,
+    start_gateway,
+    start_redis_or_cluster,
+    start_workers,
+)
 from ferry.demo import stream_demo
-from ferry.local_cluster import ClusterLayout
-from ferry.local_stack import free_port, start_redis, start_redis_cluster
 from ferry.recovery import Recovery
-from ferry.supervisor import ChildSpec, Exit, Fatal, Supervisor
+from ferry.supervisor import Fatal, Supervisor
 from protocol.cluster.keys import keys_for
 from protocol.cluster.shard_slots import DEFAULT_SHARDS
-
-FERRY = (sys.executable, "-m", "ferry.cli")
 
 
 class _Stop(Exception):
@@ -56,32 +57,6 @@ class _Stop(Exception):
 
 def _on_signal(signum: int, _frame: FrameType | None) -> None:
     raise _Stop(signal.Signals(signum).name)
-
-
-@dataclass(frozen=True)
-class WorkerSlot:
-    """Worker ``index`` of a launcher, across its incarnations."""
-
-    launcher: str
-    index: int
-    base_cmd: tuple[str, ...]
-    metrics_port: int  # 0: off
-    recovery: Recovery
-    metrics_host: str = "127.0.0.1"
-
-    def worker_id(self, incarnation: int) -> str:
-        suffix = f"-r{incarnation}" if incarnation else ""
-        return f"{self.launcher}-{self.index}{suffix}"
-
-    def command(self, incarnation: int) -> list[str]:
-        return [*self.base_cmd, "--worker-id", self.worker_id(incarnation),
-                "--metrics-port", str(self.metrics_port), "--metrics-host", self.metrics_host]
-
-    def on_exit(self, exit: Exit) -> str | None:
-        notes = [self.recovery.worker_died(self.worker_id(exit.incarnation))]
-        if exit.restart_in_s is not None:
-            notes.append(self.recovery.record_exit(exit, self.worker_id(exit.next_incarnation)))
-        return "; ".join(n for n in notes if n) or None
 
 
 def _readyz(url: str) -> dict[str, Any]:
@@ -104,13 +79,6 @@ def _wait_ready(sup: Supervisor, url: str, workers: int, timeout: float) -> None
         if time.monotonic() > deadline:
             raise RuntimeError(f"not ready after {timeout:.0f} s: {state}")
         time.sleep(0.25)
-
-
-def _metrics_ports(first: int | None, workers: int) -> list[int]:
-    """Worker i's Prometheus port: ``first + i``; free ports when unset; 0 turns them off."""
-    if first is None:
-        return [free_port() for _ in range(workers)]
-    return [first + i if first else 0 for i in range(workers)]
 
 
 def _print_banner(sup: Supervisor, url: str, redis_url: str, slots: list[WorkerSlot],
@@ -138,62 +106,6 @@ def _print_banner(sup: Supervisor, url: str, redis_url: str, slots: list[WorkerS
                ' -d \'{"prompt": "def fibonacci(n):", "max_tokens": 32, "stream": true}\'')
 
 
-def _start_gateway(sup: Supervisor, recovery: Recovery, args: list[str],
-                   env: dict[str, str]) -> None:
-    def on_exit(exit: Exit) -> str | None:
-        return recovery.record_exit(exit, "gateway") if exit.restart_in_s is not None else None
-
-    cmd = [*FERRY, "gateway", *args]
-    sup.start(ChildSpec("gateway", lambda _n: cmd, dict(os.environ, **env) if env else None,
-                        stop_order=1, on_exit=on_exit))
-
-
-def _start_workers(sup: Supervisor, recovery: Recovery, url: str, model: str | None,
-                   metrics_ports: list[int], redis_args: list[str], metrics_host: str,
-                   worker_args: list[str]) -> list[WorkerSlot]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    threads = max(1, (os.cpu_count() or 1) // len(metrics_ports))
-    env.setdefault("FERRY_TORCH_THREADS", str(threads))
-    base = (*FERRY, "worker", "--redis-url", url, *redis_args,
-            *(("--model", model) if model else ()), *worker_args)
-    slots = [WorkerSlot(recovery.launcher, i, base, port, recovery, metrics_host)
-             for i, port in enumerate(metrics_ports)]
-    for slot in slots:  # workers drain for up to 60 s on SIGTERM (their own drain is 30 s)
-        sup.start(ChildSpec(f"worker-{slot.index}", slot.command, env, stop_grace_s=60.0,
-                            on_exit=slot.on_exit))
-    return slots
-
-
-def _start_redis(sup: Supervisor, tmp: Path, masters: int, replicas: int) -> str:
-    """One redis-server, or with ``masters`` a local Redis Cluster; returns its URL."""
-    if not masters:
-        return start_redis(sup, tmp / "redis")
-    try:
-        layout = ClusterLayout(masters=masters, replicas=replicas)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--redis-shards") from exc
-    return start_redis_cluster(sup, tmp / "redis-cluster", layout)
-
-
-def _same(cmd: list[str], _incarnation: int) -> list[str]:
-    return cmd
-
-
-def _start_batchers(sup: Supervisor, recovery: Recovery, url: str, count: int,
-                    redis_args: list[str]) -> None:
-    """Batch API drivers; each restart keeps its id, so a replacement takes its dead
-    predecessor's leases at once instead of waiting them out."""
-    for i in range(count):
-        name = f"batcher-{i}" if count > 1 else "batcher"
-
-        def on_exit(exit: Exit, name: str = name) -> str | None:
-            return recovery.record_exit(exit, name) if exit.restart_in_s is not None else None
-
-        cmd = [*FERRY, "batcher", "--redis-url", url, *redis_args, "--batcher-id",
-               f"{recovery.launcher}-{name}"]
-        sup.start(ChildSpec(name, partial(_same, cmd), stop_grace_s=15.0, on_exit=on_exit))
-
-
 def _report_fatal(sup: Supervisor, exc: Fatal) -> float:
     """Say why the stack stops; returns the scale of the stop graces."""
     if exc.exit.name == "redis":
@@ -212,6 +124,14 @@ def _show_logs(sup: Supervisor) -> None:
     tails = sup.log_tails()
     if tails:
         typer.echo(tails, err=True)
+
+
+def _model_args(quantization: str | None, tensor_parallel_size: int | None) -> list[str]:
+    """How every worker loads the model: quantized at load, sharded over ranks."""
+    args = ["--quantization", quantization] if quantization else []
+    if tensor_parallel_size:  # every worker owns this many ranks (devices on CUDA)
+        args += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    return args
 
 
 def up(
@@ -262,11 +182,8 @@ def up(
     """Start Redis (unless --redis-url), the gateway and N workers; restart what dies;
     stop all on Ctrl-C."""
     named = ["--served-model-name", served_model_name] if served_model_name else []
-    worker_args = [*named, *lora_args(lora, enable_lora, max_loras, max_lora_rank, lora_root)]
-    if quantization:  # every worker quantizes the checkpoint at load
-        worker_args += ["--quantization", quantization]
-    if tensor_parallel_size:  # every worker owns this many ranks (devices on CUDA)
-        worker_args += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    worker_args = [*named, *lora_args(lora, enable_lora, max_loras, max_lora_rank, lora_root),
+                   *_model_args(quantization, tensor_parallel_size)]
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
     tmp = Path(tempfile.mkdtemp(prefix="ferry-up-"))
@@ -279,16 +196,16 @@ def up(
     shards = stream_shards or redis_shards or DEFAULT_SHARDS
     redis_args = ["--redis-cluster", "--stream-shards", str(shards)] if cluster else []
     try:
-        url = redis_url or _start_redis(sup, tmp, redis_shards, redis_replicas)
+        url = redis_url or start_redis_or_cluster(sup, tmp, redis_shards, redis_replicas)
         recovery = Recovery(url, keys_for(os.environ.get("FERRY_PREFIX", "ferry"), cluster,
                                           shards), f"up-{os.getpid()}")
         gateway_url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
-        _start_gateway(sup, recovery, [
+        start_gateway(sup, recovery, [
             "--redis-url", url, "--host", host, "--port", str(port), "--workers", str(gateways),
             *redis_args, *named], gateway_lora_env(lora_root))
-        slots = _start_workers(sup, recovery, url, model, _metrics_ports(metrics_port, workers),
-                               redis_args, metrics_host, worker_args)
-        _start_batchers(sup, recovery, url, batchers, redis_args)
+        slots = start_workers(sup, recovery, url, model, metrics_ports(metrics_port, workers),
+                              redis_args, metrics_host, worker_args)
+        start_batchers(sup, recovery, url, batchers, redis_args)
         _wait_ready(sup, gateway_url, workers, ready_timeout_s)
         sup.supervising = True
         _print_banner(sup, gateway_url, url, slots, gateways)

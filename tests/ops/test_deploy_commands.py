@@ -176,7 +176,7 @@ def test_worker_metrics_are_opened_on_purpose() -> None:
 
 
 def test_ferry_up_passes_its_metrics_host_to_workers() -> None:
-    from ferry.commands.up import WorkerSlot
+    from ferry.commands.up_children import WorkerSlot
 
     slot = WorkerSlot("up-1", 0, ("ferry", "worker"), 9100, None, "10.0.0.5")  # type: ignore[arg-type]
     argv = slot.command(0)
