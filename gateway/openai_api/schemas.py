@@ -10,17 +10,18 @@ prompt ``p`` is returned as index ``p * n + i``, as OpenAI and vLLM do.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.body import validation_error
 from gateway.errors import APIError
+from gateway.openai_api.chat_messages import ChatMessageIn
 from gateway.openai_api.fields import refuse_unsupported
 from gateway.openai_api.response_shape import ResponseShape
 from gateway.openai_api.structured import StructuredFields, check_params
-from gateway.openai_api.tools import ToolCallIn, ToolFields
+from gateway.openai_api.tools import ToolFields
 from gateway.settings import GatewaySettings
 from protocol.models import ID_PATTERN, ChatMessage, GenerateRequest, new_request_id
 from protocol.sampling import MAX_LOGPROBS, SamplingParams
@@ -34,7 +35,6 @@ _SAMPLING_FIELDS = (
     "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "prompt_logprobs",
     "truncate_prompt_tokens", "bad_words", "allowed_token_ids",
 )
-ChatRole = Literal["system", "user", "assistant", "tool", "developer", "function"]  # OpenAI's
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
 
@@ -192,33 +192,6 @@ def _prompts(prompt: Any, limit: int) -> list[str | list[int]]:
         raise APIError(400, f"prompt: {len(prompts)} prompts exceed the limit of {limit}",
                        param="prompt")
     return prompts
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    type: str
-    text: str | None = None
-
-
-class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    role: ChatRole  # anything else: a 400 naming messages.<i>.role
-    content: str | list[TextPart] | None = None
-    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
-    tool_call_id: str | None = None  # a tool turn: the call it answers
-    name: str | None = None
-
-    def to_protocol(self, index: int) -> ChatMessage:
-        content = self.content
-        if isinstance(content, list):
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"messages.{index}.content: only text parts are "
-                                   f"supported, got {part.type!r}", param="messages")
-            content = "\n".join(part.text or "" for part in content)
-        calls = [c.to_protocol() for c in self.tool_calls] if self.tool_calls else None
-        return ChatMessage(role=self.role, content=content or "", tool_calls=calls,
-                           tool_call_id=self.tool_call_id, name=self.name)
 
 
 class ChatCompletionRequest(ToolFields, _OpenAIBase):

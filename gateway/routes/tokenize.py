@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.admission import require_api_key
 from gateway.body import parse_json, run_sized, validate
 from gateway.errors import APIError
-from gateway.openai_api.schemas import ChatMessageIn
+from gateway.openai_api.chat_messages import ChatMessageIn
 from gateway.routes.openai import body_schema
 from gateway.settings import GatewaySettings
 from gateway.tenancy.principal import tenant
