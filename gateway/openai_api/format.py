@@ -1,161 +1,44 @@
-"""TokenEvents -> OpenAI response bodies and stream chunks (completions and chat).
+"""TokenEvents -> OpenAI stream chunks (completions and chat), on top of the whole body.
 
-One ``Formatter`` serves one HTTP exchange, which may carry several requests (a prompt
-list: choice ``i`` of prompt ``p`` is index ``p * n + i``). Each request's first event
-brings its prompt's facts (``prompt_tokens``, ``prompt_logprobs``, ``prompt_text``),
-which echo, continuous usage and vLLM's ``prompt_logprobs`` field need.
+One ``Formatter`` serves one HTTP exchange: it is a ``WholeResponse``
+(``gateway/openai_api/whole_response.py``: the exchange's prompts' facts and its
+non-streamed body) that also frames the SSE chunks of a streamed one: the role and echo
+openings, token chunks, per-choice finish chunks and the usage chunk.
 
 Terminal events that are failures become HTTP errors (``gateway.errors.failure``).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from gateway.errors import APIError, failure
-from gateway.openai_api.logprobs import (
-    CompletionLogprobs,
-    chat_content,
-    entries_of,
-    merge,
-    vllm_prompt_logprobs,
-)
+from gateway.openai_api.logprobs import CompletionLogprobs, chat_content
 from gateway.openai_api.response_shape import ResponseShape
-from gateway.openai_api.tool_output import ToolStream, message_fields
+from gateway.openai_api.tool_output import ToolStream
 from gateway.openai_api.usage import summed, usage_body
+from gateway.openai_api.whole_response import WholeResponse, cut_short
 from gateway.sse import json_bytes, sse
-from protocol.models import ChoiceResult, PromptLogprob, StopReason, TokenEvent, Usage
+from protocol.models import StopReason, TokenEvent
 
 _SLOT = "\x00ferry-text-slot\x00"
 
 
-class _Prompt:
-    """What one request (one prompt of the exchange) has said so far."""
-
-    def __init__(self) -> None:
-        self.started = False
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.prompt_logprobs: list[PromptLogprob] | None = None
-        self.prompt_text: str | None = None
-        self.cached_tokens: int | None = None  # known from the terminal event's usage
-
-    def learn(self, event: TokenEvent) -> bool:
-        """Take the prompt's facts from its first event; True the first time."""
-        first = not self.started
-        self.started = True
-        if event.prompt_tokens is not None:
-            self.prompt_tokens = event.prompt_tokens
-        if event.prompt_logprobs is not None:
-            self.prompt_logprobs = event.prompt_logprobs
-        if event.prompt_text is not None:
-            self.prompt_text = event.prompt_text
-        if event.usage is not None:
-            self.prompt_tokens = event.usage.prompt_tokens or self.prompt_tokens
-            self.cached_tokens = event.usage.cached_tokens
-        return first
-
-
-class Formatter:
-    """Builds bodies for one exchange: fixed id, creation time, model and object kind.
+class Formatter(WholeResponse):
+    """Builds the bodies and stream chunks of one exchange.
 
     Stream chunks that carry only text (nearly all of them) are the same bytes but for
     the text: ``text_frame`` encodes everything around it once per choice index, so each
     token costs one JSON string encoding and a concatenation."""
 
     def __init__(self, request_id: str, model: str, shape: ResponseShape) -> None:
-        self.shape = shape
-        self.chat = shape.chat
-        self.id = f"{'chatcmpl' if shape.chat else 'cmpl'}-{request_id}"
-        self.model = model
-        self.created = int(time.time())
-        self.obj = "chat.completion.chunk" if shape.chat else "text_completion"
+        super().__init__(request_id, model, shape)
         self._frames: dict[int, tuple[bytes, bytes]] = {}
         self._finished: set[int] = set()  # choices whose finish chunk was sent
-        self._prompts = [_Prompt() for _ in range(shape.prompts)]
         self._logprobs: dict[int, CompletionLogprobs] = {}
         self._tools: dict[int, ToolStream] = {}  # chat with tools: per choice index
 
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def _echo_text(self, p: int) -> str:
-        if self.chat:
-            return self.shape.chat_echo or ""
-        if not self.shape.echo:
-            return ""
-        own = self.shape.echo_texts[p] if p < len(self.shape.echo_texts) else None
-        return own if own is not None else self._prompts[p].prompt_text or ""
-
-    # -- whole responses -----------------------------------------------------------------
-    def response(self, per_prompt: Sequence[Sequence[TokenEvent]]) -> dict[str, Any]:
-        """The non-streamed response: every prompt's choices, usage summed."""
-        choices: list[dict[str, Any]] = []
-        prompt_total = completion_total = 0
-        for p, events in enumerate(per_prompt):
-            state = self._prompts[p]
-            for event in events:
-                state.learn(event)
-            final = events[-1]
-            usage = final.usage or Usage()
-            prompt_total += usage.prompt_tokens
-            completion_total += usage.completion_tokens if self.shape.generate else 0
-            parts = [(c.index, *_choice_content(c, events), (c.finish_reason, c.stop_reason))
-                     for c in final.choices] if final.choices else \
-                [(0, "".join(e.text for e in events), list(events),
-                  (final.finish_reason, final.stop_reason))]
-            choices += [self._choice(p, i, text, evs, *end) for i, text, evs, end in parts]
-        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
-        body["usage"] = usage_body(prompt_total, completion_total,
-                                   summed([s.cached_tokens for s in self._prompts]))
-        if self.chat and self.shape.prompt_logprobs:
-            body["prompt_logprobs"] = self._vllm_prompt_logprobs(0)
-        return body
-
-    def _choice(self, p: int, i: int, text: str, events: Sequence[TokenEvent],
-                reason: str | None, stop_reason: StopReason | None) -> dict[str, Any]:
-        index = self.shape.index(p, i)
-        echo = self._echo_text(p)
-        if not self.shape.generate:
-            text, events, reason, stop_reason = "", [], "length", None
-        if self.chat:
-            lp = chat_content(entries_of(events), self.shape.token_ids_as_text) \
-                if any(e.logprobs is not None for e in events) else None
-            message = {"role": "assistant", **message_fields(
-                echo + text, self.shape.tools, _cut(reason, stop_reason))}
-            if message.get("tool_calls") and reason == "stop" and stop_reason is None:
-                reason = "tool_calls"
-            return {"index": index, "message": message,
-                    "logprobs": lp, "finish_reason": reason, "stop_reason": stop_reason}
-        choice = {"index": index, "text": echo + text,
-                  "logprobs": self._completion_logprobs(p, events, echo, CompletionLogprobs(
-                      self.shape.token_ids_as_text)),
-                  "finish_reason": reason, "stop_reason": stop_reason}
-        if self.shape.prompt_logprobs:
-            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(p)
-        return choice
-
-    def _completion_logprobs(self, p: int, events: Sequence[TokenEvent], echo: str,
-                             layout: CompletionLogprobs) -> dict[str, Any] | None:
-        """Echo's prompt block (from offset 0), then the completion's (after the echo)."""
-        prompt_block = None
-        prompt_lps = self._prompts[p].prompt_logprobs
-        if echo and prompt_lps is not None:
-            prompt_block = layout.block(prompt_lps)
-        layout.offset = len(echo)
-        completion = layout.block(entries_of(events)) \
-            if any(e.logprobs is not None for e in events) else None
-        return merge(prompt_block, completion)
-
-    def _vllm_prompt_logprobs(self, p: int) -> list[dict[str, Any] | None] | None:
-        entries = self._prompts[p].prompt_logprobs
-        return None if entries is None else \
-            vllm_prompt_logprobs(entries, self.shape.token_ids_as_text)
-
-    # -- stream chunks -------------------------------------------------------------------
     def opening(self) -> bytes:
         """Chat: the role chunk of every choice, then the echoed content, if any."""
         if not self.chat:
@@ -247,7 +130,7 @@ class Formatter:
         if index in self._tools:  # tools: what was held back, then the reason
             tools = self._tools[index]
             rest = b"".join(sse(self._chunk(index, d))
-                            for d in tools.finish(_cut(reason, stop_reason)))
+                            for d in tools.finish(cut_short(reason, stop_reason)))
             if tools.has_calls and reason == "stop" and stop_reason is None:
                 reason = "tool_calls"
         chunk = self._chunk(index, delta, finish_reason=reason)
@@ -301,21 +184,3 @@ class Formatter:
         cached = summed([s.cached_tokens for s in self._prompts])
         return sse({**self._envelope(self.obj, []),
                     "usage": usage_body(prompt, completion, cached)})
-
-
-def _cut(reason: str | None, stop_reason: StopReason | None) -> bool:
-    """Whether an output ended before its grammar did: ``max_tokens`` or a stop string."""
-    return reason == "length" or stop_reason is not None
-
-
-def _choice_content(
-    choice: ChoiceResult, events: Sequence[TokenEvent]
-) -> tuple[str, list[TokenEvent]]:
-    """A choice's text and its logprobs as pseudo-events: from the terminal event's
-    choice when it carries them (not streamed), else from the events of its index."""
-    if choice.text is not None:
-        pseudo = TokenEvent(request_id=events[-1].request_id, seq=0, index=choice.index,
-                            logprobs=choice.logprobs)
-        return choice.text, [pseudo]
-    own = [e for e in events if e.index == choice.index]
-    return "".join(e.text for e in own), own
