@@ -68,7 +68,7 @@ def publish(url: str, rids: list[str], steps: int, rate: float, ready: Any, out:
     while pusher.parked:
         time.sleep(0.05)
         pusher.push([], never, park=True)
-    out.put({"repaired": pusher.repaired})
+    out.put({"repaired": pusher.sent.repaired})
 
 
 def _final(entry: tuple[str, str], rid: str, seq: int) -> Outgoing:

@@ -45,6 +45,7 @@ from protocol.cluster.nodes import refresh_topology
 from protocol.codec import status_to_hash
 from worker.service.jobs import Outgoing
 from worker.service.outbox.cluster_scripts import FENCED_PUSH_NODE, MOVED_UNDER_US
+from worker.service.outbox.sent_events import SentEvents
 from worker.service.redis.connection import (
     TRANSIENT_ERRORS,
     Backoff,
@@ -84,14 +85,11 @@ class ClusterPusher:
         self.keys = settings.keys
         self.gate = gate or ShardGate(settings)
         self.encode = encode
-        self.holds = holds  # whether the worker still holds a request (else forget its events)
-        self.sent: dict[str, dict[int, bytes]] = {}  # request id -> seq -> payload
+        self.sent = SentEvents(holds)  # to refill a replay log a failover cut short
         self.parked: list[tuple[Outgoing, bytes]] = []
         self._retry_at: dict[str, float] = {}  # master -> when to try it again
         self._backoffs: dict[str, Backoff] = {}
-        self._pushes = 0
         self._topology_read = 0.0  # when the replicas it counts were last read
-        self.repaired = 0  # events sent again into logs a failover had cut short
 
     def push(self, batch: list[Outgoing], abandon: threading.Event, claim: bool = False,
              ack: bool = True, park: bool = False, give_up_after_s: float | None = None
@@ -122,7 +120,7 @@ class ClusterPusher:
         settled = [(outs[i], outcomes[i]) for i in range(len(items)) if outcomes[i] is not None]
         if ack:
             self._ack_finals(settled, replicated)
-        self._remember(settled, dict(zip(map(id, outs), payloads, strict=True)))
+        self.sent.remember(settled, dict(zip(map(id, outs), payloads, strict=True)))
         return settled
 
     def _groups(self, batch: list[Outgoing]) -> list[_Group]:
@@ -261,7 +259,8 @@ class ClusterPusher:
         results = [text(x) for x in reply][len(group.resend):]
         gap = next((r for r in results if r.startswith("gap:")), None)
         if gap is not None:
-            repair = self._repair(group, int(gap[4:]), batch)
+            repair = self.sent.repair(group.request_id, int(gap[4:]),
+                                      batch[group.positions[0]].seq)
             if repair is not None:
                 group.resend = repair
                 return True
@@ -269,20 +268,6 @@ class ClusterPusher:
         for i, result in zip(group.positions, results, strict=True):
             outcomes[i] = "gap" if result.startswith("gap:") else result
         return False
-
-    def _repair(self, group: _Group, length: int, batch: list[Outgoing]
-                ) -> list[tuple[int, bytes]] | None:
-        """The events from ``length`` up to this batch's first, if this worker sent them
-        all (they were lost with a failed master); None when it cannot fill the gap."""
-        first = batch[group.positions[0]].seq
-        sent = self.sent.get(group.request_id, {})
-        missing = range(length, first)
-        if not all(seq in sent for seq in missing):
-            return None
-        self.repaired += len(missing)
-        log.warning("replay_log_repaired", request_id=group.request_id, from_seq=length,
-                    events=len(missing))
-        return [(seq, sent[seq]) for seq in missing]
 
     def _ack_finals(self, settled: list[tuple[Outgoing, Any]],
                     replicated: dict[str, bool]) -> None:
@@ -301,16 +286,3 @@ class ClusterPusher:
             pipe.execute(raise_on_error=False)
         except TRANSIENT_ERRORS as exc:  # the reaper acknowledges them later ('skip')
             log.warning("ack_failed", entries=len(entries), error=str(exc))
-
-    def _remember(self, settled: list[tuple[Outgoing, Any]], payloads: dict[int, bytes]
-                  ) -> None:
-        for out, outcome in settled:
-            if outcome == "ok" and not out.final:
-                self.sent.setdefault(out.request_id, {})[out.seq] = payloads[id(out)]
-            elif out.final or outcome in ("lost", "foreign", "gap"):
-                self.sent.pop(out.request_id, None)
-        self._pushes += 1
-        if self._pushes % 256 == 0:  # requests that ended without an event (a lost lease)
-            for rid in [r for r in self.sent if not self.holds(r)]:
-                del self.sent[rid]
-
