@@ -240,7 +240,7 @@ def test_appends_while_redis_is_away_are_lost_not_raised() -> None:
 def test_the_worker_acl_user_appends_trims_and_reads(tmp_path: Any) -> None:
     """``ops/redis/users.acl``: the ``ferry-worker`` role may append to, trim, expire and
     read the draft stream, and nothing refused is raised on the writer thread."""
-    from tests.ops.test_redis_acl import AclRedis
+    from tests.ops.redis_acl.acl_server import AclRedis
 
     server = AclRedis(tmp_path)
     writer = reader = None
