@@ -22,6 +22,7 @@ LIFECYCLE_MARK = "## Request lifecycle"
 # (folder, heading caption); each section lists that folder's modules (not sub-folders)
 SECTIONS = [
     ("protocol", "torch-free wire contract"),
+    ("protocol/models", "the wire messages: vocabulary, requests, results"),
     ("protocol/tenants", "tenants on the wire: ids, the cache partition, the fair backlog"),
     ("protocol/affinity", "prefix affinity: chunk hashes, workers' boards, preference marks"),
     ("protocol/structured", "structured output and tool calls on the wire"),
