@@ -21,6 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Annotated, Any
@@ -126,6 +127,31 @@ def _show_logs(sup: Supervisor) -> None:
         typer.echo(tails, err=True)
 
 
+@dataclass(frozen=True)
+class _Stack:
+    """What ``ferry up`` starts, as its options gave it."""
+
+    workers: int
+    gateways: int
+    model: str | None
+    host: str
+    port: int
+    redis_url: str | None  # None: start Redis here
+    metrics_port: int | None
+    metrics_host: str
+    redis_shards: int  # 0: one redis-server, else a local cluster of this many masters
+    redis_replicas: int
+    cluster: bool
+    shards: int  # request-stream shards on a cluster
+    batchers: int
+    named: tuple[str, ...]  # --served-model-name, for the gateway and every worker
+    lora_roots: tuple[str, ...]
+    worker_args: tuple[str, ...]
+    demo: bool
+    demo_max_tokens: int
+    ready_timeout_s: float
+
+
 def _model_args(quantization: str | None, tensor_parallel_size: int | None) -> list[str]:
     """How every worker loads the model: quantized at load, sharded over ranks."""
     args = ["--quantization", quantization] if quantization else []
@@ -181,37 +207,54 @@ def up(
 ) -> None:
     """Start Redis (unless --redis-url), the gateway and N workers; restart what dies;
     stop all on Ctrl-C."""
-    named = ["--served-model-name", served_model_name] if served_model_name else []
-    worker_args = [*named, *lora_args(lora, enable_lora, max_loras, max_lora_rank, lora_root),
-                   *_model_args(quantization, tensor_parallel_size)]
+    named = ("--served-model-name", served_model_name) if served_model_name else ()
+    shards = stream_shards or redis_shards or DEFAULT_SHARDS
+    stack = _Stack(
+        workers=workers, gateways=gateways, model=model, host=host, port=port,
+        redis_url=redis_url, metrics_port=metrics_port, metrics_host=metrics_host,
+        redis_shards=redis_shards, redis_replicas=redis_replicas,
+        cluster=redis_cluster or redis_shards > 0, shards=shards, batchers=batchers,
+        named=named, lora_roots=tuple(lora_root or ()),
+        worker_args=(*named, *lora_args(lora, enable_lora, max_loras, max_lora_rank, lora_root),
+                     *_model_args(quantization, tensor_parallel_size)),
+        demo=demo, demo_max_tokens=demo_max_tokens, ready_timeout_s=ready_timeout_s)
+    raise typer.Exit(_run(stack))
+
+
+def _run(stack: _Stack) -> int:
+    """Start the stack and supervise it until a signal, a fatal exit or the demo's end;
+    stop it in order; returns the exit code."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
     tmp = Path(tempfile.mkdtemp(prefix="ferry-up-"))
     sup = Supervisor(report=lambda line: typer.secho(f"ferry up: {line}", fg="yellow", err=True))
-    if demo:  # keep the terminal for the demo's output; logs go to files
+    if stack.demo:  # keep the terminal for the demo's output; logs go to files
         sup.log_dir = tmp / "logs"
         sup.log_dir.mkdir()
     code, grace, recovery = 0, 1.0, None
-    cluster = redis_cluster or redis_shards > 0
-    shards = stream_shards or redis_shards or DEFAULT_SHARDS
-    redis_args = ["--redis-cluster", "--stream-shards", str(shards)] if cluster else []
+    redis_args = ["--redis-cluster", "--stream-shards", str(stack.shards)] \
+        if stack.cluster else []
     try:
-        url = redis_url or start_redis_or_cluster(sup, tmp, redis_shards, redis_replicas)
-        recovery = Recovery(url, keys_for(os.environ.get("FERRY_PREFIX", "ferry"), cluster,
-                                          shards), f"up-{os.getpid()}")
-        gateway_url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+        url = stack.redis_url or start_redis_or_cluster(sup, tmp, stack.redis_shards,
+                                                        stack.redis_replicas)
+        recovery = Recovery(url, keys_for(os.environ.get("FERRY_PREFIX", "ferry"),
+                                          stack.cluster, stack.shards), f"up-{os.getpid()}")
+        host = "127.0.0.1" if stack.host == "0.0.0.0" else stack.host
+        gateway_url = f"http://{host}:{stack.port}"
         start_gateway(sup, recovery, [
-            "--redis-url", url, "--host", host, "--port", str(port), "--workers", str(gateways),
-            *redis_args, *named], gateway_lora_env(lora_root))
-        slots = start_workers(sup, recovery, url, model, metrics_ports(metrics_port, workers),
-                              redis_args, metrics_host, worker_args)
-        start_batchers(sup, recovery, url, batchers, redis_args)
-        _wait_ready(sup, gateway_url, workers, ready_timeout_s)
+            "--redis-url", url, "--host", stack.host, "--port", str(stack.port),
+            "--workers", str(stack.gateways), *redis_args, *stack.named],
+            gateway_lora_env(list(stack.lora_roots)))
+        slots = start_workers(sup, recovery, url, stack.model,
+                              metrics_ports(stack.metrics_port, stack.workers), redis_args,
+                              stack.metrics_host, list(stack.worker_args))
+        start_batchers(sup, recovery, url, stack.batchers, redis_args)
+        _wait_ready(sup, gateway_url, stack.workers, stack.ready_timeout_s)
         sup.supervising = True
-        _print_banner(sup, gateway_url, url, slots, gateways)
-        if demo:
-            stream_demo(gateway_url, demo_max_tokens)
-            return
+        _print_banner(sup, gateway_url, url, slots, stack.gateways)
+        if stack.demo:
+            stream_demo(gateway_url, stack.demo_max_tokens)
+            return 0
         typer.echo("Ctrl-C stops everything.")
         while True:
             sup.poll()
@@ -232,4 +275,4 @@ def up(
             recovery.close()
         sup.stop(grace_scale=grace)
         shutil.rmtree(tmp, ignore_errors=True)
-    raise typer.Exit(code)
+    return code
