@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from worker import Engine
+    from worker.engine.output.text_output import TextOutputs
 
 
 def generate(
@@ -66,9 +70,20 @@ def generate(
     except ValueError as exc:
         typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(2) from exc
-    text = TextOutputs(engine)
-    if not chat:
-        sys.stdout.write(prompt)
+    n, reason, elapsed = _stream(engine, TextOutputs(engine), None if chat else prompt)
+    if stats:
+        typer.secho(
+            f"[{n} tokens in {elapsed:.2f}s, {n / max(elapsed, 1e-9):.1f} tok/s, "
+            f"finish_reason={reason}]", fg="cyan", err=True,
+        )
+
+
+def _stream(engine: Engine, text: TextOutputs, echo: str | None
+            ) -> tuple[int, str | None, float]:
+    """Step the engine to the end, writing ``echo`` (a plain prompt) and then the text as it
+    comes; returns the tokens generated, the finish reason and the seconds taken."""
+    if echo is not None:
+        sys.stdout.write(echo)
     start = time.perf_counter()
     n, reason = 0, None
     while engine.has_unfinished_requests():
@@ -79,8 +94,4 @@ def generate(
             reason = out.finish_reason if out.finished else reason
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
-    if stats:
-        typer.secho(
-            f"[{n} tokens in {elapsed:.2f}s, {n / max(elapsed, 1e-9):.1f} tok/s, "
-            f"finish_reason={reason}]", fg="cyan", err=True,
-        )
+    return n, reason, elapsed
