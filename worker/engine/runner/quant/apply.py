@@ -127,19 +127,20 @@ def apply(model: nn.Module, scheme: QuantScheme, path: str) -> int:
 
 
 def _quantized_experts(scheme: QuantScheme, name: str, module: Any) -> QuantizedExperts:
-    """``module``'s float experts quantized at load (int4: the largest group size among
-    the scheme's, 64 and 32 that divides both projections' input widths)."""
+    """``module``'s float experts quantized at load (int4: per projection, the largest group
+    size among the scheme's, 64 and 32 that divides its input width)."""
     w13, w2 = module.gate_up_proj, module.down_proj  # [E, 2I, H], [E, H, I]
-    group = 0
-    if scheme.method == "int4":
-        group = next((g for g in (scheme.group_size, 64, 32)
-                      if w13.shape[2] % g == 0 and w2.shape[2] % g == 0), 0)
-        if not group:
-            raise QuantizationError(
-                f"int4: experts {name} have input widths {w13.shape[2]} and {w2.shape[2]}, "
-                "not multiples of a group size the kernel takes (32)")
-    return QuantizedExperts(scheme.method, quantize_projection(scheme.method, w13, group),
-                            quantize_projection(scheme.method, w2, group),
+    projections = []
+    for label, weight in (("gate_up", w13), ("down", w2)):
+        group = 0
+        if scheme.method == "int4":
+            group = next((g for g in (scheme.group_size, 64, 32) if weight.shape[2] % g == 0), 0)
+            if not group:
+                raise QuantizationError(
+                    f"int4: experts {name} ({label}) have {weight.shape[2]} input features, "
+                    "not a multiple of a group size the kernel takes (32)")
+        projections.append(quantize_projection(scheme.method, weight, group))
+    return QuantizedExperts(scheme.method, projections[0], projections[1],
                             int(w13.shape[0]), int(w2.shape[2]))
 
 
