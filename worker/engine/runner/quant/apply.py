@@ -206,6 +206,7 @@ def _refuse_untaken(model: nn.Module, tensors: CheckpointTensors, taken: set[str
 
 
 def _owning_module(modules: dict[str, nn.Module], name: str) -> nn.Module | None:
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's checkpoint name
     while name:
         if name in modules:
             return modules[name]

@@ -83,14 +83,29 @@ def test_fp8_refuses_a_shape_scaled_mm_cannot_take(tmp_path: Path) -> None:
         LLM(src, kv_cache_blocks=16, quantization="fp8")
 
 
-def test_quantized_moe_experts_are_refused_by_their_layer_type(tmp_path: Path) -> None:
+def test_partly_quantized_experts_are_refused_by_name(tmp_path: Path) -> None:
+    """One expert's gate half written (no zeros, no scales, no up or down), the rest
+    float: refused, naming the first missing tensor."""
+    from worker.engine.llm import LLM
+
+    quantized, _ = write_quantized(build_moe(tmp_path), "awq", tmp_path, experts=False)
+    state = load_file(str(Path(quantized) / "model.safetensors"))
+    state["model.layers.0.block_sparse_moe.experts.0.w1.qweight"] = torch.zeros(
+        64, 16, dtype=torch.int32)
+    save_file(state, str(Path(quantized) / "model.safetensors"))
+    with pytest.raises(QuantizationError, match="no tensor .*experts.0.w1.qzeros"):
+        LLM(quantized, kv_cache_blocks=16)
+
+
+def test_a_quantized_router_is_refused_by_its_layer_type(tmp_path: Path) -> None:
     from worker.engine.llm import LLM
 
     quantized, _ = write_quantized(build_moe(tmp_path), "awq", tmp_path)
     state = load_file(str(Path(quantized) / "model.safetensors"))
-    state["model.layers.0.mlp.experts.0.w1.qweight"] = torch.zeros(64, 16, dtype=torch.int32)
+    state["model.layers.0.block_sparse_moe.gate.qweight"] = torch.zeros(64, 1,
+                                                                        dtype=torch.int32)
     save_file(state, str(Path(quantized) / "model.safetensors"))
-    with pytest.raises(QuantizationError, match="experts.0.w1 \\(MixtralExperts\\)"):
+    with pytest.raises(QuantizationError, match=r"block_sparse_moe.gate \(MixtralTopKRouter\)"):
         LLM(quantized, kv_cache_blocks=16)
 
 
