@@ -67,10 +67,11 @@ class Int4Experts(nn.Module):
         self.layers = nn.ModuleList(layers)
 
     def project(self, e: int, rows: torch.Tensor) -> torch.Tensor:  # [n, K] -> [n, N]
-        return self.layers[e](rows)  # type: ignore[no-any-return]
+        layer: Int4Linear = self.layers[e]  # type: ignore[assignment]
+        return layer(rows)  # type: ignore[no-any-return]
 
     def dequantized(self) -> torch.Tensor:  # [E, N, K] fp32
-        return torch.stack([layer.dequantized() for layer in self.layers])
+        return torch.stack([layer.dequantized() for layer in self.layers])  # type: ignore[operator]
 
 
 Projection = ScaledExperts | Int4Experts
