@@ -99,7 +99,8 @@ def speed(rounds: int, calls: int) -> dict[str, Any]:
         with torch.no_grad():
             for method in METHODS:
                 q = modules[method].ferry_quantized
-                want = reference.moe_experts(x, *q.dequantized(), ids, w)
+                w13, w2 = q.dequantized()
+                want = reference.moe_experts(x, w13, w2, ids, w)
                 errors[method] = float((moe.experts_forward(modules[method], x, ids, w)
                                         - want).abs().max())
             times: dict[str, list[float]] = {m: [] for m in modules}
