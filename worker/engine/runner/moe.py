@@ -32,9 +32,11 @@ IMPLEMENTATION = "ferry_moe"
 
 
 def is_experts_module(module: Any) -> bool:
-    """True for a transformers experts module that dispatches through ``ExpertsInterface``."""
+    """True for a transformers experts module that dispatches through ``ExpertsInterface``
+    (its float experts, or quantized ones in their place)."""
     return all(hasattr(module, a) for a in ("has_gate", "is_transposed", "has_bias",
-                                            "_is_expert_parallel", "down_proj"))
+                                            "_is_expert_parallel")) \
+        and (hasattr(module, "down_proj") or hasattr(module, "ferry_quantized"))
 
 
 def fused_layout(module: Any) -> bool:

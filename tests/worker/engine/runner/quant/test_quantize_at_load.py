@@ -70,6 +70,7 @@ def test_quantized_at_load_serves_like_its_dequantized_weights(
     if "moe" in arch or arch == "mixtral":
         assert "QuantizedExperts" in kinds
         assert not any(hasattr(m, "gate_up_proj") for m in model.modules())  # freed
+        assert llm.engine.runner.lean is not None  # the lean CPU decode runs them too
     got = [o.choices[0] for o in llm.generate(PROMPTS, GREEDY)]
     if method == "fp8":  # W8A8: the same layers in fp32 torch (agreement.py)
         from worker.engine.runner.quant.experts import QuantizedExperts
