@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from tests.worker.engine.runner.quant.agreement import build_moe
 from tests.worker.engine.runner.quant.quantizers import quantization_config, write_quantized
@@ -129,3 +130,19 @@ def test_a_quantized_checkpoint_is_not_quantized_again(tmp_path: Path) -> None:
         LLM(quantized, kv_cache_blocks=16, quantization="int8")
     config = json.loads((Path(quantized) / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "awq"  # the file is untouched
+
+
+def test_gpt_oss_experts_stay_float_under_quantization(tmp_path: Path) -> None:
+    """gpt-oss's biased, transposed, clamped experts are not quantized at load: they stay
+    in the model's dtype (the attention layers are quantized) and the model serves."""
+    from tests.family_checkpoints import build_family
+    from worker.engine.llm import LLM
+    from worker.engine.runner.moe import is_experts_module
+
+    llm = LLM(build_family("gpt_oss", tmp_path), kv_cache_blocks=16, quantization="int8")
+    experts = [m for m in llm.engine.runner.model.modules() if is_experts_module(m)]
+    assert experts and all(not hasattr(m, "ferry_quantized") for m in experts)
+    assert all(m.gate_up_proj.dtype == torch.float32 for m in experts)
+    out = llm.generate(["def f(x):"], SamplingParams(max_tokens=4, temperature=0.0,
+                                                     ignore_eos=True))
+    assert len(out[0].choices[0].token_ids) == 4
