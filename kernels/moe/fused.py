@@ -19,10 +19,10 @@ expert's rows; padding lanes are masked on load and store, so experts no token c
 cost nothing but their programs' early return. The top-k sum is a ``view().sum()``:
 deterministic (no atomics), fp32-accumulated.
 
-Experts are bf16/fp16/fp32, or FP8 (``float8_e4m3fn``) weights with an fp32 scale per
-expert and output feature: each tile is widened to the activation dtype (exact for e4m3
-into bf16) and the accumulator multiplied by the column's scale after the K loop, which is
-the dequantized product exactly (the scale is constant along K).
+Experts are bf16/fp16/fp32, or FP8 (``float8_e4m3fn``) or INT8 weights with an fp32 scale
+per expert and output feature: each tile is widened to the activation dtype (exact for
+e4m3 and int8 into bf16) and the accumulator multiplied by the column's scale after the K
+loop, which is the dequantized product exactly (the scale is constant along K).
 Layouts are transformers': ``w13`` [E, 2I, H] (gate rows, then up rows), ``w2`` [E, H, I].
 ``kernels.reference.moe_experts`` is the naive per-expert loop it is tested against.
 """
@@ -40,6 +40,7 @@ BLOCK_M = 16  # pairs per program: decode steps route few tokens to each expert
 BLOCK_N = 64
 BLOCK_K = 32
 FP8 = torch.float8_e4m3fn
+SCALED = (FP8, torch.int8)  # weight dtypes that come with a per-feature scale
 
 
 def moe_align(
@@ -74,10 +75,19 @@ def moe_align(
 
 
 @triton.jit
+def _widen(w, a, UPCAST: tl.constexpr):
+    """A weight tile in the dot's dtype: fp32 when the dot upcasts (straight from int8/fp8:
+    the interpreter has no int8 -> bf16 conversion), else the activations' dtype."""
+    if UPCAST:
+        return w.to(tl.float32)
+    return w.to(a.dtype)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K] activations (rows = tokens for gate_up, pairs for down)
     w_ptr,  # [E, N_w, K] expert weights (N_w = 2N when GATED)
-    scale_ptr,  # [E, N_w] fp32 per-feature scale (FP8 weights only)
+    scale_ptr,  # [E, N_w] fp32 per-feature scale (FP8/INT8 weights only)
     out_ptr,  # [P, N]
     pairs_ptr,  # [P_max] int32 sorted pair ids, sentinel = num_pairs
     block_expert_ptr,  # [P_max // BLOCK_M] int32
@@ -110,11 +120,11 @@ def _moe_gemm_kernel(
                     mask=valid[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
         w_off = offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]: W^T tile
         w_mask = n_ok[None, :] & k_ok[:, None]
-        w = tl.load(w_base + w_off, mask=w_mask, other=0.0).to(a.dtype)
-        acc += _dot(a, w, UPCAST)
+        w = tl.load(w_base + w_off, mask=w_mask, other=0.0)
+        acc += _dot(a, _widen(w, a, UPCAST), UPCAST)
         if GATED:
             w_up = tl.load(w_base + n_out * stride_wn + w_off, mask=w_mask, other=0.0)
-            acc_up += _dot(a, w_up.to(a.dtype), UPCAST)
+            acc_up += _dot(a, _widen(w_up, a, UPCAST), UPCAST)
     if W_SCALED:
         s_base = scale_ptr + expert.to(tl.int64) * stride_se
         acc *= tl.load(s_base + offs_n, mask=n_ok, other=0.0)[None, :]
@@ -145,7 +155,7 @@ def _launch(a, w, scale, out, pairs, block_expert, route_w, *, gated: bool, top_
 
 def _check(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale) -> None:
     chk.check_tensor("hidden", x, ndim=2, dtypes=chk.FLOAT_DTYPES)
-    w_dtypes = (*chk.FLOAT_DTYPES, FP8)
+    w_dtypes = (*chk.FLOAT_DTYPES, *SCALED)
     chk.check_tensor("w13", w13, ndim=3, dtypes=w_dtypes)
     chk.check_tensor("w2", w2, ndim=3, dtypes=w_dtypes)
     chk.check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
@@ -161,8 +171,8 @@ def _check(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale) -> None:
     if w13.stride(1) != hidden or w2.stride(1) != two_i // 2:
         raise ValueError("w13 and w2 must be contiguous within each expert")
     for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
-        if (w.dtype == FP8) != (scale is not None):
-            raise ValueError(f"{name}_scale must be given exactly when {name} is {FP8}")
+        if (w.dtype in SCALED) != (scale is not None):
+            raise ValueError(f"{name}_scale must be given exactly when {name} is fp8 or int8")
         if scale is not None and (scale.dtype != torch.float32 or scale.shape != w.shape[:2]
                                   or scale.stride(1) != 1):
             raise ValueError(f"{name}_scale must be contiguous fp32 {tuple(w.shape[:2])}, "
@@ -176,8 +186,8 @@ def fused_moe(
     w2: torch.Tensor,  # [E, H, I]
     topk_ids: torch.Tensor,  # [T, K]
     topk_weights: torch.Tensor,  # [T, K] router weight of each choice
-    w13_scale: torch.Tensor | None = None,  # [E, 2I] fp32, FP8 w13 only
-    w2_scale: torch.Tensor | None = None,  # [E, H] fp32, FP8 w2 only
+    w13_scale: torch.Tensor | None = None,  # [E, 2I] fp32, FP8/INT8 w13 only
+    w2_scale: torch.Tensor | None = None,  # [E, H] fp32, FP8/INT8 w2 only
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])``: [T, H], hidden's dtype."""
     _check(hidden, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale)

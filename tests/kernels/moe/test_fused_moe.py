@@ -1,7 +1,7 @@
 """The Triton fused-MoE kernel equals the naive per-expert loop of ``kernels.reference``.
 
 Routings with experts no token chose, one token, top-1/2/4, more pairs of one expert
-than a program's block; bf16/fp32 experts and FP8 experts with per-feature scales;
+than a program's block; bf16/fp32 experts and FP8 and INT8 experts with per-feature scales;
 feature sizes that are not multiples of the kernel's blocks.
 """
 
@@ -51,15 +51,22 @@ def test_fused_moe_matches_per_expert_loop(device, randn, dtype, case) -> None:
     torch.testing.assert_close(got.cpu(), want, atol=atol, rtol=rtol)
 
 
+def _quantized(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8: the values rounded to e4m3; int8: integers in [-127, 127]."""
+    return w.to(FP8) if dtype == FP8 else (w * 40).round().clamp(-127, 127).to(torch.int8)
+
+
+@pytest.mark.parametrize("wdtype", [FP8, torch.int8], ids=["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_k", [1, 2, 4])
-def test_fp8_experts_match_dequantized_loop(device, randn, dtype, top_k) -> None:
+def test_scaled_experts_match_dequantized_loop(device, randn, dtype, top_k, wdtype) -> None:
     ids, weights = _routing(7, top_k, only=[0, 1, 3, 5], seed=top_k)
     x = randn(7, HIDDEN, dtype=dtype)
-    w13 = randn(EXPERTS, 2 * INTER, HIDDEN).to(FP8)
-    w2 = randn(EXPERTS, HIDDEN, INTER).to(FP8)
-    s13 = (torch.rand(EXPERTS, 2 * INTER) / HIDDEN ** 0.5 + 0.01).to(device)
-    s2 = (torch.rand(EXPERTS, HIDDEN) / INTER ** 0.5 + 0.01).to(device)
+    w13 = _quantized(randn(EXPERTS, 2 * INTER, HIDDEN), wdtype)
+    w2 = _quantized(randn(EXPERTS, HIDDEN, INTER), wdtype)
+    unit = 1 / 40 if wdtype == torch.int8 else 1.0  # int8 holds the values x40
+    s13 = ((torch.rand(EXPERTS, 2 * INTER) / HIDDEN ** 0.5 + 0.01) * unit).to(device)
+    s2 = ((torch.rand(EXPERTS, HIDDEN) / INTER ** 0.5 + 0.01) * unit).to(device)
     got = fused_moe(x, w13, w2, ids.to(device), weights.to(device, dtype), s13, s2)
     want = reference.moe_experts(x.cpu(), w13.cpu(), w2.cpu(), ids, weights.to(dtype),
                                  s13.cpu(), s2.cpu())

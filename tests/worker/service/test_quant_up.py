@@ -13,21 +13,24 @@ import pytest
 
 from protocol.sampling import SamplingParams
 from tests.redis_server import free_port
+from tests.worker.engine.runner.quant.agreement import build_moe
 from tests.worker.engine.runner.quant.quantizers import write_quantized
 from tests.worker.service.test_up_supervision import UpProcess
 
 PROMPT = "def add(a, b):"
 
 
-@pytest.mark.parametrize(("fmt", "flag"), [("awq", None), (None, "int8")])
+@pytest.mark.parametrize(("fmt", "flag", "moe"), [("awq", None, False), (None, "int8", False),
+                                                  ("ct-fp8-channel", None, True)])
 def test_ferry_up_serves_a_quantized_model(redis_server: Any, checkpoint: str, log_dir: Path,
                                            tmp_path: Path, fmt: str | None,
-                                           flag: str | None) -> None:
+                                           flag: str | None, moe: bool) -> None:
     import torch
 
     from worker import LLM
 
-    model = write_quantized(checkpoint, fmt, tmp_path)[0] if fmt else checkpoint
+    src = build_moe(tmp_path) if moe else checkpoint
+    model = write_quantized(src, fmt, tmp_path)[0] if fmt else src
     options = {"quantization": flag} if flag else {}
     torch.set_num_threads(1)  # as the worker runs
     want = LLM(model, device="cpu", kv_cache_blocks=64, **options).generate(
@@ -49,3 +52,5 @@ def test_ferry_up_serves_a_quantized_model(redis_server: Any, checkpoint: str, l
     assert code == 0, up.tail()
     if flag:  # the worker said what it did
         assert f'"method": "{flag}"' in (log_dir / "up.log").read_text()
+    if moe:  # both MoE layers' experts loaded quantized
+        assert '"moe_layers": 2' in (log_dir / "up.log").read_text()

@@ -12,6 +12,11 @@ no biases, SiLU, no post-expert norm) on a CUDA device goes to ``kernels.moe.fus
 every other module (the CPU, or gpt-oss's biased, transposed, clamped experts) goes to
 ``kernels.moe.grouped``, with the module's own gate function. Either way the result is the
 module's eager forward up to fp32 summation order.
+
+A module whose experts were quantized (``runner/quant/experts.py`` attaches them as
+``ferry_quantized`` and deletes the float parameters) runs from its quantized weights:
+FP8 and INT8 experts through the fused kernel on CUDA (with their per-feature scales),
+every method through the grouped path with the quantized expert otherwise.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ IMPLEMENTATION = "ferry_moe"
 
 
 def is_experts_module(module: Any) -> bool:
-    """True for a transformers experts module that dispatches through ``ExpertsInterface``."""
+    """True for a transformers experts module that dispatches through ``ExpertsInterface``
+    (its float experts, or quantized ones in their place)."""
     return all(hasattr(module, a) for a in ("has_gate", "is_transposed", "has_bias",
-                                            "_is_expert_parallel", "down_proj"))
+                                            "_is_expert_parallel")) \
+        and (hasattr(module, "down_proj") or hasattr(module, "ferry_quantized"))
 
 
 def fused_layout(module: Any) -> bool:
@@ -44,8 +51,21 @@ def fused_layout(module: Any) -> bool:
                 is _default_apply_gate)
 
 
+def quantized_experts(module: Any) -> Any | None:
+    """The module's ``QuantizedExperts`` (``runner/quant/experts.py``), or None: float."""
+    return getattr(module, "ferry_quantized", None)
+
+
+def expert_count(module: Any) -> int:
+    quantized = quantized_experts(module)
+    return int(quantized.num_experts if quantized is not None else module.down_proj.shape[0])
+
+
 def module_expert(module: Any) -> Expert:
     """Expert ``e`` of ``module`` on ``rows`` [n, H], in the module's own layout and gate."""
+    quantized = quantized_experts(module)
+    if quantized is not None:
+        return quantized.expert  # type: ignore[no-any-return]
     up = module.gate_up_proj if module.has_gate else module.up_proj
     up_bias = (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias) \
         if module.has_bias else None
@@ -82,10 +102,17 @@ def experts_forward(
     if takes_fused_kernel(hidden_states, module):
         from kernels.moe.fused import fused_moe
 
-        return fused_moe(hidden_states, module.gate_up_proj, module.down_proj,
-                         top_k_index, top_k_weights)
+        quantized = quantized_experts(module)
+        if quantized is None:
+            return fused_moe(hidden_states, module.gate_up_proj, module.down_proj,
+                             top_k_index, top_k_weights)
+        weights = quantized.fused_weights()  # None: int4, the grouped path
+        if weights is not None:
+            w13, w2, w13_scale, w2_scale = weights
+            return fused_moe(hidden_states, w13, w2, top_k_index, top_k_weights,
+                             w13_scale, w2_scale)
     return grouped_moe(hidden_states, top_k_index, top_k_weights, module_expert(module),
-                       module.down_proj.shape[0])
+                       expert_count(module))
 
 
 def register() -> None:

@@ -16,7 +16,12 @@ from typing import Any
 import torch
 
 from kernels.moe.grouped import grouped_moe
-from worker.engine.runner.moe import IMPLEMENTATION, is_experts_module, module_expert
+from worker.engine.runner.moe import (
+    IMPLEMENTATION,
+    expert_count,
+    is_experts_module,
+    module_expert,
+)
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 # RMSNorm classes by formula: Llama's (``variance_epsilon``) and Gemma's 1 + w (``eps``)
@@ -111,7 +116,7 @@ def _moe(block: Any) -> Fn:
         raise NotReproduced(f"{type(block).__name__}'s experts do not take Ferry's grouped path")
     router = block.gate.forward
     expert = module_expert(experts)
-    num_experts = int(experts.down_proj.shape[0])
+    num_experts = expert_count(experts)
 
     def moe(x: torch.Tensor) -> torch.Tensor:  # [T, H]
         _, weights, index = router(x)  # [T, K] each

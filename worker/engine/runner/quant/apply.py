@@ -3,9 +3,10 @@
 ``prepare`` decides the scheme and takes ``quantization_config`` off the config handed to
 transformers, so transformers builds a plain float model (it would otherwise ask for
 packages Ferry does not use); ``apply`` then swaps every linear layer that the scheme
-covers for a quantized module, from the checkpoint's own tensors or quantized here. A
-quantized tensor in the checkpoint that no replaced layer takes (an MoE's fused experts,
-for one) is refused by the layer's type, so nothing is ever served from random weights.
+covers for a quantized module, from the checkpoint's own tensors or quantized here, and
+every MoE layer's SiLU-gated experts for ``QuantizedExperts`` (``experts.py``). A quantized
+tensor in the checkpoint that nothing replaced takes (a layer type Ferry does not quantize)
+is refused by the layer's type, so nothing is ever served from random weights.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ import structlog
 import torch
 from torch import nn
 
+from worker.engine.runner.moe import fused_layout, is_experts_module
 from worker.engine.runner.quant.checkpoint_config import as_dict, scheme_from_checkpoint
 from worker.engine.runner.quant.config import QuantizationError, QuantScheme, scheme_at_load
+from worker.engine.runner.quant.expert_checkpoint import read_experts
+from worker.engine.runner.quant.experts import QuantizedExperts, attach, quantize_projection
 from worker.engine.runner.quant.formats import (
     QUANT_SUFFIXES,
     CheckpointTensors,
@@ -87,24 +91,57 @@ def ignored(name: str, patterns: tuple[str, ...]) -> bool:
 
 
 def apply(model: nn.Module, scheme: QuantScheme, path: str) -> int:
-    """Replace the model's covered linear layers in place; returns how many."""
+    """Replace the model's covered linear layers and MoE experts in place; returns how
+    many modules were quantized."""
     head = model.get_output_embeddings()  # type: ignore[operator]
     targets = [(name, mod) for name, mod in model.named_modules()
                if type(mod) is nn.Linear and mod is not head
                and not ignored(name, scheme.ignore + (_ROUTER,))]
+    moe = [(name, mod) for name, mod in model.named_modules()
+           if is_experts_module(mod) and not ignored(name, scheme.ignore)]
     tensors = None if scheme.source == "load" else CheckpointTensors(path)
-    if tensors is not None:
-        _refuse_untaken(model, tensors, {name for name, _ in targets})
+    if tensors is None:
+        experts = {name: _quantized_experts(scheme, name, mod) for name, mod in moe
+                   if fused_layout(mod)}
+    else:
+        experts, taken = {}, {name for name, _ in targets}
+        for name, mod in moe:
+            found = read_experts(scheme, name, mod, tensors) if fused_layout(mod) else None
+            if found is not None:
+                experts[name] = found[0]
+                taken.update(found[1])
+        _refuse_untaken(model, tensors, taken)
     for name, mod in targets:
         layer = _quantized(scheme, name, mod) if tensors is None else \
             build_layer(scheme, name, mod, tensors)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
-    count = len(targets)
+    for name, quantized in experts.items():
+        attach(model.get_submodule(name), quantized)
+    count = len(targets) + len(experts)
     if scheme.head:
         count += _quantize_head(model, scheme)
-    _log.info("quantized", method=scheme.method, source=scheme.source, layers=count)
+    _log.info("quantized", method=scheme.method, source=scheme.source, layers=count,
+              moe_layers=len(experts), moe_layers_float=len(moe) - len(experts))
     return count
+
+
+def _quantized_experts(scheme: QuantScheme, name: str, module: Any) -> QuantizedExperts:
+    """``module``'s float experts quantized at load (int4: per projection, the largest group
+    size among the scheme's, 64 and 32 that divides its input width)."""
+    w13, w2 = module.gate_up_proj, module.down_proj  # [E, 2I, H], [E, H, I]
+    projections = []
+    for label, weight in (("gate_up", w13), ("down", w2)):
+        group = 0
+        if scheme.method == "int4":
+            group = next((g for g in (scheme.group_size, 64, 32) if weight.shape[2] % g == 0), 0)
+            if not group:
+                raise QuantizationError(
+                    f"int4: experts {name} ({label}) have {weight.shape[2]} input features, "
+                    "not a multiple of a group size the kernel takes (32)")
+        projections.append(quantize_projection(scheme.method, weight, group))
+    return QuantizedExperts(scheme.method, projections[0], projections[1],
+                            int(w13.shape[0]), int(w2.shape[2]))
 
 
 def _quantized(scheme: QuantScheme, name: str, linear: nn.Linear) -> nn.Module:
@@ -164,10 +201,12 @@ def _refuse_untaken(model: nn.Module, tensors: CheckpointTensors, taken: set[str
         mod = _owning_module(modules, owner)
         kind = type(mod).__name__ if mod is not None else "unknown module"
         raise QuantizationError(f"quantized weights of {owner} ({kind}) are not implemented: "
-                                "only linear layers load quantized")
+                                "only linear layers and SiLU-gated MoE experts load "
+                                "quantized")
 
 
 def _owning_module(modules: dict[str, nn.Module], name: str) -> nn.Module | None:
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's checkpoint name
     while name:
         if name in modules:
             return modules[name]

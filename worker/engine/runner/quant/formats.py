@@ -46,6 +46,9 @@ class CheckpointTensors:
     def names(self) -> Iterator[str]:
         return iter(self._where)
 
+    def has(self, key: str) -> bool:
+        return key in self._where
+
     def get(self, key: str) -> torch.Tensor | None:
         handle = self._where.get(key)
         return None if handle is None else handle.get_tensor(key).clone()  # off the mmap
@@ -93,45 +96,58 @@ def build_layer(scheme: QuantScheme, name: str, linear: nn.Module,
 
 def _layer(scheme: QuantScheme, name: str, bias: torch.Tensor | None,
            tensors: CheckpointTensors, device: torch.device) -> nn.Module:
+    if scheme.method == "int4":
+        q, scale, zero = read_int4(scheme, name, tensors)
+        return Int4Linear(q.to(device), scale.to(device), zero.to(device), scheme.group_size,
+                          bias)
+    weight, scale, input_scale = read_scaled(scheme, name, tensors)
+    if scheme.method == "int8":
+        return Int8Linear(weight, scale.reshape(-1), bias)
+    check_shape(name, *weight.shape)
+    return Fp8Linear(weight, scale, input_scale, bias)
+
+
+def read_int4(scheme: QuantScheme, name: str, tensors: CheckpointTensors,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AWQ or GPTQ tensors of layer ``name`` as (q [N, K] in 0..15, scale [N, K/g] fp32,
+    zero [N, K/g]): weight = (q - zero) * scale."""
     if scheme.source == "awq":
         q = _awq_columns(tensors.need(f"{name}.qweight")).t()  # [N, K]
         zero = _awq_columns(tensors.need(f"{name}.qzeros")).t()  # [N, K/g]
-        scale = tensors.need(f"{name}.scales").float().t()
-        return _int4(name, q, scale, zero, scheme.group_size, bias, device)
-    if scheme.source == "gptq":
+    else:
         q = unpack_int4(tensors.need(f"{name}.qweight"), 0).t()  # [N, K]
         zero = unpack_int4(tensors.need(f"{name}.qzeros"), 1).t()  # [N, K/g]
         if scheme.checkpoint_format == "gptq":
             zero = zero + 1
         _check_g_idx(name, tensors.get(f"{name}.g_idx"), q.shape[1], scheme.group_size)
-        scale = tensors.need(f"{name}.scales").float().t()
-        return _int4(name, q, scale, zero, scheme.group_size, bias, device)
+    scale = tensors.need(f"{name}.scales").float().t()
+    n, k = q.shape
+    group = scheme.group_size
+    if k % group or scale.shape != (n, k // group) or zero.shape != scale.shape:
+        raise QuantizationError(f"{name}: int4 tensors of shapes q {tuple(q.shape)}, scales "
+                                f"{tuple(scale.shape)}, zeros {tuple(zero.shape)} do not fit "
+                                f"group size {group}")
+    return q, scale, zero.float()
+
+
+def read_scaled(scheme: QuantScheme, name: str, tensors: CheckpointTensors,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """FP8 or INT8 tensors of layer ``name`` as (weight [N, K] float8_e4m3fn / int8,
+    fp32 scale [] / [1] per tensor or [N, 1] per channel, static input scale or None)."""
     weight = tensors.need(f"{name}.weight")
     scale = tensors.need(f"{name}.weight_scale").float()
     if scheme.method == "int8":
         if weight.dtype != torch.int8:
             raise QuantizationError(f"{name}.weight is {weight.dtype}, expected int8")
-        return Int8Linear(weight, scale.reshape(-1), bias)
+        return weight, scale, None
     if weight.dtype != torch.float8_e4m3fn:
         raise QuantizationError(f"{name}.weight is {weight.dtype}; fp8 checkpoints hold "
                                 "float8_e4m3fn weights")
-    check_shape(name, *weight.shape)
     input_scale = tensors.get(f"{name}.input_scale")
     if scheme.activations == "static_tensor" and input_scale is None:
         raise QuantizationError(f"static activation scales: the checkpoint has no "
                                 f"{name}.input_scale")
-    return Fp8Linear(weight, scale, input_scale if scheme.activations == "static_tensor"
-                     else None, bias)
-
-
-def _int4(name: str, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-          bias: torch.Tensor | None, device: torch.device) -> Int4Linear:
-    n, k = q.shape
-    if k % group or scale.shape != (n, k // group) or zero.shape != scale.shape:
-        raise QuantizationError(f"{name}: int4 tensors of shapes q {tuple(q.shape)}, scales "
-                                f"{tuple(scale.shape)}, zeros {tuple(zero.shape)} do not fit "
-                                f"group size {group}")
-    return Int4Linear(q.to(device), scale.to(device), zero.float().to(device), group, bias)
+    return weight, scale, input_scale if scheme.activations == "static_tensor" else None
 
 
 def _check_g_idx(name: str, g_idx: torch.Tensor | None, k: int, group: int) -> None:

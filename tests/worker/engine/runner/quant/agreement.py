@@ -1,5 +1,6 @@
 """Shared by the quantization tests: tiny test checkpoints (a dense Llama, a Qwen3 with tied
-embeddings and q/k norms, a Mixtral MoE) and vLLM's greedy agreement rule."""
+embeddings and q/k norms, a Mixtral MoE and a Qwen3-MoE), the fp32 references of the
+quantized layers, and vLLM's greedy agreement rule."""
 
 from __future__ import annotations
 
@@ -59,6 +60,30 @@ def fp8_reference_forward(self: Any, x: Any) -> Any:
     if self.bias is not None:
         out = out + self.bias
     return out.view(*x.shape[:-1], self.out_features)
+
+
+def dequantized_expert_reference(self: Any, e: int, rows: Any) -> Any:
+    """What a quantized expert computes, in fp32 torch on its dequantized weights (the
+    reference for FP8 experts, whose model's attention layers need ``fp8_reference_forward``
+    in the same run)."""
+    import torch.nn.functional as F
+
+    w13, w2 = self.dequantized()  # [E, 2I, H], [E, H, I] fp32
+    gate, up = F.linear(rows.float(), w13[e]).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2[e]).to(rows.dtype)
+
+
+EXPERT_LINEARS = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+
+
+def expert_weight_keys(state: dict[str, Any], module: str, experts: int) -> list[tuple[str, ...]]:
+    """Per expert, the checkpoint keys of its (gate, up, down) weights, for the model's
+    experts module ``module`` (Mixtral's checkpoints name it ``block_sparse_moe``)."""
+    for prefix in (module, module.replace(".mlp.experts", ".block_sparse_moe.experts")):
+        for names in EXPERT_LINEARS:
+            if f"{prefix}.0.{names[0]}.weight" in state:
+                return [tuple(f"{prefix}.{e}.{n}.weight" for n in names) for e in range(experts)]
+    raise KeyError(f"no expert weights of {module} in the checkpoint")
 
 
 def assert_top5_agreement(got: list[Any], want: list[Any]) -> None:

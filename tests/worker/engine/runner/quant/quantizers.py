@@ -17,16 +17,23 @@ import torch
 from safetensors.torch import load_file, save_file
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERT_PROJECTIONS = ("w1", "w2", "w3")  # Mixtral's experts.{e}.w1/w2/w3 (Qwen3-MoE: above)
 FP8 = torch.float8_e4m3fn
 AWQ_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)  # AWQ's order [0, 2, 4, 6, 1, 3, 5, 7], inverted
 STATIC_INPUT_SCALE = 0.05  # covers |x| up to 22 (fp8's 448 x 0.05): the test models' range
 
 
-def _targets(state: dict[str, torch.Tensor]) -> list[str]:
-    """Module names of the dense projections (not an MoE's fused experts, not the head)."""
+def _targets(state: dict[str, torch.Tensor], experts: bool) -> list[str]:
+    """Module names of the projections (each expert's too when ``experts``; not the head,
+    not the router)."""
+    def target(key: str) -> bool:
+        proj = key.split(".")[-2]
+        in_experts = ".experts." in key
+        return (proj in PROJECTIONS or (in_experts and proj in EXPERT_PROJECTIONS)) \
+            and (experts or not in_experts)
+
     return [k[: -len(".weight")] for k, v in state.items()
-            if k.endswith(".weight") and v.dim() == 2
-            and k.split(".")[-2] in PROJECTIONS]
+            if k.endswith(".weight") and v.dim() == 2 and target(k)]
 
 
 def _pack_rows_of_8(nib: torch.Tensor) -> torch.Tensor:
@@ -118,14 +125,18 @@ def quantization_config(fmt: str, group: int, ignore: list[str]) -> dict[str, An
             "sym": False, "checkpoint_format": "gptq"}
 
 
-def write_quantized(src: str, fmt: str, root: Path, group: int = 32) -> tuple[str, str]:
-    """(quantized checkpoint dir, dequantized fp32 reference dir) for ``fmt``."""
-    qdir, rdir = root / f"{Path(src).name}-{fmt}", root / f"{Path(src).name}-{fmt}-ref"
+def write_quantized(src: str, fmt: str, root: Path, group: int = 32,
+                    experts: bool = True) -> tuple[str, str]:
+    """(quantized checkpoint dir, dequantized fp32 reference dir) for ``fmt``; an MoE's
+    experts quantized like the dense layers unless ``experts`` is false."""
+    tag = "" if experts else "-float-experts"
+    qdir = root / f"{Path(src).name}-{fmt}{tag}"
+    rdir = root / f"{Path(src).name}-{fmt}{tag}-ref"
     if (qdir / "config.json").exists():
         return str(qdir), str(rdir)
     state = {k: v.float() for k, v in load_file(str(Path(src) / "model.safetensors")).items()}
     quantized, reference = dict(state), dict(state)
-    for name in _targets(state):
+    for name in _targets(state, experts):
         w = state[f"{name}.weight"]
         tensors, deq = _layer(fmt, w, group)
         del quantized[f"{name}.weight"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from tests.worker.engine.runner.quant.agreement import build_moe
 from tests.worker.engine.runner.quant.quantizers import quantization_config, write_quantized
@@ -83,14 +84,29 @@ def test_fp8_refuses_a_shape_scaled_mm_cannot_take(tmp_path: Path) -> None:
         LLM(src, kv_cache_blocks=16, quantization="fp8")
 
 
-def test_quantized_moe_experts_are_refused_by_their_layer_type(tmp_path: Path) -> None:
+def test_partly_quantized_experts_are_refused_by_name(tmp_path: Path) -> None:
+    """One expert's gate half written (no zeros, no scales, no up or down), the rest
+    float: refused, naming the first missing tensor."""
+    from worker.engine.llm import LLM
+
+    quantized, _ = write_quantized(build_moe(tmp_path), "awq", tmp_path, experts=False)
+    state = load_file(str(Path(quantized) / "model.safetensors"))
+    state["model.layers.0.block_sparse_moe.experts.0.w1.qweight"] = torch.zeros(
+        64, 16, dtype=torch.int32)
+    save_file(state, str(Path(quantized) / "model.safetensors"))
+    with pytest.raises(QuantizationError, match="no tensor .*experts.0.w1.qzeros"):
+        LLM(quantized, kv_cache_blocks=16)
+
+
+def test_a_quantized_router_is_refused_by_its_layer_type(tmp_path: Path) -> None:
     from worker.engine.llm import LLM
 
     quantized, _ = write_quantized(build_moe(tmp_path), "awq", tmp_path)
     state = load_file(str(Path(quantized) / "model.safetensors"))
-    state["model.layers.0.mlp.experts.0.w1.qweight"] = torch.zeros(64, 16, dtype=torch.int32)
+    state["model.layers.0.block_sparse_moe.gate.qweight"] = torch.zeros(64, 1,
+                                                                        dtype=torch.int32)
     save_file(state, str(Path(quantized) / "model.safetensors"))
-    with pytest.raises(QuantizationError, match="experts.0.w1 \\(MixtralExperts\\)"):
+    with pytest.raises(QuantizationError, match=r"block_sparse_moe.gate \(MixtralTopKRouter\)"):
         LLM(quantized, kv_cache_blocks=16)
 
 
@@ -114,3 +130,19 @@ def test_a_quantized_checkpoint_is_not_quantized_again(tmp_path: Path) -> None:
         LLM(quantized, kv_cache_blocks=16, quantization="int8")
     config = json.loads((Path(quantized) / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "awq"  # the file is untouched
+
+
+def test_gpt_oss_experts_stay_float_under_quantization(tmp_path: Path) -> None:
+    """gpt-oss's biased, transposed, clamped experts are not quantized at load: they stay
+    in the model's dtype (the attention layers are quantized) and the model serves."""
+    from tests.family_checkpoints import build_family
+    from worker.engine.llm import LLM
+    from worker.engine.runner.moe import is_experts_module
+
+    llm = LLM(build_family("gpt_oss", tmp_path), kv_cache_blocks=16, quantization="int8")
+    experts = [m for m in llm.engine.runner.model.modules() if is_experts_module(m)]
+    assert experts and all(not hasattr(m, "ferry_quantized") for m in experts)
+    assert all(m.gate_up_proj.dtype == torch.float32 for m in experts)
+    out = llm.generate(["def f(x):"], SamplingParams(max_tokens=4, temperature=0.0,
+                                                     ignore_eos=True))
+    assert len(out[0].choices[0].token_ids) == 4
