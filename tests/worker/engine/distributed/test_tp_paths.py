@@ -1,0 +1,99 @@
+"""Engine paths beyond the plain step under tensor parallelism (gloo, rank 1 spawned):
+overlapped steps, suffix speculative decoding and multi-LoRA at size 2 give what one
+process gives: greedy tokens equal, chosen-token logprobs within 1e-5, seeded draws equal."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from protocol.sampling import SamplingParams
+from tests.family_checkpoints import build_family
+from worker.engine.llm import LLM
+
+# chunked prefill (a 32-token step, 16-token chunks) in a pool small enough to preempt
+ENGINE = dict(device="cpu", kv_cache_blocks=12, block_size=8, max_num_seqs=4,
+              max_num_batched_tokens=32, long_prefill_token_threshold=16, lean_decode=False)
+PROMPT_LENS = [3, 20, 41, 9, 30]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    return build_family("llama", tmp_path_factory.mktemp("tp_paths"))
+
+
+def _rows(outs: list[Any]) -> list[list[tuple[int, float]]]:
+    """[(token, chosen-token logprob)] per output (no logprobs asked: 0.0)."""
+    got = []
+    for out in outs:
+        assert out.error is None, out.error
+        lps = [float(lp[0]) for lp in out.logprobs] if out.logprobs else [0.0] * len(
+            out.token_ids)
+        got.append(list(zip(out.token_ids, lps, strict=True)))
+    return got
+
+
+def assert_same(got: list[list[tuple[int, float]]], want: list[list[tuple[int, float]]]
+                ) -> None:
+    for rid, (rows, ref) in enumerate(zip(got, want, strict=True)):
+        assert [t for t, _ in rows] == [t for t, _ in ref], f"request {rid}: tokens differ"
+        torch.testing.assert_close(torch.tensor([lp for _, lp in rows]),
+                                   torch.tensor([lp for _, lp in ref]), rtol=0, atol=1e-5)
+
+
+def _overlap_run(path: str, size: int, overlap: bool) -> list[list[tuple[int, float]]]:
+    """Greedy rows with logprobs, then seeded draws at temperature 1 (logprobs too)."""
+    llm = LLM(path, tensor_parallel_size=size, async_scheduling=overlap, **ENGINE)
+    try:
+        assert llm.engine.overlap is overlap
+        rng = random.Random(5)
+        vocab = llm.engine.runner.shape.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
+        greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8,
+                                                      ignore_eos=True, logprobs=0))
+        assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to preempt"
+        seeded = llm.generate(prompts[:3], [SamplingParams(
+            temperature=1.0, seed=70 + i, max_tokens=8, ignore_eos=True, logprobs=0)
+            for i in range(3)])
+        return _rows(greedy) + _rows(seeded)
+    finally:
+        llm.close()
+
+
+def test_overlapped_steps_under_tp2_equal_tp1(llama: str) -> None:
+    """Rank 0 launches step N+1 before reading step N back; the followers run the steps
+    in launch order with their placeholders filled: one process's tokens."""
+    assert_same(_overlap_run(llama, 2, True), _overlap_run(llama, 1, False))
+
+
+def _spec_run(path: str, size: int, spec: str) -> tuple[list[list[int]], int]:
+    """Greedy and seeded tokens of prompts that repeat themselves (suffix decoding drafts
+    from them), and the draft tokens accepted."""
+    llm = LLM(path, tensor_parallel_size=size, speculative=spec, device="cpu",
+              kv_cache_blocks=64, block_size=8, lean_decode=False)
+    try:
+        rng = random.Random(11)
+        vocab = llm.engine.runner.shape.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(n)] * 5 for n in (3, 4, 6)]
+        params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                  SamplingParams(temperature=0.8, seed=9, max_tokens=24, ignore_eos=True)]
+        outs = llm.generate(prompts, params)
+        assert all(o.error is None for o in outs)
+        spec_state = llm.engine.spec
+        return [o.token_ids for o in outs], (
+            spec_state.accepted_tokens if spec_state is not None else 0)
+    finally:
+        llm.close()
+
+
+def test_speculative_decoding_under_tp2_equals_tp1_without_it(llama: str) -> None:
+    """The verification forward runs on every rank from the broadcast step; rank 0
+    drafts (suffix decoding, host-side) and samples: the tokens of no speculation."""
+    want, _ = _spec_run(llama, 1, "off")
+    got, accepted = _spec_run(llama, 2, "suffix")
+    assert accepted > 0, "no draft was accepted: the test proves nothing"
+    assert got == want
