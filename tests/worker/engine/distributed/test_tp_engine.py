@@ -72,7 +72,6 @@ def test_tp2_engine_equals_tp1(family: str, root) -> None:
 
 
 @pytest.mark.parametrize(("option", "name"), [
-    (dict(enable_lora=True), "LoRA"),
     (dict(quantization="int8"), "quantization=int8"),
     (dict(host_memory_bytes=1 << 20), "host tier"),
     (dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype=fp8_e4m3"),

@@ -12,7 +12,9 @@ import torch
 
 from protocol.sampling import SamplingParams
 from tests.family_checkpoints import build_family
+from tests.worker.engine.lora_adapters import ATTN, write_adapter
 from worker.engine.llm import LLM
+from worker.engine.lora.targets import base_targets
 
 # chunked prefill (a 32-token step, 16-token chunks) in a pool small enough to preempt
 ENGINE = dict(device="cpu", kv_cache_blocks=12, block_size=8, max_num_seqs=4,
@@ -97,3 +99,62 @@ def test_speculative_decoding_under_tp2_equals_tp1_without_it(llama: str) -> Non
     got, accepted = _spec_run(llama, 2, "suffix")
     assert accepted > 0, "no draft was accepted: the test proves nothing"
     assert got == want
+
+
+@pytest.fixture(scope="module")
+def adapters(llama: str, tmp_path_factory) -> dict[str, str]:
+    """Three adapters of the tiny Llama: every projection, attention only, MLP only."""
+    from transformers import AutoModelForCausalLM
+
+    base = base_targets(AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32),
+                        llama)
+    root = tmp_path_factory.mktemp("tp_lora")
+    return {"all8": write_adapter(root / "all8", base, rank=8, alpha=16, seed=1, std=0.2),
+            "attn4": write_adapter(root / "attn4", base, rank=4, alpha=8, targets=ATTN,
+                                   seed=2, std=0.2),
+            "mlp8": write_adapter(root / "mlp8", base, rank=8, alpha=8, seed=3, std=0.2,
+                                  targets=("gate_proj", "up_proj", "down_proj"))}
+
+
+def _lora_run(path: str, size: int, adapters: dict[str, str]
+              ) -> list[list[tuple[int, float]]]:
+    """Two adapters and the base model in one batch (two slots), then the third adapter,
+    registered after start, in a slot the first one held: rows with logprobs."""
+    llm = LLM(path, tensor_parallel_size=size, max_loras=2, max_lora_rank=8,
+              lora_modules=[f"all8={adapters['all8']}", f"attn4={adapters['attn4']}"],
+              **ENGINE)
+    try:
+        rng = random.Random(7)
+        vocab = llm.engine.runner.shape.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 20, 41, 9, 30, 12)]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+        first = llm.generate(prompts, params,
+                             lora_name=["all8", "attn4", None, "attn4", "all8", None])
+        assert llm.engine.lora is not None
+        llm.engine.lora.add_adapter("mlp8", adapters["mlp8"])
+        second = llm.generate(prompts[:4], params, lora_name=["mlp8", None, "all8", "mlp8"])
+        return _rows(first) + _rows(second)
+    finally:
+        llm.close()
+
+
+def test_lora_under_tp2_equals_tp1(llama: str, adapters: dict[str, str]) -> None:
+    """Adapters cut like their layers, rank 0's slot writes replayed on rank 1: the rows
+    of each adapter and of the base model give one process's tokens and logprobs."""
+    want = _lora_run(llama, 1, adapters)
+    got = _lora_run(llama, 2, adapters)
+    assert_same(got, want)
+    base_rows = _rows_without_lora(llama)
+    assert want[1] != base_rows[1], "the adapter changed nothing: the test proves nothing"
+
+
+def _rows_without_lora(path: str) -> list[list[tuple[int, float]]]:
+    llm = LLM(path, **ENGINE)
+    try:
+        rng = random.Random(7)
+        vocab = llm.engine.runner.shape.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 20, 41, 9, 30, 12)]
+        return _rows(llm.generate(prompts, SamplingParams(
+            temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)))
+    finally:
+        llm.close()
