@@ -54,9 +54,11 @@ class LoraManager:
         """Rank 0 of a tensor-parallel group: journal slot writes from now on."""
         self.slots.journal = []
 
-    def sync_followers(self) -> LoraStepSync:
-        """Rank 0: what its followers need before this step (after ``begin_step``)."""
-        return take_sync(self.slots, self._token_slots)
+    def sync_followers(self) -> LoraStepSync | None:
+        """Rank 0: what its followers need before this step (after ``begin_step``); None
+        when nothing (no slot written, no row on an adapter: their metadata stays None)."""
+        sync = take_sync(self.slots, self._token_slots)
+        return sync if sync.writes or sync.token_slots is not None else None
 
     def follow(self, sync: LoraStepSync) -> None:
         """A follower rank: rank 0's slot writes, and the step's metadata it runs next."""

@@ -3,10 +3,12 @@
 Rank 0 alone registers adapters, pins them to requests and picks the slots (``manager.py``);
 its followers must hold the same adapters in the same slots and read the same token ->
 slot map, or the row-parallel all-reduces would sum different deltas. So before each
-forward rank 0 broadcasts a ``LoraStepSync``: the slots it wrote since the last step, in
-the order it wrote them, with the adapters' host weights (every rank then holds the same
-adapter, cut to its shard by ``LoraSlots.write_at``), and the step's token -> slot map.
-The weights travel once per slot write, not per step; a step adds only its map.
+forward with a row on an adapter or a slot written, rank 0 broadcasts a ``LoraStepSync``:
+the slots it wrote since the last step, in the order it wrote them, with the adapters'
+host weights (every rank then holds the same adapter, cut to its shard by
+``LoraSlots.write_at``), and the step's token -> slot map. Other steps send nothing: a
+follower clears its metadata after every step. The weights travel once per slot write,
+not per step; a step adds only its map.
 """
 
 from __future__ import annotations

@@ -248,8 +248,8 @@ class ModelRunner:
     @torch.inference_mode()
     def follow(self, message: tuple[object, ...]) -> None:
         """A follower rank: run the step rank 0 broadcast, on this rank's shards (on one
-        thread where rank 0 runs it on one, ``step_threads.py``). A LoRA step comes after
-        its adapters' message (``lora/tp_sync.py``)."""
+        thread where rank 0 runs it on one, ``step_threads.py``). A step with adapter rows
+        comes after its adapters' message (``lora/tp_sync.py``)."""
         if isinstance(message, LoraStepSync):
             assert self.lora is not None, "rank 0 runs LoRA, this rank was built without"
             self.lora.follow(message)
@@ -331,7 +331,9 @@ class ModelRunner:
         self.lora.begin_step([s.request.request_id for s in items],
                              [s.num_new_tokens for s in items])
         if self.lead is not None:  # the step's adapters, before its inputs
-            self.lead.send(self.lora.sync_followers())
+            sync = self.lora.sync_followers()
+            if sync is not None:
+                self.lead.send(sync)
         try:
             return self._eager(sched, blocks, prev, extra_rows)
         finally:
