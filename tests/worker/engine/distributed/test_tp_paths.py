@@ -71,34 +71,35 @@ def test_overlapped_steps_under_tp2_equal_tp1(llama: str) -> None:
     assert_same(_overlap_run(llama, 2, True), _overlap_run(llama, 1, False))
 
 
-def _spec_run(path: str, size: int, spec: str) -> tuple[list[list[int]], int]:
-    """Greedy and seeded tokens of prompts that repeat themselves (suffix decoding drafts
-    from them), and the draft tokens accepted."""
+def _spec_run(path: str, size: int, spec: str) -> tuple[list[list[tuple[int, float]]], int]:
+    """Rows of prompts that repeat themselves (suffix decoding drafts from them), greedy
+    and seeded, and one greedy row reporting logprobs (it never drafts, so it runs beside
+    the drafting rows in the verification steps); and the draft tokens accepted."""
     llm = LLM(path, tensor_parallel_size=size, speculative=spec, device="cpu",
               kv_cache_blocks=64, block_size=8, lean_decode=False)
     try:
         rng = random.Random(11)
         vocab = llm.engine.runner.shape.vocab_size
-        prompts = [[rng.randrange(vocab) for _ in range(n)] * 5 for n in (3, 4, 6)]
+        prompts = [[rng.randrange(vocab) for _ in range(n)] * 5 for n in (3, 4, 6, 5)]
         params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                   SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                  SamplingParams(temperature=0.8, seed=9, max_tokens=24, ignore_eos=True)]
+                  SamplingParams(temperature=0.8, seed=9, max_tokens=24, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)]
         outs = llm.generate(prompts, params)
-        assert all(o.error is None for o in outs)
         spec_state = llm.engine.spec
-        return [o.token_ids for o in outs], (
-            spec_state.accepted_tokens if spec_state is not None else 0)
+        return _rows(outs), spec_state.accepted_tokens if spec_state is not None else 0
     finally:
         llm.close()
 
 
 def test_speculative_decoding_under_tp2_equals_tp1_without_it(llama: str) -> None:
     """The verification forward runs on every rank from the broadcast step; rank 0
-    drafts (suffix decoding, host-side) and samples: the tokens of no speculation."""
+    drafts (suffix decoding, host-side) and samples: the tokens of no speculation, and
+    the logprobs of the row that reports them."""
     want, _ = _spec_run(llama, 1, "off")
     got, accepted = _spec_run(llama, 2, "suffix")
     assert accepted > 0, "no draft was accepted: the test proves nothing"
-    assert got == want
+    assert_same(got, want)
 
 
 @pytest.fixture(scope="module")
