@@ -73,3 +73,15 @@ def base_targets(model: nn.Module, name: str) -> BaseTargets:
         raise ValueError(f"{type(model).__name__} has no projection LoRA can adapt "
                          f"(none named {', '.join(SUPPORTED)})")
     return BaseTargets(name, shapes, cuts)
+
+
+def check_all_cut(targets: BaseTargets) -> None:
+    """Under tensor parallelism every adaptable projection must say which slice it holds
+    (``ShardCut``): one that does not (a quantized shard, a layer the plan left whole)
+    would take an adapter cut wrong, so LoRA is refused at start, naming it."""
+    uncut = [m for m in targets.shapes if m not in targets.cuts]
+    if uncut:
+        raise ValueError(f"LoRA under tensor parallelism: projection {uncut[0]!r} does not "
+                         f"say which slice of it this rank holds ({len(uncut)} such), so "
+                         "adapters cannot be cut for it; serve LoRA on unquantized weights "
+                         "of a model type the shard plan covers")

@@ -26,6 +26,7 @@ from worker.engine.kv.block_manager import BlockManager
 from worker.engine.kv.pool import PoolLayout
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.manager import LoraManager
+from worker.engine.lora.targets import check_all_cut
 from worker.engine.lora.tp_sync import LoraStepSync
 from worker.engine.runner.attention.interface import make_backend
 from worker.engine.runner.attention.kv_scales import use_checkpoint_kv_scales
@@ -316,6 +317,8 @@ class ModelRunner:
         if self.lora is None:
             self.lora = LoraManager(self.model, self.model_name, cfg, self.device,
                                     self.loaded.dtype)
+            if self.tp.enabled:  # every adapter is cut like its projection
+                check_all_cut(self.lora.cache.targets)
             if self.lead is not None:  # the followers replay its slot writes
                 self.lora.lead_followers()
             if self.lean is not None:  # rebuilt over the wrappers (probed at load, unwrapped)

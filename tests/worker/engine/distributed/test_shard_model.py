@@ -127,7 +127,7 @@ def test_lora_targets_see_the_unsharded_shapes_and_each_cut(family: str) -> None
     checked against them) and the slice each rank holds: q/k/v by heads (a replicated KV
     head whole on both ranks), gate/up by output, o/down by input."""
     from worker.engine.distributed.sharding import ShardCut
-    from worker.engine.lora.targets import base_targets
+    from worker.engine.lora.targets import base_targets, check_all_cut
 
     full = base_targets(_model(family), "m")
     kv_heads = CONFIGS[family]().num_key_value_heads
@@ -146,3 +146,13 @@ def test_lora_targets_see_the_unsharded_shapes_and_each_cut(family: str) -> None
         assert got.cuts[layer + "mlp.down_proj"] == ShardCut("in", 24 * rank, 24 * rank + 24,
                                                              48)
         assert got.local_shape(layer + "mlp.down_proj").in_features == 24
+        check_all_cut(got)
+
+
+def test_lora_refuses_a_sharded_model_with_a_projection_that_has_no_cut() -> None:
+    from worker.engine.lora.targets import base_targets, check_all_cut
+
+    model = shard_model(_model("llama_gqa"), TPConfig(size=SIZE, rank=0))
+    model.model.layers[0].mlp.up_proj = torch.nn.Linear(32, 24)  # e.g. a quantized shard
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.up_proj' does not say which"):
+        check_all_cut(base_targets(model, "m"))
