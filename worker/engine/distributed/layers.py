@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.engine.distributed.group import all_gather_last, all_reduce_sum
-from worker.engine.distributed.sharding import column_shard, row_shard, vocab_range
+from worker.engine.distributed.sharding import (
+    ShardCut,
+    column_shard,
+    even_range,
+    row_shard,
+    vocab_range,
+)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -22,6 +28,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(column_shard(full.weight.detach(), rank, size).clone(),
                                    requires_grad=False)
+        self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
+        self.cut = ShardCut("out", *even_range(full.out_features, rank, size), full.out_features)
         bias = full.bias
         self.bias = (None if bias is None else
                      nn.Parameter(column_shard(bias.detach(), rank, size).clone(),
@@ -32,7 +40,10 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """``y = sum over ranks of x[..., shard] @ W[:, shard].T``, plus the bias once."""
+    """``y = sum over ranks of x[..., shard] @ W[:, shard].T``, plus the bias once.
+
+    ``partial`` and ``reduce`` are its two halves, for a wrapper that adds to the partial
+    sums before the one all-reduce (a LoRA delta from this rank's input shard)."""
 
     def __init__(self, full: nn.Linear, rank: int, size: int) -> None:
         super().__init__()
@@ -40,9 +51,19 @@ class RowParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = (None if full.bias is None else
                      nn.Parameter(full.bias.detach().clone(), requires_grad=False))
+        self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
+        self.cut = ShardCut("in", *even_range(full.in_features, rank, size), full.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce_sum(F.linear(x, self.weight))  # [..., out]
+        return self.reduce(self.partial(x))  # [..., out]
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the sum: [..., out]."""
+        return F.linear(x, self.weight)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial outputs summed (in place), plus the bias: [..., out]."""
+        y = all_reduce_sum(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -30,7 +30,12 @@ from worker.engine.distributed.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from worker.engine.distributed.sharding import even_range, head_shard, kv_head_range
+from worker.engine.distributed.sharding import (
+    ShardCut,
+    even_range,
+    head_shard,
+    kv_head_range,
+)
 from worker.engine.distributed.tp_config import TensorParallelError, TPConfig, check_heads
 
 
@@ -43,6 +48,9 @@ class _HeadLinear(nn.Module):
                                    requires_grad=False)
         self.bias = (None if full.bias is None else nn.Parameter(
             head_shard(full.bias.detach(), head_dim, heads).clone(), requires_grad=False))
+        self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
+        self.cut = ShardCut("out", heads[0] * head_dim, heads[1] * head_dim,
+                            full.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)  # [..., local heads * d]

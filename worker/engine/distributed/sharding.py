@@ -7,6 +7,8 @@ Weights follow ``nn.Linear``'s layout: ``[out_features, in_features]``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -52,3 +54,17 @@ def vocab_range(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
     part = -(-vocab_size // size)  # ceil
     start = min(rank * part, vocab_size)
     return start, min(start + part, vocab_size)
+
+
+@dataclass(frozen=True)
+class ShardCut:
+    """Which slice of a full projection a sharded linear holds, for what must be cut like
+    its weight (a LoRA adapter's matrices): ``axis`` "out" keeps output features
+    ``[start, end)`` (column-parallel, q/k/v heads), "in" keeps input features (row
+    parallel: its partial outputs are summed over the ranks); ``full``: that axis's
+    length in the unsharded projection."""
+
+    axis: str  # "out" | "in"
+    start: int
+    end: int
+    full: int

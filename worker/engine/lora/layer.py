@@ -5,9 +5,17 @@ The wrapper calls the base module as it is (an ``nn.Linear``, or on a CPU the on
 the base weights are never merged or copied. It reads the step's token-to-slot metadata
 from the ``LoraStep`` it holds; with none (no row of the step uses an adapter) the
 forward is the base call alone.
+
+Under tensor parallelism a column-parallel base yields this rank's output features and
+the slots hold B's matching rows; a row-parallel base (one with ``partial`` and
+``reduce``) sees this rank's input features, the slots hold A's matching columns, and
+the LoRA delta is added to the partial output before the base's one all-reduce: the
+sum over the ranks of ``(x_r A_rᵀ) Bᵀ`` is ``(x Aᵀ) Bᵀ``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -32,12 +40,19 @@ class LoraLinear(nn.Module):
         self._max_rank = slots.max_rank
         self._finite = slots.finite  # [S] host, the pool's own list: current at every step
         self._step = step
+        # row parallel (tensor parallelism): (partial, reduce), the delta joins the
+        # partial output before the reduction
+        partial, reduce = getattr(base, "partial", None), getattr(base, "reduce", None)
+        self._split: tuple[Callable[[torch.Tensor], torch.Tensor],
+                           Callable[[torch.Tensor], torch.Tensor]] | None = (
+            (partial, reduce) if callable(partial) and callable(reduce) else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        y = self.base(x)
         meta = self._step.meta
         if meta is None:
-            return y  # type: ignore[no-any-return]
+            return self.base(x)  # type: ignore[no-any-return]
+        split = self._split
+        y = self.base(x) if split is None else split[0](x)
         flat_x = x.reshape(-1, x.shape[-1])  # [T, in]
         flat_y = y.view(-1, y.shape[-1])  # [T, out], written in place
         if meta.wide is not None and flat_x.dtype == torch.float32:
@@ -53,6 +68,8 @@ class LoraLinear(nn.Module):
                                        meta.ranks)
         else:
             _apply_triton(flat_x, flat_y, self._a, self._b, self._scale, meta)
+        if split is not None:
+            y = split[1](y)
         return y  # type: ignore[no-any-return]
 
 

@@ -6,6 +6,10 @@ it which adapter each request uses (``attach`` pins a slot for as long as the re
 runs, ``detach`` unpins), and the runner calls ``begin_step`` with the step's rows before
 each forward and ``end_step`` after it.
 
+On a tensor-parallel worker rank 0's manager journals its slot writes and hands each
+step's adapters to its followers (``sync_followers``); a follower's manager registers
+nothing and replays them (``follow``, ``tp_sync.py``).
+
 A name installed again (new weights) is a new version beside the old one: requests added
 from then on run the new version, the ones already running keep the old one's slot, and
 that slot is freed when the last of them detaches.
@@ -26,6 +30,7 @@ from worker.engine.lora.layer import wrap_projections
 from worker.engine.lora.metadata import LoraMetadata, LoraStep, build_metadata
 from worker.engine.lora.slots import LoraSlots, slot_key
 from worker.engine.lora.targets import base_targets
+from worker.engine.lora.tp_sync import LoraStepSync, apply_sync, take_sync
 
 
 class LoraManager:
@@ -43,6 +48,21 @@ class LoraManager:
         self.roots: tuple[str, ...] = ()
         self._adapter_of: dict[str, str] = {}  # request id -> its version (slot_key)
         self._slot_of: dict[str, int] = {}  # request id -> its pinned slot
+        self._token_slots: np.ndarray | None = None  # the step's map (followers')
+
+    def lead_followers(self) -> None:
+        """Rank 0 of a tensor-parallel group: journal slot writes from now on."""
+        self.slots.journal = []
+
+    def sync_followers(self) -> LoraStepSync | None:
+        """Rank 0: what its followers need before this step (after ``begin_step``); None
+        when nothing (no slot written, no row on an adapter: their metadata stays None)."""
+        sync = take_sync(self.slots, self._token_slots)
+        return sync if sync.writes or sync.token_slots is not None else None
+
+    def follow(self, sync: LoraStepSync) -> None:
+        """A follower rank: rank 0's slot writes, and the step's metadata it runs next."""
+        self.step.meta = apply_sync(self.slots, sync)
 
     def add_adapter(self, name: str, path: str) -> LoraAdapter:
         """Register ``name``; a bad adapter raises ``LoraError`` and changes nothing. A
@@ -125,11 +145,13 @@ class LoraManager:
                    ) -> None:
         """Set the step's metadata: request ``i`` contributes ``num_new[i]`` flat tokens,
         in order; a request with no adapter gets slot -1."""
+        self._token_slots = None
         if not self._slot_of:
             self.step.meta = None
             return
         rows = self.row_slots(request_ids)
         token_slots = np.repeat(rows, np.asarray(num_new, dtype=np.int64))
+        self._token_slots = token_slots
         slots = self.slots
         self.step.meta = build_metadata(token_slots, slots.ranks, slots.scales,
                                         slots.max_rank, self.device)

@@ -13,6 +13,12 @@ is above zero) is never evicted: when every slot is pinned, ``acquire`` raises
 A slot holds one *version* of an adapter (``slot_key``: its prefix-cache key, name, path
 and registration): a name registered again with new weights gets a slot of its own, so the
 old version finishes its running rows while new requests run on the new one at once.
+
+Under tensor parallelism each rank's buffers hold its shard's slice (``BaseTargets.cuts``):
+for a column-parallel projection A whole and B's rows of its output features, for a
+row-parallel one A's columns of its input features and B whole; ``_write`` cuts the
+host adapter that way. Rank 0 keeps a journal of the slots it wrote (``journal``), which
+its followers replay in step order (``tp_sync.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections import OrderedDict
 
 import torch
 
+from worker.engine.distributed.sharding import ShardCut
 from worker.engine.lora.adapter import LoraAdapter, all_finite
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.targets import BaseTargets
@@ -41,13 +48,15 @@ class LoraSlots:
                  dtype: torch.dtype) -> None:
         n, r = cfg.max_loras, cfg.max_lora_rank
         self.num_slots, self.max_rank = n, r
+        local = {m: targets.local_shape(m) for m in targets.shapes}  # this rank's shards
+        self.cuts = targets.cuts
         self.a = {m: torch.zeros(n, r, s.in_features, device=device, dtype=dtype)
-                  for m, s in targets.shapes.items()}  # module -> [S, R, in]
+                  for m, s in local.items()}  # module -> [S, R, in]
         # B is stored [out, S, R] and handed out as the view [S, out, R] (unit stride on
         # R, as the kernels need): the CPU path multiplies by all slots at once through
         # the flat views [S*R, in] and [out, S*R] (``layer.py``)
         b_store = {m: torch.zeros(s.out_features, n, r, device=device, dtype=dtype)
-                   for m, s in targets.shapes.items()}
+                   for m, s in local.items()}
         self.b = {m: t.permute(1, 0, 2) for m, t in b_store.items()}  # [S, out, R]
         self.a_flat = {m: t.view(n * r, -1) for m, t in self.a.items()}  # [S*R, in]
         self.b_flat = {m: t.view(t.shape[0], n * r) for m, t in b_store.items()}  # [out, S*R]
@@ -62,6 +71,9 @@ class LoraSlots:
         self.pins = [0] * n
         self._recent: OrderedDict[int, None] = OrderedDict((s, None) for s in range(n))
         self._slot_of: dict[str, int] = {}
+        # (slot, adapter) of every write since it was last drained; None: not kept (one
+        # process, or a follower rank)
+        self.journal: list[tuple[int, LoraAdapter]] | None = None
 
     def slot_of(self, key: str) -> int | None:
         return self._slot_of.get(key)
@@ -116,6 +128,14 @@ class LoraSlots:
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy ``adapter`` into ``slot``; its untargeted projections become zeros. Copies
         are queued on the current stream, after any step still reading the old rows."""
+        if self.journal is not None:
+            self.journal.append((slot, adapter))
+        self.write_at(slot, adapter)
+
+    @torch.inference_mode()
+    def write_at(self, slot: int, adapter: LoraAdapter) -> None:
+        """``adapter``'s weights (this rank's cut of them) into ``slot``, which then
+        holds it: what ``_write`` does, and a follower rank replays."""
         r = adapter.rank
         for module, a_stack in self.a.items():
             b_stack = self.b[module]
@@ -123,14 +143,29 @@ class LoraSlots:
             a_stack[slot].zero_()
             b_stack[slot].zero_()
             if pair is not None:
-                a_stack[slot, :r].copy_(pair[0], non_blocking=True)  # [r, in]
-                b_stack[slot, :, :r].copy_(pair[1], non_blocking=True)  # [out, r]
+                a, b = cut_pair(pair, self.cuts.get(module))
+                a_stack[slot, :r].copy_(a, non_blocking=True)  # [r, in]
+                b_stack[slot, :, :r].copy_(b, non_blocking=True)  # [out, r]
         self.scale[slot] = adapter.scale
         self.scales[slot] = adapter.scale
         self.ranks[slot] = r
         if self.scale.device.type != "cuda":
             self.finite[slot] = all(all_finite(t[slot]) for t in (*self.a.values(),
                                                                    *self.b.values()))
-        key = slot_key(adapter)
+        key, old = slot_key(adapter), self.names[slot]
+        if old is not None and self._slot_of.get(old) == slot:  # a follower's replay
+            del self._slot_of[old]
         self.names[slot] = key
         self._slot_of[key] = slot
+
+
+def cut_pair(pair: tuple[torch.Tensor, torch.Tensor], cut: ShardCut | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An adapter's (A [r, in], B [out, r]) cut like its sharded projection: B's rows of
+    the shard's output features, or A's columns of its input features."""
+    a, b = pair
+    if cut is None:
+        return a, b
+    if cut.axis == "out":
+        return a, b[cut.start:cut.end]
+    return a[:, cut.start:cut.end], b

@@ -26,6 +26,8 @@ from worker.engine.kv.block_manager import BlockManager
 from worker.engine.kv.pool import PoolLayout
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.manager import LoraManager
+from worker.engine.lora.targets import check_all_cut
+from worker.engine.lora.tp_sync import LoraStepSync
 from worker.engine.runner.attention.interface import make_backend
 from worker.engine.runner.attention.kv_scales import use_checkpoint_kv_scales
 from worker.engine.runner.attention.layer_features import model_body
@@ -247,10 +249,17 @@ class ModelRunner:
     @torch.inference_mode()
     def follow(self, message: tuple[object, ...]) -> None:
         """A follower rank: run the step rank 0 broadcast, on this rank's shards (on one
-        thread where rank 0 runs it on one, ``step_threads.py``)."""
+        thread where rank 0 runs it on one, ``step_threads.py``). A step with adapter rows
+        comes after its adapters' message (``lora/tp_sync.py``)."""
+        if isinstance(message, LoraStepSync):
+            assert self.lora is not None, "rank 0 runs LoRA, this rank was built without"
+            self.lora.follow(message)
+            return
         ids, positions, meta, sample_rows = open_message(message, self.device)
         with serial_if(ids.numel() <= self.serial_tokens):
             self._forward(ids, positions, meta, sample_rows)
+        if self.lora is not None:
+            self.lora.end_step()
 
     def _execute(
         self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None,
@@ -308,6 +317,10 @@ class ModelRunner:
         if self.lora is None:
             self.lora = LoraManager(self.model, self.model_name, cfg, self.device,
                                     self.loaded.dtype)
+            if self.tp.enabled:  # every adapter is cut like its projection
+                check_all_cut(self.lora.cache.targets)
+            if self.lead is not None:  # the followers replay its slot writes
+                self.lora.lead_followers()
             if self.lean is not None:  # rebuilt over the wrappers (probed at load, unwrapped)
                 self.lean = build_lean_decode(self.model, self.backend, probe=False)
         return self.lora
@@ -320,6 +333,10 @@ class ModelRunner:
         items = sched.scheduled
         self.lora.begin_step([s.request.request_id for s in items],
                              [s.num_new_tokens for s in items])
+        if self.lead is not None:  # the step's adapters, before its inputs
+            sync = self.lora.sync_followers()
+            if sync is not None:
+                self.lead.send(sync)
         try:
             return self._eager(sched, blocks, prev, extra_rows)
         finally:

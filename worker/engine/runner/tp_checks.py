@@ -2,10 +2,14 @@
 
 The sharded paged path covers the forward, the paged KV cache (each rank its heads),
 chunked prefill, preemption, the prefix cache, prompt logprobs and everything sampled on
-rank 0 (seeded sampling, structured output). Paths whose state lives outside the
-broadcast step inputs, or whose weights the shard plan does not cut, are refused here
-rather than served wrong: CUDA graphs, overlapped steps, the host tier, LoRA,
-speculative decoding, quantized weights, an FP8 KV cache, the CPU lean decode.
+rank 0 (seeded sampling, structured output), overlapped steps (the followers run the
+steps in launch order, each step's placeholders already filled on rank 0) and
+speculative decoding (drafts proposed on rank 0, the verification an ordinary broadcast
+step) and multi-LoRA (adapters cut like their layers, rank 0's slot writes replayed by
+the followers, ``lora/tp_sync.py``). Paths whose state lives outside the broadcast step
+inputs, or whose weights the shard plan does not cut, are refused here rather than
+served wrong: CUDA graphs, the host tier, quantized weights, an FP8 KV cache, the CPU
+lean decode.
 """
 
 from __future__ import annotations
@@ -33,16 +37,9 @@ def tp_refusals(config: EngineConfig) -> list[TensorParallelError]:
     """The configured features a tensor-parallel engine does not serve yet."""
     size, model, cache = config.tensor_parallel_size, config.model, config.cache
     refused = []
-    if config.lora is not None or config.lora_modules:
-        refused.append(_refuse("LoRA", "start without enable_lora / lora_modules", size))
-    if config.speculative.enabled:
-        refused.append(_refuse("speculative decoding", "start with speculative=off", size))
     if model.quantization is not None:
         refused.append(_refuse(f"quantization={model.quantization}",
                                "serve the unquantized checkpoint", size))
-    if config.scheduler.async_scheduling:
-        refused.append(_refuse("async_scheduling (overlapped steps)",
-                               "leave it unset or off", size))
     if cache.host_memory_bytes:
         refused.append(_refuse("the KV cache's host tier (host_memory_bytes)",
                                "set FERRY_KV_HOST_BYTES=0", size))

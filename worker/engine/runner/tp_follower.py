@@ -32,7 +32,7 @@ def start_ranks(config: EngineConfig) -> RankLead | None:
     check_tensor_parallel(config)
     return RankLead.start(follower_main, config.model, config.cache,
                           config.scheduler.max_num_seqs, config.tensor_parallel_size,
-                          config.tensor_parallel_timeout_s)
+                          config.tensor_parallel_timeout_s, lora=config.lora)
 
 
 def _follow_the_leader() -> None:
@@ -50,7 +50,7 @@ def follower_main(rank: int, spec: RankSpec) -> None:
     init_group(TPConfig(spec.size, rank), spec.group,
                "cuda" if model.device.startswith("cuda") else "cpu")
     try:
-        runner = ModelRunner(model, spec.cache, spec.max_num_seqs,
+        runner = ModelRunner(model, spec.cache, spec.max_num_seqs, lora=spec.lora,
                              tp=TPConfig(spec.size, rank))
         steps = follower_loop(runner.follow)
         _log.info("tensor_parallel_follower_done", rank=rank, steps=steps)

@@ -34,6 +34,7 @@ from worker.engine.distributed.driver import spawn_followers, stop_followers
 from worker.engine.distributed.group import GroupSpec, broadcast_object, close_group, init_group
 from worker.engine.distributed.tp_config import TPConfig
 from worker.engine.health import DeviceFault
+from worker.engine.lora.config import LoraConfig
 from worker.engine.runner.attention.metadata import AttentionMetadata
 
 _log = structlog.get_logger("ferry.worker.tp")
@@ -56,6 +57,7 @@ class RankSpec:
     size: int
     group: GroupSpec
     threads: int  # CPU: torch threads per rank (the host's cores shared by the ranks)
+    lora: LoraConfig | None = None  # multi-LoRA on: every rank wraps its projections
 
     def model_for(self, rank: int) -> ModelConfig:
         """Rank ``rank``'s model settings: on CUDA, device ``cuda:rank``."""
@@ -103,12 +105,12 @@ class RankLead:
     @classmethod
     def start(cls, target: Callable[[int, RankSpec], None], model: ModelConfig,
               cache: CacheConfig, max_num_seqs: int, size: int,
-              timeout_s: float = 30.0) -> RankLead:
+              timeout_s: float = 30.0, lora: LoraConfig | None = None) -> RankLead:
         """Spawn ranks 1..size-1 as ``target(rank, spec)`` and join the group as rank 0."""
         rendezvous = tempfile.mkdtemp(prefix="ferry-tp-")
         spec = RankSpec(model, cache, max_num_seqs, size,
                         GroupSpec(f"file://{rendezvous}/group", timeout_s),
-                        max(1, torch.get_num_threads() // size))
+                        max(1, torch.get_num_threads() // size), lora=lora)
         procs = spawn_followers(size, target, (spec,))
         lead = cls(spec, procs, rendezvous)
         device = "cuda" if spec.model_for(0).device.startswith("cuda") else "cpu"
@@ -119,7 +121,7 @@ class RankLead:
                   follower_pids=[p.pid for p in procs], timeout_s=timeout_s)
         return lead
 
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, message: object) -> None:
         """Hand the followers this step's inputs (they run it as rank 0 does)."""
         broadcast_object(message)
 

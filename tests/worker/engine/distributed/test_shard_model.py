@@ -119,3 +119,40 @@ def test_each_rank_loads_only_its_shards(family: str, tmp_path: Path) -> None:
                                  str(result)), nprocs=SIZE, join=True)
     for rank in range(SIZE):
         assert float(Path(f"{result}.{rank}").read_text()) <= 0.55
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "llama_kv_replicated"])
+def test_lora_targets_see_the_unsharded_shapes_and_each_cut(family: str) -> None:
+    """A sharded model offers LoRA the unsharded projections' shapes (an adapter is
+    checked against them) and the slice each rank holds: q/k/v by heads (a replicated KV
+    head whole on both ranks), gate/up by output, o/down by input."""
+    from worker.engine.distributed.sharding import ShardCut
+    from worker.engine.lora.targets import base_targets, check_all_cut
+
+    full = base_targets(_model(family), "m")
+    kv_heads = CONFIGS[family]().num_key_value_heads
+    for rank in range(SIZE):
+        got = base_targets(shard_model(_model(family), TPConfig(size=SIZE, rank=rank)), "m")
+        assert got.shapes == full.shapes and set(got.cuts) == set(full.shapes)
+        layer = "model.layers.1."
+        kv = (0, 8) if kv_heads == 1 else (8 * rank, 8 * rank + 8)
+        assert got.cuts[layer + "self_attn.q_proj"] == ShardCut("out", 16 * rank,
+                                                                16 * rank + 16, 32)
+        assert got.cuts[layer + "self_attn.k_proj"] == ShardCut("out", *kv, 8 * kv_heads)
+        assert got.cuts[layer + "self_attn.o_proj"] == ShardCut("in", 16 * rank,
+                                                                16 * rank + 16, 32)
+        assert got.cuts[layer + "mlp.up_proj"] == ShardCut("out", 24 * rank, 24 * rank + 24,
+                                                           48)
+        assert got.cuts[layer + "mlp.down_proj"] == ShardCut("in", 24 * rank, 24 * rank + 24,
+                                                             48)
+        assert got.local_shape(layer + "mlp.down_proj").in_features == 24
+        check_all_cut(got)
+
+
+def test_lora_refuses_a_sharded_model_with_a_projection_that_has_no_cut() -> None:
+    from worker.engine.lora.targets import base_targets, check_all_cut
+
+    model = shard_model(_model("llama_gqa"), TPConfig(size=SIZE, rank=0))
+    model.model.layers[0].mlp.up_proj = torch.nn.Linear(32, 24)  # e.g. a quantized shard
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.up_proj' does not say which"):
+        check_all_cut(base_targets(model, "m"))

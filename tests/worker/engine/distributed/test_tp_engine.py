@@ -72,10 +72,7 @@ def test_tp2_engine_equals_tp1(family: str, root) -> None:
 
 
 @pytest.mark.parametrize(("option", "name"), [
-    (dict(enable_lora=True), "LoRA"),
-    (dict(speculative="suffix"), "speculative decoding"),
     (dict(quantization="int8"), "quantization=int8"),
-    (dict(async_scheduling=True), "async_scheduling"),
     (dict(host_memory_bytes=1 << 20), "host tier"),
     (dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype=fp8_e4m3"),
 ])

@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from worker.engine.distributed.sharding import ShardCut
 from worker.engine.lora.adapter import LoraAdapter
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.metadata import build_metadata, cpu_groups
 from worker.engine.lora.slots import LoraSlots, LoraSlotsFull
 from worker.engine.lora.targets import BaseTargets, TargetShape
+from worker.engine.lora.tp_sync import apply_sync, take_sync
 
 BASE = BaseTargets("m", {"l.0.q_proj": TargetShape(6, 4), "l.0.up_proj": TargetShape(6, 8)})
 
@@ -83,3 +85,55 @@ def test_b_is_a_view_of_the_flat_storage() -> None:
     assert torch.equal(flat[:, slot * 4:slot * 4 + 2], b)
     assert torch.equal(slots.a_flat["l.0.up_proj"][slot * 4:slot * 4 + 2],
                        adapter.weights["l.0.up_proj"][0])
+
+
+def _rank_slots(rank: int) -> LoraSlots:
+    """Rank ``rank`` of 2: q_proj column-parallel (2 of 4 outputs), up_proj row-parallel
+    (3 of 6 inputs)."""
+    base = BaseTargets("m", BASE.shapes, {
+        "l.0.q_proj": ShardCut("out", 2 * rank, 2 * rank + 2, 4),
+        "l.0.up_proj": ShardCut("in", 3 * rank, 3 * rank + 3, 6)})
+    return LoraSlots(base, LoraConfig(max_loras=2, max_lora_rank=4, max_cpu_loras=2),
+                     torch.device("cpu"), torch.float32)
+
+
+def test_tensor_parallel_shards_add_up_to_the_whole_adapter() -> None:
+    """Column cut: the ranks' deltas side by side are the whole delta; row cut: the
+    ranks' partial deltas (each from its input shard) sum to it."""
+    adapter = _adapter("full")
+    ranks = [_rank_slots(r) for r in (0, 1)]
+    for slots in ranks:
+        assert slots.acquire(adapter) == 0
+    x = torch.randn(5, 6, dtype=torch.float64)
+
+    def delta(slots: LoraSlots, module: str, inp: torch.Tensor) -> torch.Tensor:
+        a, b = slots.a[module][0, :2].double(), slots.b[module][0, :, :2].double()
+        return inp @ a.T @ b.T
+
+    for module in ("l.0.q_proj", "l.0.up_proj"):
+        a, b = (w.double() for w in adapter.weights[module])
+        whole = x @ a.T @ b.T
+        if module.endswith("q_proj"):
+            got = torch.cat([delta(s, module, x) for s in ranks], dim=-1)
+        else:
+            got = sum(delta(s, module, x[:, 3 * r:3 * r + 3]) for r, s in enumerate(ranks))
+        torch.testing.assert_close(got, whole)
+
+
+def test_a_follower_replays_the_leaders_slot_writes() -> None:
+    """Rank 0 journals its writes; a follower replaying them holds the same adapters in
+    the same slots and builds the same step metadata."""
+    lead, follower = _rank_slots(0), _rank_slots(0)
+    lead.journal = []
+    for name in ("a", "b", "c"):  # two slots: "c" evicts "a"
+        slot = lead.acquire(_adapter(name, rank=2 + (name == "b")))
+        lead.release(name)
+        token_slots = np.array([slot, -1, slot], dtype=np.int64)
+        apply_sync(follower, take_sync(lead, token_slots))
+        assert follower.names == lead.names and follower.ranks == lead.ranks
+        assert follower.scales == lead.scales
+        for module in lead.a:
+            assert torch.equal(follower.a[module], lead.a[module])
+            assert torch.equal(follower.b[module], lead.b[module])
+    assert lead.journal == [] and follower.slot_of("a") is None
+    assert apply_sync(follower, take_sync(lead, None)) is None
