@@ -4,7 +4,7 @@ Inputs are one flattened ragged batch with no padding: input ids, positions, slo
 mapping, query start offsets and context lengths, built on the host with plain lists
 (O(tokens of the step)) and moved to the device once per step without a host sync
 (``transfer.py``); block tables stay on the device and change only by the entries that
-changed (``block_table_buffer.py``). A token still being read back from the previous
+changed (``step_inputs.BlockTableBuffer``). A token still being read back from the previous
 step (a placeholder, ``inflight.py``) is copied in on the device from that step's
 sampled tokens.
 """
@@ -31,12 +31,16 @@ from worker.engine.runner.attention.interface import make_backend
 from worker.engine.runner.attention.kv_scales import use_checkpoint_kv_scales
 from worker.engine.runner.attention.layer_features import model_body
 from worker.engine.runner.attention.metadata import AttentionMetadata, ForwardContext
-from worker.engine.runner.block_table_buffer import BlockTableBuffer
 from worker.engine.runner.cpu.lean_decode import build_lean_decode
 from worker.engine.runner.cpu.step_threads import serial_if, serial_tokens
 from worker.engine.runner.decode_graphs import CudaGraphCapturer, DecodeGraphs, GraphCapturer
 from worker.engine.runner.model_loader import LoadedModel, LogitsHead, ModelShape, load_model
-from worker.engine.runner.step_inputs import build_inputs, patch_placeholders, to_device_packed
+from worker.engine.runner.step_inputs import (
+    BlockTableBuffer,
+    build_inputs,
+    patch_placeholders,
+    to_device_packed,
+)
 from worker.engine.runner.tp_ranks import RankLead, open_message, step_message
 from worker.engine.runner.transfer import to_device
 from worker.engine.runner.warmup import warm_up_kernels
