@@ -1,4 +1,5 @@
-"""The engine: add requests, step, abort, read events — no I/O inside a step.
+"""The engine: add requests (``request_adds.py``), step, end them (``request_ends.py``) —
+no I/O inside a step.
 
 ``step()`` is schedule -> execute -> sample -> update. The service drives it from one
 thread; anything arriving from other threads (new requests, cancels) is handed over
