@@ -109,11 +109,21 @@ class DecodeCall:
     """``paged_decode_attention`` for every layer of one decode step: the step's block
     tables and lengths are checked once here, and each layer's call is then the kernel
     alone (the per-call checks cost more than the kernel at one short sequence). The
-    kernel still checks every table entry it reads against the cache it is given."""
+    kernel still checks every table entry it reads against the cache it is given.
+
+    The step's check is the metadata ``_checks.check_block_tables`` reads, compared in
+    line: the runner's tables pass it every step, so its named errors are only built
+    (by that function) for arguments that fail."""
 
     def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  scale: float) -> None:
-        chk.check_block_tables(block_tables, seq_lens, block_tables.shape[0])
+        if not (isinstance(block_tables, torch.Tensor) and isinstance(seq_lens, torch.Tensor)
+                and block_tables.dtype == seq_lens.dtype == torch.int32
+                and block_tables.dim() == 2 and seq_lens.dim() == 1
+                and block_tables.shape[1] >= 1 and seq_lens.shape[0] == block_tables.shape[0]
+                and (block_tables.stride(-1) == 1 or block_tables.shape[1] == 1)
+                and (seq_lens.stride(-1) == 1 or seq_lens.shape[0] <= 1)):
+            chk.check_block_tables(block_tables, seq_lens, len(block_tables))  # names it
         if block_tables.device.type != "cpu" or seq_lens.device.type != "cpu":
             raise ValueError("the CPU kernel needs CPU block tables and lengths")
         self.tables, self.lens = block_tables, seq_lens.contiguous()

@@ -4,7 +4,7 @@ One program per row walks the row's logits in ``BLOCK``-wide chunks; nothing of 
 ``[rows, vocab]`` is ever written. What it computes is ``kernels.sampling_reference``'s
 ``sample``: logit bias (a CSR list added to each chunk as it is loaded), greedy argmax,
 temperature, min-p, top-k, top-p (ties at a boundary kept) and the exponential race
-``argmax(p / E)`` with the counter-based noise of ``kernels.sampling_noise``,
+``argmax(p / E)`` with the counter-based noise of ``kernels.sampling_reference``,
 recomputed in registers from the row's key (the same bits as the torch version).
 
 Passes over a sampled row:
@@ -32,8 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.sampling_noise import _MUL1, _MUL2, _TOKEN_STRIDE, _signed
-from kernels.sampling_reference import SamplingTensors
+from kernels.sampling_reference import _MUL1, _MUL2, _TOKEN_STRIDE, SamplingTensors, _signed
 
 BLOCK = 512  # logits per chunk
 NB = 32  # value buckets per histogram
@@ -54,7 +53,7 @@ def _srl(x, shift: tl.constexpr):
 
 @triton.jit
 def _noise(key, offs):
-    """Exp(1) variables of tokens ``offs`` [BLOCK] under ``key``: sampling_noise's bits."""
+    """Exp(1) variables of tokens ``offs`` [BLOCK] under ``key``: sampling_reference's bits."""
     x = key + offs.to(tl.int64) * _STRIDE
     x ^= _srl(x, 30)
     x *= _M1

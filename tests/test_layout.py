@@ -41,7 +41,6 @@ FORBIDDEN = {
                              "worker.engine.speculative", "worker.engine.lora",
                              "worker.engine.engine", "worker.engine.inflight"),
     "worker.engine.sample": ("worker.engine.sched.scheduler", "worker.engine.sched.updates",
-                             "worker.engine.sched.running_walk",
                              "worker.engine.sched.batch_rows", "worker.engine.engine"),
     "worker.engine.runner": ("worker.engine.sample", "worker.engine.engine"),
     # tensor parallelism: the group, the shard plan and the layers know no engine step

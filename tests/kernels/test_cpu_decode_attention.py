@@ -140,6 +140,31 @@ def test_bad_inputs_raise_before_reading_memory(change, match):
         _bad(ctx, q, **change(ctx, q))
 
 
+@pytest.mark.parametrize("change,match", [
+    (lambda c: dict(block_tables=c.block_tables.long()), "block_tables must have dtype"),
+    (lambda c: dict(seq_lens=c.seq_lens.long()), "seq_lens must have dtype"),
+    (lambda c: dict(block_tables=c.block_tables[0]), "block_tables must be 2-D"),
+    (lambda c: dict(block_tables=c.block_tables[:, :0]), "at least one column"),
+    (lambda c: dict(seq_lens=c.seq_lens[:1]), "seq_lens has 1 entries"),
+    (lambda c: dict(block_tables=c.block_tables.t().contiguous().t()), "contiguous"),
+    (lambda c: dict(block_tables=c.block_tables.tolist()), "must be a torch.Tensor"),
+])
+def test_a_decode_call_names_bad_tables(change, match):
+    """The step's call checks its tables in line; what fails gets ``_checks``' message."""
+    ctx, _ = _inputs((2, 2, 32, 8, F32, [12, 30]))
+    args = dict(block_tables=ctx.block_tables, seq_lens=ctx.seq_lens) | change(ctx)
+    with pytest.raises(ValueError, match=match):
+        cpu_decode_attention.DecodeCall(args["block_tables"], args["seq_lens"], 0.125)
+
+
+def test_a_decode_call_equals_the_checked_kernel():
+    ctx, q = _inputs((2, 2, 32, 8, F32, [12, 30, 1]))
+    call = cpu_decode_attention.DecodeCall(ctx.block_tables, ctx.seq_lens, 0.125)
+    want = cpu_decode_attention.paged_decode_attention(
+        q, ctx.k_cache, ctx.v_cache, ctx.block_tables, ctx.seq_lens, 0.125)
+    assert torch.equal(call(q, ctx.k_cache, ctx.v_cache), want)
+
+
 def test_loading_the_kernel_keeps_subnormal_floats():
     """-ffast-math at link time would switch the whole process to flush-to-zero."""
     ctx, q = _inputs((1, 1, 32, 8, F32, [3]))

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from worker.engine.lora.engine_hooks import UnknownAdapter
     from worker.engine.lora.manager import LoraManager
     from worker.engine.output.outputs import TextOutput
-    from worker.engine.output.rust_decode import RustDecoder, decode_spec
+    from worker.engine.output.rust_decode import RustDecoder, decode_spec, text_decoder
     from worker.engine.output.step_batch import EngineEnd, StepBatch, StreamOpen
     from worker.engine.output.text_output import StreamTexts, TextOutputs
     from worker.engine.speculative.draft_store import DraftStore
@@ -48,6 +48,7 @@ _EXPORTS = {
     "TextOutputs": "worker.engine.output.text_output",
     "RustDecoder": "worker.engine.output.rust_decode",
     "decode_spec": "worker.engine.output.rust_decode",
+    "text_decoder": "worker.engine.output.rust_decode",
     "PromptBuilder": "worker.engine.inputs.prompts",
     "PromptError": "worker.engine.inputs.prompts",
     "PromptOptions": "worker.engine.inputs.prompts",
@@ -61,7 +62,7 @@ __all__ = [
     "DEGRADED_REASONS", "DeviceFault", "DraftStore", "Engine", "EngineConfig", "EngineEnd",
     "EngineStats", "LoraAdapter", "LoraError", "LoraManager", "PromptBuilder", "PromptError",
     "PromptOptions", "RustDecoder", "StepBatch", "TextOutput", "StreamOpen", "StreamTexts",
-    "TextOutputs", "UnknownAdapter", "decode_spec",
+    "TextOutputs", "UnknownAdapter", "decode_spec", "text_decoder",
 ]
 
 

@@ -1,4 +1,5 @@
-"""The engine: add requests, step, abort, read events — no I/O inside a step.
+"""The engine: add requests (``request_adds.py``), step, end them (``request_ends.py``) —
+no I/O inside a step.
 
 ``step()`` is schedule -> execute -> sample -> update. The service drives it from one
 thread; anything arriving from other threads (new requests, cancels) is handed over
@@ -11,21 +12,23 @@ which ends a request on a stop string with ``finish_stream``.
 
 from __future__ import annotations
 
+from collections import defaultdict
+from time import perf_counter
 from typing import Any
 
-from protocol.sampling import SamplingParams
-from worker.engine.choices import CandidateGroups, candidate_id, candidate_params
+from worker.engine.choices import CandidateGroups
 from worker.engine.config import EngineConfig
 from worker.engine.distributed.tp_config import TPConfig
-from worker.engine.engine_stats import EngineStats, StepTimer, engine_stats
+from worker.engine.engine_stats import EngineStats
 from worker.engine.health import raise_if_device_fault
 from worker.engine.inflight import InflightStep
-from worker.engine.inputs.prompts import PromptBuilder, PromptLimits, PromptOptions
+from worker.engine.inputs.prompts import PromptBuilder, PromptLimits
 from worker.engine.kv.block_manager import BlockManager
 from worker.engine.kv.host_tier import HostTier, host_tier_bytes
-from worker.engine.lora.engine_hooks import adapter_for, enable_lora
+from worker.engine.lora.engine_hooks import enable_lora
 from worker.engine.output.step_batch import EngineEnd, StepBatch, StreamRegistry
 from worker.engine.request import FinishReason, Request
+from worker.engine.request_adds import RequestAdds
 from worker.engine.request_ends import RequestEnds
 from worker.engine.runner.model_runner import ModelRunner
 from worker.engine.runner.tp_follower import start_ranks
@@ -40,7 +43,7 @@ from worker.engine.structured.decoding import StructuredOutputs
 _GRAMMAR_WAIT_S = 0.005  # idle loop: how long to wait for a pending grammar compile
 
 
-class Engine(RequestEnds):
+class Engine(RequestAdds, RequestEnds):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.ranks = start_ranks(config)  # None: one process (tensor_parallel_size 1)
@@ -73,7 +76,9 @@ class Engine(RequestEnds):
         ))
         self.sampler = Sampler(config.seed)
         warm_up_sampling(self.runner, self.sampler)  # CUDA: the fused pass, or its twin
-        self.timer = StepTimer()
+        # wall seconds per step phase (schedule, forward, sample, update), summed over the
+        # steps: profiles and benchmarks read it (``clear()`` starts over)
+        self.phase_s: defaultdict[str, float] = defaultdict(float)
         self.structured = StructuredOutputs(  # [structured output]
             self.tokenizer, self.runner.shape.vocab_size, self.runner.loaded.eos_token_ids)
         self.streams = StreamRegistry()  # request <-> the small int its rows carry
@@ -88,86 +93,6 @@ class Engine(RequestEnds):
         self._inflight: InflightStep | None = None  # launched, not read back
         self.tokens_generated = 0
         self.steps = 0
-
-    # -- requests ----------------------------------------------------------------------
-    def add_request(
-        self, request_id: str, prompt: str | list[int] | None = None,
-        params: SamplingParams | dict[str, Any] | None = None, *,
-        messages: list[dict[str, Any]] | None = None, priority: int = 0,
-        prior_output_ids: list[int] | None = None, options: PromptOptions | None = None,
-        lora_name: str | None = None, cache_scope: str | None = None,
-    ) -> Request:
-        """Tokenize, validate and queue a request; raises ValueError naming the problem
-        (``UnknownAdapter``, a ValueError, for a ``lora_name`` not loaded).
-        ``cache_scope``: the prefix-cache partition it may share blocks with (None: the
-        default one), ``Request.cache_scope``.
-
-        ``prior_output_ids`` resumes a request whose first tokens were already produced
-        (and sent) elsewhere: generation continues after them.
-        """
-        lora = adapter_for(self.lora, lora_name)  # before any work: an unknown name fails
-        params = SamplingParams.coerce(params)
-        ids = self.prompts.build(
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=prompt if isinstance(prompt, list) else None,
-            messages=messages, params=params, prior_output_ids=prior_output_ids,
-            options=options,
-        )
-        return self.add_tokens(request_id, ids, params, priority=priority,
-                               prior_output_ids=prior_output_ids, lora=lora,
-                               cache_scope=cache_scope)
-
-    def add_tokens(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-        priority: int = 0, prior_output_ids: list[int] | None = None,
-        prior_by_choice: dict[int, list[int]] | None = None,
-        skip_choices: frozenset[int] = frozenset(), lora: Any = None,
-        cache_scope: str | None = None,
-    ) -> Request:
-        """Queue a prompt that ``self.prompts.build`` already tokenized and validated (on
-        any thread), so the engine loop's cost does not depend on the prompt's text size.
-
-        With ``n > 1`` or ``best_of``, one engine request per candidate (``choices.py``);
-        a resumed request gives each candidate's tokens so far (``prior_by_choice``) and the
-        candidates that had already finished (``skip_choices``). Returns the first queued.
-        """
-        params = self.prompts.fit(params, len(prompt_token_ids))
-        count = params.num_candidates
-        priors = prior_by_choice if prior_by_choice is not None else \
-            {0: list(prior_output_ids or [])}
-        first: Request | None = None
-        for index in range(count):
-            if index in skip_choices:
-                continue
-            request = self._add_one(
-                candidate_id(request_id, index, count), prompt_token_ids,
-                candidate_params(params, index) if count > 1 else params, priority,
-                list(priors.get(index, [])), lora, cache_scope,
-            )
-            if count > 1:
-                request.parent_id, request.index = request_id, index
-                request.report_logprobs = params.logprobs is not None
-                self._groups.add(request_id, request.request_id)
-            self.streams.open(request)  # after its parent id and index are known
-            first = first or request
-        if first is None:
-            raise ValueError("skip_choices: every candidate has already finished")
-        return first
-
-    def _add_one(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        priority: int, prior: list[int], lora: Any = None, cache_scope: str | None = None,
-    ) -> Request:
-        request = Request(
-            request_id, prompt_token_ids, params,
-            eos_token_ids=self.runner.loaded.eos_token_ids, priority=priority,
-            output_token_ids=prior, bad_words_ids=self.prompts.bad_words_ids(params),
-            lora=lora, cache_scope=cache_scope,
-        )
-        self.structured.attach(request)  # [structured output] compile starts off the loop
-        self.scoring.add(request)
-        self.scheduler.add(request)
-        return request
 
     # -- tensor-parallel ranks -----------------------------------------------------------
     def check_ranks(self) -> None:
@@ -189,11 +114,12 @@ class Engine(RequestEnds):
         """Schedule and launch a step; return the tokens of the step read back (this one,
         or with overlap the one launched before it) and the requests that ended."""
         outputs = StepBatch(ends=self._grammar_failures())  # [structured output]
-        with self.timer.phase("schedule"):
-            if self.spec is not None:
-                self.spec.propose()  # drafts: the scheduler gives them their tokens
-            sched = self.scheduler.schedule()
-            outputs.cached = self.streams.cached_of(self.scheduler.take_first_scheduled())
+        start = perf_counter()
+        if self.spec is not None:
+            self.spec.propose()  # drafts: the scheduler gives them their tokens
+        sched = self.scheduler.schedule()
+        outputs.cached = self.streams.cached_of(self.scheduler.take_first_scheduled())
+        self.phase_s["schedule"] += perf_counter() - start
         if not sched.is_empty:
             self._run(sched, outputs)
         elif self._inflight is not None:
@@ -244,9 +170,10 @@ class Engine(RequestEnds):
         mask = self.structured.start_bitmask(sampling) if constrained and not known else None
         # prompt logprobs: only while a request still waits for them
         extra = self.scoring.plan(sched) if self.scoring.pending else None
-        with self.timer.phase("forward"):
-            logits = self.runner.execute(sched, self.block_manager, prev,
-                                         extra.rows if extra is not None else None)
+        start = perf_counter()
+        logits = self.runner.execute(sched, self.block_manager, prev,
+                                     extra.rows if extra is not None else None)
+        self.phase_s["forward"] += perf_counter() - start
         prompt = None
         if extra is not None:
             logits, prompt = self.scoring.collect(extra, logits, len(sampling))
@@ -256,9 +183,10 @@ class Engine(RequestEnds):
             for row, request in zip(rows, sampling, strict=True):
                 row.refresh(request)
             mask = self.structured.start_bitmask(sampling)  # [structured output]
-        with self.timer.phase("sample"):
-            sample = self.sampler.launch(logits, rows, mask.get() if mask is not None else None,
-                                         constants)
+        start = perf_counter()
+        sample = self.sampler.launch(logits, rows, mask.get() if mask is not None else None,
+                                     constants)
+        self.phase_s["sample"] += perf_counter() - start
         if not known and self.overlap:  # after sampling: rows may hold the token lists
             self.scheduler.advance(sched)  # (no overlap: with its tokens, advance_resolve)
         return InflightStep(sched, sample, None, prompt, known or self.overlap,
@@ -270,16 +198,17 @@ class Engine(RequestEnds):
         step, self._inflight = self._inflight, None
         if step is None:
             return
-        with self.timer.phase("update"):
-            try:
-                result = step.sample.result()
-                if step.prompt is not None:
-                    self.scoring.finish(step.prompt)
-            except Exception as exc:  # an asynchronous device error surfaces here
-                raise_if_device_fault(exc)
-                batch.extend_ends(self._fail_batch(step.sched, exc))
-                return
+        start = perf_counter()
+        try:
+            result = step.sample.result()
+            if step.prompt is not None:
+                self.scoring.finish(step.prompt)
+        except Exception as exc:  # an asynchronous device error surfaces here
+            raise_if_device_fault(exc)
+            batch.extend_ends(self._fail_batch(step.sched, exc))
+        else:
             self.apply_tokens(batch, step.sched, result.token_ids, result.logprobs, step)
+        self.phase_s["update"] += perf_counter() - start
 
     def _grammar_failures(self) -> list[EngineEnd]:
         """[structured output] Finish requests whose grammar failed to compile: their fault."""
@@ -338,6 +267,17 @@ class Engine(RequestEnds):
                 batch.prompt_logprobs[stream] = first
 
     def stats(self) -> EngineStats:
-        return engine_stats(self.scheduler, self.block_manager, self.runner.health, self.spec,
-                            self.tokens_generated, self.steps)
-
+        """The engine's counters now, read off its parts (the service stores one after
+        every loop iteration for its heartbeats and metrics)."""
+        sched, bm, health = self.scheduler, self.block_manager, self.runner.health
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
+            num_preemptions=sched.num_preemptions, tokens_generated=self.tokens_generated,
+            steps=self.steps, prefix_cache_queries=bm.stats.queries,
+            prefix_cache_hits=bm.stats.hits, kv_blocks_cached=bm.num_cached_blocks,
+            **(bm.tier.counters() if bm.tier is not None else {}),
+            **(self.spec.counters() if self.spec is not None else {}),
+            degraded=tuple(sorted(health.reasons)),
+            decode_graphs_active=health.decode_graphs_active,
+        )

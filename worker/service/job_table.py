@@ -49,7 +49,9 @@ class JobTable:
         self.log = log
         self.ev = JobEvents(token_text, self._on_end, self.text.abort, metrics)
         self.jobs: dict[str, ActiveJob] = self.ev.jobs
-        self._deadlines: dict[str, float] = {}
+        # request id -> its deadline (time.time()); the loop calls ``expire`` only while
+        # one is set
+        self.deadlines: dict[str, float] = {}
         self._early_cancels: dict[str, tuple[str, float]] = {}
         # multi-LoRA (service.py sets both when LoRA is on): model name -> adapter, and
         # the adapter of each running job (per-adapter metrics)
@@ -77,7 +79,7 @@ class JobTable:
 
     def _on_end(self, job: ActiveJob, item: Outgoing | None) -> None:
         """A job's terminal event was built: forget it, record it, free its slot."""
-        self._deadlines.pop(job.request_id, None)
+        self.deadlines.pop(job.request_id, None)
         self._adapter_of.pop(job.request_id, None)
         try:
             if item is not None:
@@ -157,7 +159,7 @@ class JobTable:
         self.jobs[rid] = job
         self._admitted(job)
         if job.deadline is not None:
-            self._deadlines[rid] = job.deadline
+            self.deadlines[rid] = job.deadline
         if lora is not None:
             self._adapter_of[rid] = lora.name
             if self.lora_metrics is not None:
@@ -178,7 +180,7 @@ class JobTable:
         if cmd.kind == "lost":
             if job is not None:
                 self.jobs.pop(cmd.request_id)
-                self._deadlines.pop(cmd.request_id, None)
+                self.deadlines.pop(cmd.request_id, None)
                 self._drop(cmd.request_id)
                 self.slots.release()
                 self.log.warning("request_dropped_lease_lost", request_id=cmd.request_id)
@@ -198,10 +200,9 @@ class JobTable:
         self._early_cancels[cmd.request_id] = (cmd.reason or "cancelled", now)
 
     def expire(self) -> None:
-        if not self._deadlines:
-            return
+        """Close the requests past their deadline."""
         now = time.time()
-        for rid, deadline in list(self._deadlines.items()):
+        for rid, deadline in list(self.deadlines.items()):
             if now >= deadline:
                 self._close(self.jobs[rid], "timeout", _timeout_message(self.jobs[rid]))
 
@@ -224,7 +225,7 @@ class JobTable:
         for rid in list(self.jobs):
             self._drop(rid)
         self.jobs.clear()
-        self._deadlines.clear()
+        self.deadlines.clear()
         return count
 
 

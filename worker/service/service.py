@@ -197,7 +197,8 @@ class WorkerService:
                 self.lora.apply()
             if self.drafts is not None and self.engine.spec is not None:  # the fleet's outputs
                 self.drafts.drain(self.engine.spec.store, 8 if busy else 256)
-            self.table.expire()
+            if self.table.deadlines:  # a request with a deadline (``timeout_s``)
+                self.table.expire()
             self.table.poll()  # an output process's stop strings, settled entries (or death)
             if self._stop.is_set() and self._drained():
                 return
@@ -235,7 +236,9 @@ class WorkerService:
         start = time.perf_counter()
         outputs = self.table.step()
         elapsed = time.perf_counter() - start
-        self.slots.set_running(len(self.engine.scheduler.running))
+        running = len(self.engine.scheduler.running)
+        if running != self.slots.running:  # the intake waits for a change only
+            self.slots.set_running(running)
         batch, tokens = self.table.events(outputs, time.monotonic())
         if batch:  # none with an output process: it makes the events
             self.outbox.put(batch, self._past_drain)

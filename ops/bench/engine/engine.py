@@ -45,7 +45,7 @@ def run_ferry(path: str, jobs: list[Job], profile: dict[str, float] | None = Non
     attn_time = _time_attention(engine) if profile is not None else None
     outs = run_jobs(engine, jobs)
     if profile is not None:
-        profile.update(engine.timer.totals)
+        profile.update(engine.phase_s)
         profile["attention"] = attn_time[0] if attn_time else 0.0
         profile["steps"] = engine.stats().steps
     return outs

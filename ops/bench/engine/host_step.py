@@ -135,7 +135,7 @@ def run_workload(workload: str, steps: int, rows: int, redis_url: str | None) ->
         feeder.step()  # prefill everything first
     for _ in range(20):
         feeder.step()
-    engine.timer.reset()
+    engine.phase_s.clear()
     times: list[float] = []
     feeder.device_times.clear()
     feeder.host_cpu.clear()
@@ -146,7 +146,7 @@ def run_workload(workload: str, steps: int, rows: int, redis_url: str | None) ->
         elapsed, n = feeder.step()
         times.append(elapsed)
         tokens += n
-    phases = {k: round(v / steps * 1e3, 3) for k, v in engine.timer.totals.items()}
+    phases = {k: round(v / steps * 1e3, 3) for k, v in engine.phase_s.items()}
     out = output_fields(link, feeder, before, run_start, steps) if link is not None else {}
     return out | {
         "workload": workload, "rows": rows, "steps": steps,

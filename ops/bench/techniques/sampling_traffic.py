@@ -77,7 +77,7 @@ def sampled_rows(rows: int) -> list[Any]:
 def old_sample(logits: torch.Tensor, rows: list[Any], keys: list[int]) -> torch.Tensor:
     """The sampler before the fused pass (its ``launch`` without logprobs and grammar):
     the torch filters, softmax, and the noise over ``[rows, vocab]``. keys: one per row."""
-    from kernels.sampling_noise import exponential
+    from kernels.sampling_reference import exponential
     from worker.engine.runner.transfer import to_device
     from worker.engine.sample.logits_processors import (
         apply_allowed_token_ids,

@@ -69,7 +69,7 @@ def workload(kind: str) -> list[Any]:
 
 def run(engine: Any, kind: str) -> dict[str, float]:
     params = workload(kind)
-    before = dict(engine.timer.totals)
+    before = dict(engine.phase_s)
     start, cpu_start = time.perf_counter(), time.process_time()
     for i, p in enumerate(params):
         engine.add_request(f"{kind}-{i}-{time.monotonic_ns()}", PROMPTS[i % len(PROMPTS)], p)
@@ -80,7 +80,7 @@ def run(engine: Any, kind: str) -> dict[str, float]:
         tokens += sum(len(o.new_token_ids) for o in TextOutputs.of(engine).step())
     seconds = time.perf_counter() - start
     cpu = time.process_time() - cpu_start
-    sample = engine.timer.totals.get("sample", 0.0) - before.get("sample", 0.0)
+    sample = engine.phase_s.get("sample", 0.0) - before.get("sample", 0.0)
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds,
             "tok_cpu_s": tokens / cpu, "sample_s": sample}
 

@@ -8,8 +8,8 @@ it back when its blocks are freed (finish, preemption), so a running request's r
 changes; the scheduler keeps its per-row counters under the same row numbers
 (``batch_rows.py``). ``gen`` counts a row's hand-overs: a step that recorded a row's
 ``gen`` can tell, later, whether the row still belongs to the request it scheduled.
-``dirty`` says which entries changed since the device copy (``block_table_buffer.py``)
-last took them.
+``dirty`` says which entries changed since the device copy (``runner/step_inputs.py``)
+last took them (it takes the map, replacing it with an empty one).
 """
 
 from __future__ import annotations
@@ -79,11 +79,6 @@ class HostTables:
         self.releases += 1
         self.dirty.pop(row, None)
         heapq.heappush(self._free, row)
-
-    def take_dirty(self) -> dict[int, int]:
-        """Rows changed since the last call, with the first entry that changed."""
-        dirty, self.dirty = self.dirty, {}
-        return dirty
 
     def _grow_rows(self) -> None:
         old = self.rows

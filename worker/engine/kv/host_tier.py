@@ -115,6 +115,11 @@ class HostTier:
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._slot_of
 
+    def counters(self) -> dict[str, int]:
+        """Its ``EngineStats`` fields: hits taken from it (tokens), blocks held, its size."""
+        return {"prefix_cache_host_hits": self.stats.hit_tokens,
+                "kv_host_blocks_cached": self.num_cached, "kv_host_blocks_total": self.num_blocks}
+
     @property
     def num_cached(self) -> int:
         return len(self._slot_of)

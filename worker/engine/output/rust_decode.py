@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from worker.engine.output.detokenizer import DetokenizerResult
@@ -38,19 +39,17 @@ def decode_spec(tokenizer: Any) -> dict[str, Any] | None:
     return {"json": backend.to_str(), "clean_up": clean_up}
 
 
-def text_decoder(tokenizer: Any) -> Any:
-    """What an in-process output side detokenizes with: a ``RustDecoder`` where the
-    tokenizer has a spec and its decoder streams (then ``make_detokenizer`` takes the byte
-    table or ``DecodeStream``: one table look-up or one Rust call a token, where
-    transformers' ``decode`` of a growing window cost two Python decodes a token, ~40-90 us
-    at the default model), else ``tokenizer`` itself. The same text either way: the
-    output process decodes this way (``tests/worker/engine/output/test_byte_detokenizer.py`` and
-    ``test_decode_stream.py`` hold both to transformers' text)."""
-    spec = decode_spec(tokenizer)
-    if spec is None:
-        return tokenizer
-    decoder = RustDecoder(spec)
-    return decoder if decoder.streams else tokenizer
+def text_decoder(spec: dict[str, Any] | None, load: Callable[[], Any]) -> Any:
+    """What the output side detokenizes with, in the engine's process and in an output
+    process alike: a ``RustDecoder`` where the engine's tokenizer has a Rust spec
+    (``decode_spec``; ``make_detokenizer`` then takes its byte table, its ``DecodeStream``,
+    or window decodes through its ``decode`` where it cannot stream), else ``load()``, the
+    tokenizer itself. The byte table or ``DecodeStream`` is one table look-up or one Rust
+    call a token, where transformers' ``decode`` of a growing window cost two Python
+    decodes a token (~40-90 us at the default model). The text is transformers' either way
+    (``tests/worker/engine/output/test_text_decoder.py`` over the repository's tokenizers,
+    ``test_byte_detokenizer.py`` and ``test_decode_stream.py``)."""
+    return RustDecoder(spec) if spec is not None else load()
 
 
 # Decoders whose text for ids[:n] is always a prefix of the text for ids (per-token maps,

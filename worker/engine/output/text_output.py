@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from worker.engine.output.byte_detokenizer import make_detokenizer
 from worker.engine.output.outputs import TextOutput
-from worker.engine.output.rust_decode import text_decoder
+from worker.engine.output.rust_decode import decode_spec, text_decoder
 from worker.engine.output.step_batch import EngineEnd, StepBatch, StreamOpen
 
 if TYPE_CHECKING:
@@ -155,7 +155,8 @@ class TextOutputs:
 
     def __init__(self, engine: StepSource) -> None:
         self.engine = engine
-        self.texts = StreamTexts(text_decoder(engine.tokenizer), self._stop)
+        self.texts = StreamTexts(
+            text_decoder(decode_spec(engine.tokenizer), lambda: engine.tokenizer), self._stop)
 
     @classmethod
     def of(cls, engine: StepSource) -> TextOutputs:

@@ -4,7 +4,7 @@ Inputs are one flattened ragged batch with no padding: input ids, positions, slo
 mapping, query start offsets and context lengths, built on the host with plain lists
 (O(tokens of the step)) and moved to the device once per step without a host sync
 (``transfer.py``); block tables stay on the device and change only by the entries that
-changed (``block_table_buffer.py``). A token still being read back from the previous
+changed (``step_inputs.BlockTableBuffer``). A token still being read back from the previous
 step (a placeholder, ``inflight.py``) is copied in on the device from that step's
 sampled tokens.
 """
@@ -28,34 +28,28 @@ from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.manager import LoraManager
 from worker.engine.lora.targets import check_all_cut
 from worker.engine.lora.tp_sync import LoraStepSync
+from worker.engine.runner import kv_budget
 from worker.engine.runner.attention.interface import make_backend
 from worker.engine.runner.attention.kv_scales import use_checkpoint_kv_scales
 from worker.engine.runner.attention.layer_features import model_body
-from worker.engine.runner.attention.metadata import AttentionMetadata, ForwardContext, KVCache
-from worker.engine.runner.block_table_buffer import BlockTableBuffer
+from worker.engine.runner.attention.metadata import AttentionMetadata, ForwardContext
 from worker.engine.runner.cpu.lean_decode import build_lean_decode
 from worker.engine.runner.cpu.step_threads import serial_if, serial_tokens
 from worker.engine.runner.decode_graphs import CudaGraphCapturer, DecodeGraphs, GraphCapturer
-from worker.engine.runner.model_loader import (
-    _DTYPES,
-    LoadedModel,
-    LogitsHead,
-    ModelShape,
-    load_model,
+from worker.engine.runner.model_loader import LoadedModel, LogitsHead, ModelShape, load_model
+from worker.engine.runner.step_inputs import (
+    BlockTableBuffer,
+    build_inputs,
+    patch_placeholders,
+    to_device_packed,
 )
-from worker.engine.runner.step_inputs import build_inputs, patch_placeholders, to_device_packed
 from worker.engine.runner.tp_ranks import RankLead, open_message, step_message
 from worker.engine.runner.transfer import to_device
 from worker.engine.runner.warmup import warm_up_kernels
 from worker.engine.sched.schedule_output import SchedulerOutput
 
-# fp8_e4m3 (vLLM's "fp8" too): one byte a value, saturated at +-448 on store, scaled per
-# layer where the checkpoint says so (attention/kv_scales.py)
-KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
 _log = structlog.get_logger("ferry.worker.runner")
-_DEFAULT_CPU_KV_BYTES = 2 << 30
 _MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly
-_GRAPH_RESERVE_BYTES = 1 << 30  # left out of the KV budget for the graphs' memory pool
 _DECODE_BUCKET = 16  # sequences per decode attention call on the torch CPU path
 
 
@@ -92,14 +86,18 @@ class ModelRunner:
         self.block_size = cache_cfg.block_size
         self.health = EngineHealth()
         self.backend = make_backend(model_cfg.attention_backend, self.device, self.health)
-        self.kv_dtype = self._kv_dtype(cache_cfg.kv_cache_dtype)
+        self.kv_dtype = kv_budget.kv_dtype(cache_cfg.kv_cache_dtype, self.loaded.dtype,
+                                           self.backend.name)
         self.logits_head = LogitsHead(self.model)
         self.lean = build_lean_decode(self.model, self.backend) if (
             self.device.type == "cpu" and model_cfg.lean_decode and not self.tp.enabled) else None
         # CPU steps of at most this many tokens run on one thread (step_threads.py)
         self.serial_tokens = serial_tokens(self.model) if self.device.type == "cpu" else 0
-        self.num_blocks = agree_min(self._num_blocks(cache_cfg))  # one numbering, all ranks
-        self.kv_caches = self._allocate_cache()
+        # one numbering on every rank
+        self.num_blocks = agree_min(kv_budget.num_blocks(cache_cfg, self.device,
+                                                         self.bytes_per_block))
+        self.kv_pool, self.kv_caches = kv_budget.allocate(
+            self.pool_layout, self.num_blocks, self.block_size, self.kv_dtype, self.device)
         if use_checkpoint_kv_scales(self.model, model_cfg.model, self.shape.num_layers,
                                     self.kv_dtype):
             if self.shape.v_in_k:  # one latent row serves as K and V: one scale for both
@@ -152,62 +150,18 @@ class ModelRunner:
             raise ValueError("the static decode path is not served under tensor parallelism")
         self.graphs = DecodeGraphs(self, self.tables.rows, None)
 
-    def _kv_dtype(self, name: str) -> torch.dtype:
-        if name == "auto":
-            return self.loaded.dtype
-        if name not in KV_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_DTYPES)}; got {name!r}")
-        dtype = KV_DTYPES[name]
-        if dtype not in (self.loaded.dtype, torch.float8_e4m3fn) and self.backend.name == "triton":
-            raise ValueError(
-                f"kv_cache_dtype {name} differs from the model's dtype "
-                f"{str(self.loaded.dtype).removeprefix('torch.')}: the Triton attention "
-                "kernels read a cache in the model's dtype or fp8_e4m3; use kv_cache_dtype=auto or "
-                "load the model in that dtype (dtype=...)")
-        return dtype
-
     @property
     def pool_layout(self) -> PoolLayout:
-        s = self.shape
-        return PoolLayout(s.num_layers, s.num_kv_heads, s.head_dim, s.value_dim, s.v_in_k)
+        return kv_budget.pool_layout(self.shape)
 
     @property
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes one token takes, every layer included."""
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return self.pool_layout.bytes_per_token(elem)
+        return kv_budget.bytes_per_token(self.pool_layout, self.kv_dtype)
 
     @property
     def bytes_per_block(self) -> int:
         return self.block_size * self.kv_bytes_per_token
-
-    def _num_blocks(self, cfg: CacheConfig) -> int:
-        if cfg.num_blocks is not None:
-            if cfg.num_blocks < 1:
-                raise ValueError(f"kv_cache_blocks must be >= 1, got {cfg.num_blocks}")
-            return cfg.num_blocks
-        budget = cfg.memory_bytes
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.9) - _GRAPH_RESERVE_BYTES
-            else:
-                budget = _DEFAULT_CPU_KV_BYTES
-        num = budget // self.bytes_per_block
-        if num < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no block")
-        return int(num)
-
-    def _allocate_cache(self) -> list[KVCache]:
-        """The whole pool, allocated once (``kv/pool.py``): [layers][k|v] of [blocks,
-        block_size, Hkv, D], plus one scratch block owned by no request (the graphs'
-        padded rows write there)."""
-        pool, caches = self.pool_layout.allocate(self.num_blocks + 1, self.block_size,
-                                                 self.kv_dtype, self.device)
-        # the host tier copies whole blocks of every layer at once, as bytes for an FP8 pool
-        # (not every device has an FP8 index_put)
-        self.kv_pool = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
-        return caches
 
     def prepare(
         self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None = None

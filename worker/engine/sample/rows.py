@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from kernels.sampling_noise import mix64
+from kernels.sampling_reference import mix64
 from protocol.sampling import SamplingParams
 from worker.engine.sample.logits_processors import wants_penalties
 

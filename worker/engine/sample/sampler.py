@@ -2,7 +2,7 @@
 
 Sampling uses the exponential race (``argmax(p / E)``, E ~ Exp(1)), which equals a
 categorical draw and needs one noise value per (row, token). The noise is a pure function
-of a key (``kernels/sampling_noise.py``): a seeded request's key comes from ``(seed,
+of a key (``kernels/sampling_reference.py``): a seeded request's key comes from ``(seed,
 output index)``, so its tokens do not depend on the batch around it, on preemption, or on
 which worker resumes it after a crash; an unseeded row gets a fresh key from the
 sampler's own generator.
@@ -31,8 +31,7 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from kernels.sampling_noise import key_at, keys_at, random_key
-from kernels.sampling_reference import SamplingTensors
+from kernels.sampling_reference import SamplingTensors, key_at, keys_at, random_key
 from kernels.sampling_reference import sample as sample_reference
 from worker.engine.runner.transfer import ReadBack, host_to_device, to_device
 from worker.engine.sample.logits_processors import (

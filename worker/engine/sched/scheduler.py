@@ -9,7 +9,7 @@ and no tensors here: the scheduler is tested on CPU with fake runner output.
 
 The running requests' counters are also kept as arrays, one row per request
 (``batch_rows.py``), so that a large batch of decodes is scheduled, advanced and checked
-for its stops without a Python loop over requests (``running_walk.py``,
+for its stops without a Python loop over requests (``schedule_output.RunningWalk``,
 ``resolve_sampled``); ``check_invariants`` proves the arrays equal the requests.
 """
 
@@ -28,8 +28,12 @@ from worker.engine.request import (
     RequestStatus,
 )
 from worker.engine.sched.batch_rows import BatchRows, RowColumns
-from worker.engine.sched.running_walk import RunningWalk
-from worker.engine.sched.schedule_output import Resolved, ScheduledRequest, SchedulerOutput
+from worker.engine.sched.schedule_output import (
+    Resolved,
+    RunningWalk,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from worker.engine.sched.updates import StepUpdates
 
 __all__ = ["Resolved", "ScheduledRequest", "Scheduler", "SchedulerOutput"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from time import perf_counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -168,6 +169,14 @@ class SpecDecoding:
         self._seen[rid] = (len(tokens), tenant)
         return tenant
 
+    def counters(self) -> dict[str, int]:
+        """Its ``EngineStats`` fields (``spec_*``)."""
+        return {"spec_drafted_tokens": self.drafted_tokens,
+                "spec_accepted_tokens": self.accepted_tokens, "spec_draft_rows": self.draft_rows,
+                "spec_store_rows": self.store_rows,
+                "spec_grammar_cut_tokens": self.grammar_cut_tokens,
+                "spec_backoff_cut_tokens": self.backoff_cut_tokens}
+
     def finished(self, request: Request) -> None:
         """A request ended: drop its drafter; a completed output goes into its tenant's
         store (and to ``on_stored``: a hook that must not block, it runs on the engine
@@ -200,17 +209,18 @@ class SpecDecoding:
         plan = engine.scoring.plan(sched) if engine.scoring.pending else None  # rows
         # before the drafts'
         prompt_rows = plan.rows if plan is not None else []
-        with engine.timer.phase("forward"):
-            logits = engine.runner.execute(sched, engine.block_manager, None,
-                                           prompt_rows + flat)
+        start = perf_counter()
+        logits = engine.runner.execute(sched, engine.block_manager, None, prompt_rows + flat)
+        engine.phase_s["forward"] += perf_counter() - start
         drafts_logits = logits[n + len(prompt_rows):]
         logits = logits[:n + len(prompt_rows)]
         prompt = None
         if plan is not None:
             logits, prompt = engine.scoring.collect(plan, logits, n)
-        with engine.timer.phase("sample"):
-            result = engine.sampler.launch(torch.cat([logits, drafts_logits]), rows + extra,
-                                           mask.get()).result()
+        start = perf_counter()
+        result = engine.sampler.launch(torch.cat([logits, drafts_logits]), rows + extra,
+                                       mask.get()).result()
+        engine.phase_s["sample"] += perf_counter() - start
         if prompt is not None:
             engine.scoring.finish(prompt)
         accepted = self._verify(sched, result.token_ids, n)

@@ -9,10 +9,10 @@ below are for the type checker only, so this module costs nothing at run time.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from worker.engine.engine_stats import StepTimer
     from worker.engine.inflight import InflightStep
     from worker.engine.kv.block_manager import BlockManager
     from worker.engine.output.step_batch import EngineEnd, StepBatch, StreamRegistry
@@ -34,7 +34,7 @@ class StepHost(Protocol):
     structured: StructuredOutputs
     scoring: PromptScoring
     streams: StreamRegistry
-    timer: StepTimer
+    phase_s: defaultdict[str, float]
     max_model_len: int
     overlap: bool
     tokens_generated: int

@@ -23,7 +23,7 @@ class Slots:
         self.total = total
         self.prefetch = prefetch
         self._held = 0
-        self._running = 0
+        self.running = 0
         self._cond = threading.Condition()
 
     @property
@@ -31,12 +31,12 @@ class Slots:
         return self._held
 
     def free(self) -> int:
-        return min(self.total - self._held, self.prefetch - (self._held - self._running))
+        return min(self.total - self._held, self.prefetch - (self._held - self.running))
 
     def free_urgent(self) -> int:
         """Room for the high-priority lane: only the prefetch bound applies, so a worker
         whose batch is full still takes urgent work (the scheduler preempts for it)."""
-        return self.prefetch - (self._held - self._running)
+        return self.prefetch - (self._held - self.running)
 
     def wait_free(self, timeout: float) -> int:
         with self._cond:
@@ -45,11 +45,10 @@ class Slots:
             return self.free()
 
     def set_running(self, running: int) -> None:
-        """The engine loop, after each step: how many requests are in the running batch."""
-        if running == self._running:
-            return
+        """The engine loop, after a step that changed how many requests are in the running
+        batch (it reads ``running`` to know)."""
         with self._cond:
-            self._running = running
+            self.running = running
             self._cond.notify_all()
 
     def take(self, n: int = 1) -> None:

@@ -80,15 +80,17 @@ def run(rfd: int, wfd: int) -> int:
 
 
 def load_tokenizer(options: dict[str, Any]) -> Any:
-    """The engine's tokenizer's Rust backend when it sent one (no transformers, no torch),
-    else the tokenizer loaded the engine's way."""
-    if options.get("decode_spec") is not None:
-        from worker.engine import RustDecoder
+    """The engine's decoder (``text_decoder``, the in-process output side's builder): the
+    Rust backend the engine sent (no transformers, no torch), else the tokenizer loaded
+    the engine's way."""
+    from worker.engine import text_decoder
 
-        return RustDecoder(options["decode_spec"])
-    from transformers import AutoTokenizer
+    def load() -> Any:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(options["tokenizer"])
+        return AutoTokenizer.from_pretrained(options["tokenizer"])
+
+    return text_decoder(options.get("decode_spec"), load)
 
 
 def main(argv: list[str]) -> int:

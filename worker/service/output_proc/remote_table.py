@@ -116,7 +116,7 @@ class RemoteJobTable(JobTable):
 
     def _forget(self, request_id: str) -> None:
         if self.jobs.pop(request_id, None) is not None:
-            self._deadlines.pop(request_id, None)
+            self.deadlines.pop(request_id, None)
             self._adapter_of.pop(request_id, None)
             self.slots.release()
 

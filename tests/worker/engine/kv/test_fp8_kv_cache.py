@@ -20,7 +20,7 @@ from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from worker import Engine, EngineConfig
 from worker.engine.output.text_output import TextOutputs
-from worker.engine.runner.model_runner import KV_DTYPES
+from worker.engine.runner.kv_budget import KV_DTYPES
 
 TOP = 5
 

@@ -6,20 +6,20 @@ import pytest
 import torch
 
 from worker.engine.kv.block_manager import BlockManager
-from worker.engine.runner import block_table_buffer
-from worker.engine.runner.block_table_buffer import BlockTableBuffer
+from worker.engine.runner import step_inputs
+from worker.engine.runner.step_inputs import BlockTableBuffer
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Entries written per scatter (each one copy of [rows, cols, values] to the device)."""
     written: list[int] = []
-    inner = block_table_buffer.host_to_device
+    inner = step_inputs.host_to_device
 
     def copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         written.append(tensor.shape[1])
         return inner(tensor, device)
 
-    monkeypatch.setattr(block_table_buffer, "host_to_device", copy)
+    monkeypatch.setattr(step_inputs, "host_to_device", copy)
     return written
 
 

@@ -203,7 +203,7 @@ def test_logprobs_of_the_batch_equal_row_by_row():
 
 def test_noise_bits_equal_the_integer_reference():
     """The device draws are SplitMix64 bits, exactly: the same on any device."""
-    from kernels import sampling_noise as noise
+    from kernels import sampling_reference as noise
 
     keys = [noise.row_key(0, 0), noise.row_key(2**63 - 1, 12345), noise.row_key(7, 3), -1]
     got = noise.uniform(torch.tensor(keys), 300)
@@ -215,7 +215,7 @@ def test_noise_bits_equal_the_integer_reference():
 
 
 def test_noise_is_uniform_and_independent_across_tokens_and_keys():
-    from kernels import sampling_noise as noise
+    from kernels import sampling_reference as noise
 
     u = noise.uniform(torch.tensor([noise.row_key(s, i) for s in range(8) for i in range(8)]),
                       4096).double()
@@ -246,7 +246,7 @@ def test_step_keys_equal_the_per_row_keys():
     ``_key`` bit for bit, and draws the unseeded rows' keys in row order as before."""
     import random
 
-    from kernels import sampling_noise as noise
+    from kernels import sampling_reference as noise
 
     rng = random.Random(3)
     seeds = [0, 1, 2**63 - 1, *(rng.getrandbits(63) for _ in range(60))]
