@@ -21,7 +21,7 @@ from worker.engine.distributed.tp_config import TensorParallelError, check_devic
 # (tests/worker/engine/distributed/test_tp_engine.py); any other is refused by name, not
 # cut by a plan that may miss its own layout (a fused qkv, a norm over all heads).
 SHARDED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                           "qwen3_moe", "gpt_oss"})
+                           "qwen3_moe", "gpt_oss", "gemma2"})
 
 
 def _refuse(feature: str, fix: str, size: int) -> TensorParallelError:
@@ -31,24 +31,15 @@ def _refuse(feature: str, fix: str, size: int) -> TensorParallelError:
 
 def tp_refusals(config: EngineConfig) -> list[TensorParallelError]:
     """The configured features a tensor-parallel engine does not serve yet."""
-    size, model, cache = config.tensor_parallel_size, config.model, config.cache
+    size, model = config.tensor_parallel_size, config.model
     refused = []
     if config.lora is not None or config.lora_modules:
         refused.append(_refuse("LoRA", "start without enable_lora / lora_modules", size))
     if config.speculative.enabled:
         refused.append(_refuse("speculative decoding", "start with speculative=off", size))
-    if model.quantization is not None:
-        refused.append(_refuse(f"quantization={model.quantization}",
-                               "serve the unquantized checkpoint", size))
     if config.scheduler.async_scheduling:
         refused.append(_refuse("async_scheduling (overlapped steps)",
                                "leave it unset or off", size))
-    if cache.host_memory_bytes:
-        refused.append(_refuse("the KV cache's host tier (host_memory_bytes)",
-                               "set FERRY_KV_HOST_BYTES=0", size))
-    if cache.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-        refused.append(_refuse(f"kv_cache_dtype={cache.kv_cache_dtype}",
-                               "use kv_cache_dtype=auto", size))
     if _on_cuda(model.device) and not model.enforce_eager:
         refused.append(_refuse("CUDA graphs", "start with enforce_eager "
                                "(FERRY_ENFORCE_EAGER=1)", size))
