@@ -1,7 +1,7 @@
 """The paged engine under tensor parallelism: ``LLM(path, tensor_parallel_size=2)`` on
 gloo (rank 0 here, rank 1 a spawned process) gives the tokens of one process, chosen-token
 logprobs within 1e-5, for tiny Llama, Qwen3, Mixtral and gpt-oss checkpoints (and
-Mistral, Qwen2, Qwen2-MoE, Qwen3-MoE), with prompts
+Mistral, Qwen2, Qwen2-MoE, Qwen3-MoE, Gemma 2), with prompts
 longer than a step's token budget (chunked prefill) in a pool small enough to preempt."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from worker.engine.runner.tp_checks import check_tensor_parallel
 
 # the four the plan was written for, then the served types it also proves out on
 FAMILIES = ["llama", "qwen3", "mixtral", "gpt_oss", "mistral", "qwen2", "qwen2_moe",
-            "qwen3_moe"]
+            "qwen3_moe", "gemma2"]
 PROMPT_LENS = [3, 20, 41, 9, 30]
 MAX_TOKENS = 8
 # 12 blocks of 8 tokens for 5 requests of up to 49 tokens: some are preempted; a step
@@ -74,10 +74,7 @@ def test_tp2_engine_equals_tp1(family: str, root) -> None:
 @pytest.mark.parametrize(("option", "name"), [
     (dict(enable_lora=True), "LoRA"),
     (dict(speculative="suffix"), "speculative decoding"),
-    (dict(quantization="int8"), "quantization=int8"),
     (dict(async_scheduling=True), "async_scheduling"),
-    (dict(host_memory_bytes=1 << 20), "host tier"),
-    (dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype=fp8_e4m3"),
 ])
 def test_unsupported_paths_are_refused_by_name(option: dict, name: str, root) -> None:
     config = EngineConfig.create(build_family("llama", root), tensor_parallel_size=2,

@@ -14,14 +14,17 @@ to the very numbers one process computes for the same rows and columns.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from worker.engine.distributed.group import all_reduce_max, all_reduce_sum
 from worker.engine.runner.quant.config import QuantizationError, QuantScheme
 from worker.engine.runner.quant.fp8 import FP8_MAX, Fp8Linear, check_shape
 from worker.engine.runner.quant.int4 import Int4Linear, quantize_groups
-from worker.engine.runner.quant.int8 import INT8_MAX, Int8Linear
+from worker.engine.runner.quant.int8 import INT8_MAX, KERNEL_ROWS, Int8Linear, native_kernel
 
 
 def _row_scale(weight: torch.Tensor, top: float, cut: bool) -> torch.Tensor:
@@ -77,14 +80,46 @@ def quantized_shard(scheme: QuantScheme, name: str, weight: torch.Tensor,
     return Int4Linear(*quantize_groups(weight, group), group, bias)
 
 
+def _rounds_to_bf16(inner: nn.Module, flat: torch.Tensor) -> bool:
+    """Whether one process's CPU kernel for this layer returns ``flat``'s product rounded
+    to bf16 (the packed INT4 kernel; INT8's bf16 GEMM above ``KERNEL_ROWS`` rows, or its
+    packed kernel where the C++ one is not used); FP8 and CUDA return the input's dtype."""
+    if flat.device.type != "cpu":
+        return False
+    rows = flat.shape[0]
+    if isinstance(inner, Int4Linear):
+        return rows <= KERNEL_ROWS or inner.out_features % 64 != 0
+    if isinstance(inner, Int8Linear):
+        return rows > KERNEL_ROWS or flat.dtype != torch.float32 or not native_kernel()
+    return False
+
+
 class ReducedQuant(nn.Module):
-    """A row-parallel quantized shard: partial outputs summed over the ranks, bias once."""
+    """A row-parallel quantized shard: partial outputs summed over the ranks, bias once.
+
+    Where one process's kernel rounds the whole product to bf16, each rank's partial is
+    computed in fp32 from the same bf16 activations and dequantized weights (the kernel's
+    own arithmetic), and the sum is rounded to bf16 once: rounding each partial instead
+    would put one bf16 rounding per rank into every output.
+    """
 
     def __init__(self, inner: nn.Module, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.inner = inner
         self.bias = bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce_sum(self.inner(x))  # [..., out]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K / size] -> [..., N]
+        inner: Any = self.inner
+        flat = x.reshape(-1, inner.in_features)
+        if _rounds_to_bf16(inner, flat):
+            xb = flat.to(torch.bfloat16).float()  # [M, K / size]
+            if isinstance(inner, Int8Linear):  # rounded before its scale, as the GEMM
+                part = all_reduce_sum(F.linear(xb, inner.qweight.float()))  # [M, N]
+                y = part.to(torch.bfloat16).to(x.dtype) * inner.scale.to(x.dtype)
+            else:
+                part = all_reduce_sum(F.linear(xb, inner.dequantized()))
+                y = part.to(torch.bfloat16).to(x.dtype)
+        else:
+            y = all_reduce_sum(inner(flat))  # [M, N]
+        y = y.view(*x.shape[:-1], inner.out_features)
         return y if self.bias is None else y + self.bias
