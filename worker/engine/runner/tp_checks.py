@@ -1,11 +1,12 @@
 """What a tensor-parallel engine refuses at start, by name, before any rank is spawned.
 
-The sharded paged path covers the forward, the paged KV cache (each rank its heads),
-chunked prefill, preemption, the prefix cache, prompt logprobs and everything sampled on
-rank 0 (seeded sampling, structured output). Paths whose state lives outside the
-broadcast step inputs, or whose weights the shard plan does not cut, are refused here
-rather than served wrong: CUDA graphs, overlapped steps, the host tier, LoRA,
-speculative decoding, quantized weights, an FP8 KV cache, the CPU lean decode.
+The sharded paged path covers the forward, the paged KV cache (each rank its heads, FP8
+too), chunked prefill, preemption, the prefix cache and its host tier, prompt logprobs,
+quantization at load and everything sampled on rank 0 (seeded sampling, structured
+output). Paths whose state lives outside the broadcast step inputs, or whose weights the
+shard plan does not cut, are refused here rather than served wrong: CUDA graphs,
+overlapped steps, LoRA, speculative decoding, a quantized checkpoint, the CPU lean
+decode.
 """
 
 from __future__ import annotations

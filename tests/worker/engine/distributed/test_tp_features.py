@@ -48,27 +48,36 @@ def _run(path: str, size: int, **options) -> tuple[list[list[tuple[int, float]]]
         llm.close()
 
 
-def _assert_same(got, want) -> None:
+def _assert_same(got, want, atol: float = 1e-5) -> None:
     for rid, (rows, ref) in enumerate(zip(got, want, strict=True)):
         assert [t for t, _ in rows] == [t for t, _ in ref], f"request {rid}: tokens differ"
         torch.testing.assert_close(torch.tensor([lp for _, lp in rows]),
-                                   torch.tensor([lp for _, lp in ref]), rtol=0, atol=1e-5)
+                                   torch.tensor([lp for _, lp in ref]), rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize(("method", "family", "hidden"), [
-    ("int8", "llama", 64), ("fp8", "llama", 64), ("int4", "qwen2", 256)])
-def test_quantized_at_load_tp2_equals_tp1(method: str, family: str, hidden: int,
+@pytest.mark.parametrize(("method", "family", "hidden", "steps"), [
+    ("int8", "llama", 64, 32), ("int8", "llama", 64, 64), ("fp8", "llama", 64, 32),
+    ("int4", "qwen2", 256, 32)])
+def test_quantized_at_load_tp2_equals_tp1(method: str, family: str, hidden: int, steps: int,
                                           tmp_path_factory) -> None:
     """Each rank quantizes its shards to one process's numbers (INT4's 128-column groups
     need 256 attention columns: the row-parallel o_proj's shard is then 128 wide; Qwen2
-    also ties its quantized head to the embedding)."""
+    also ties its quantized head to the embedding; INT8 at 64-token steps runs the path
+    that rounds to bf16 above 32 rows, see ``tp_shard.ReducedQuant``). INT4's CPU kernel
+    rounds its output to bf16: the ranks' fp32 partials, summed in another order than the
+    kernel's one accumulation, round to the other bf16 neighbour where the sum sits on a
+    boundary
+    (measured: 39 of 40 logprobs bit-equal, one 1.9e-3 off, all tokens equal)."""
     path = build_family(family, tmp_path_factory.mktemp("q"), hidden=hidden)
-    want, _ = _run(path, 1, quantization=method)
-    got, llm = _run(path, 2, quantization=method)
+    # 64-token steps (48-token chunks): INT8's CPU path above 32 rows rounds to bf16
+    options = dict(quantization=method, max_num_batched_tokens=steps,
+                   long_prefill_token_threshold=steps * 3 // 4)
+    want, _ = _run(path, 1, **options)
+    got, llm = _run(path, 2, **options)
     layers = llm.engine.runner.model.model.layers[0]
     assert isinstance(layers.self_attn.q_proj, QUANT_LAYERS[method])
     assert isinstance(layers.mlp.down_proj.inner, QUANT_LAYERS[method])  # row-parallel
-    _assert_same(got, want)
+    _assert_same(got, want, atol=5e-3 if method == "int4" else 1e-5)
 
 
 def test_int4_group_across_the_row_cut_is_refused_by_name(tmp_path_factory) -> None:
@@ -82,12 +91,15 @@ def test_int4_group_across_the_row_cut_is_refused_by_name(tmp_path_factory) -> N
 
 @pytest.mark.parametrize("scaled", [False, True])
 def test_fp8_kv_cache_tp2_equals_tp1(scaled: bool, tmp_path: Path) -> None:
-    """Each rank's FP8 pool holds its heads; per-layer scales are the same on every rank."""
+    """Each rank's FP8 pool holds its heads; per-layer scales are the same on every rank.
+    e4m3 has 3 mantissa bits: a key that differs in its last fp32 bit (the row-parallel
+    sums of the layer before, added in another order) can round to the neighbouring e4m3
+    value, 1/16 away; measured: 1.7e-6 unscaled, 2.9e-4 with the 200x keys, tokens equal."""
     path = _blown_up(tmp_path, True) if scaled else build_checkpoint("llama", tmp_path)
     want, _ = _run(path, 1, kv_cache_dtype="fp8_e4m3")
     got, llm = _run(path, 2, kv_cache_dtype="fp8_e4m3")
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
-    _assert_same(got, want)
+    _assert_same(got, want, atol=1e-3)
 
 
 def test_host_tier_tp2_equals_tp1(tmp_path: Path) -> None:
