@@ -63,8 +63,9 @@ class Engine(RequestAdds, RequestEnds):
             enable_caching=config.cache.enable_prefix_caching,
             salt=f"{config.model.model}|{self.runner.loaded.dtype}|{self.runner.kv_dtype}",
         )
-        tier_bytes = 0 if self.ranks else host_tier_bytes(config.cache.host_memory_bytes,
-                                                          self.runner.device)
+        # the worker's whole tier: each rank holds the same slots of its heads' share
+        tier_bytes = host_tier_bytes(config.cache.host_memory_bytes,
+                                     self.runner.device) // config.tensor_parallel_size
         self.block_manager.attach_tier(HostTier.for_pool(self.runner.kv_pool, tier_bytes))
         self.columns = SamplerColumns()  # the sampler's constants, by the batch's rows
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,

@@ -74,6 +74,13 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise largest ``x`` over the ranks, in place (a scale over a cut row)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_forward_group())
+    return x
+
+
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's equal-shaped ``x`` along the last dimension, rank order."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):

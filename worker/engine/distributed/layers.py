@@ -68,18 +68,25 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank embeds the ids in its vocabulary range, zeros elsewhere; one all-reduce."""
+    """Each rank embeds the ids in its vocabulary range, zeros elsewhere; one all-reduce.
+
+    A scaled embedding (Gemma's ``*ScaledWordEmbedding``: rows times ``sqrt(hidden)``
+    inside the embedding's own forward) keeps its factor, applied as it does.
+    """
 
     def __init__(self, full: nn.Embedding, rank: int, size: int) -> None:
         super().__init__()
         self.start, self.end = vocab_range(full.num_embeddings, rank, size)
         self.weight = nn.Parameter(full.weight.detach()[self.start:self.end].clone(),
                                    requires_grad=False)
+        self.embed_scale: float | None = getattr(full, "scalar_embed_scale", None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mine = (ids >= self.start) & (ids < self.end)  # [...]
         local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
         out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        if self.embed_scale is not None:  # one rank's row, zeros elsewhere: scaled alike
+            out = out * torch.tensor(self.embed_scale, dtype=self.weight.dtype)
         return all_reduce_sum(out)  # [..., hidden]
 
 

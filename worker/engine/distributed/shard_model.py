@@ -39,7 +39,7 @@ from worker.engine.distributed.sharding import (
 from worker.engine.distributed.tp_config import TensorParallelError, TPConfig, check_heads
 
 
-class _HeadLinear(nn.Module):
+class HeadLinear(nn.Module):
     """A q/k/v projection cut to heads ``[start, end)``."""
 
     def __init__(self, full: nn.Linear, head_dim: int, heads: tuple[int, int]) -> None:
@@ -110,9 +110,9 @@ def _shard_attention(attn: Any, config: Any, tp: TPConfig) -> None:
     head_dim = attn.head_dim
     q_heads = even_range(heads, tp.rank, tp.size)
     kv = kv_head_range(kv_heads, tp.rank, tp.size)
-    attn.q_proj = _HeadLinear(attn.q_proj, head_dim, q_heads)
-    attn.k_proj = _HeadLinear(attn.k_proj, head_dim, kv)
-    attn.v_proj = _HeadLinear(attn.v_proj, head_dim, kv)
+    attn.q_proj = HeadLinear(attn.q_proj, head_dim, q_heads)
+    attn.k_proj = HeadLinear(attn.k_proj, head_dim, kv)
+    attn.v_proj = HeadLinear(attn.v_proj, head_dim, kv)
     attn.o_proj = RowParallelLinear(attn.o_proj, tp.rank, tp.size)
     attn.num_key_value_groups = (q_heads[1] - q_heads[0]) // (kv[1] - kv[0])
     if isinstance(getattr(attn, "sinks", None), nn.Parameter):  # gpt-oss: one per head

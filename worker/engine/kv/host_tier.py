@@ -172,6 +172,16 @@ class HostTier:
     def has_pending(self) -> bool:
         return bool(self._outs or self._ins)
 
+    def pending(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies queued for the next flush: (block, slot) out, (slot, block) in."""
+        return list(self._outs), list(self._ins)
+
+    def replay(self, pool: torch.Tensor, outs: list[tuple[int, int]],
+               ins: list[tuple[int, int]]) -> None:
+        """Run copies another rank's tier queued (the same slots, this rank's heads)."""
+        self._outs, self._ins = list(outs), list(ins)
+        self.flush(pool)
+
     def flush(self, pool: torch.Tensor) -> None:
         """Apply the queued copies to/from the device ``pool`` (before the forward)."""
         outs, ins, self._outs, self._ins = self._outs, self._ins, [], []

@@ -117,7 +117,7 @@ def load_model(cfg: ModelConfig, tp: TPConfig | None = None) -> LoadedModel:
     dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
     attention.register()
     try:
-        if tp.enabled:  # quantized weights are refused under TP (runner/tp_checks.py)
+        if tp.enabled:  # quantized at load below, per rank (quant/tp_head.py)
             from worker.engine.distributed.sharded_load import load_sharded
 
             model = load_sharded(path, tp, dtype, attention.ATTENTION_NAME)
@@ -135,7 +135,12 @@ def load_model(cfg: ModelConfig, tp: TPConfig | None = None) -> LoadedModel:
     use_ferry_experts(model)  # MoE layers: fused kernel on CUDA, grouped path on CPU
     if scheme is not None:
         with torch.no_grad():
-            quant.apply(model, scheme, path)
+            if tp.enabled:  # each rank its shards, to one process's numbers
+                from worker.engine.runner.quant.tp_head import apply_sharded
+
+                apply_sharded(model, scheme, tp)
+            else:
+                quant.apply(model, scheme, path)
     prepare_layers(model)
     shape = model_shape(hf_config, cfg.max_model_len)
     if tp.enabled:

@@ -24,6 +24,7 @@ from worker.engine.health import EngineHealth
 from worker.engine.inflight import InflightStep
 from worker.engine.kv.block_manager import BlockManager
 from worker.engine.kv.pool import PoolLayout
+from worker.engine.kv.tier_mirror import HostCopies, TierMirror, lead_flush
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.manager import LoraManager
 from worker.engine.lora.targets import check_all_cut
@@ -98,6 +99,7 @@ class ModelRunner:
                                                          self.bytes_per_block))
         self.kv_pool, self.kv_caches = kv_budget.allocate(
             self.pool_layout, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        self.tier_mirror = TierMirror()  # a follower's copy of rank 0's host tier
         if use_checkpoint_kv_scales(self.model, model_cfg.model, self.shape.num_layers,
                                     self.kv_dtype):
             if self.shape.v_in_k:  # one latent row serves as K and V: one scale for both
@@ -204,10 +206,14 @@ class ModelRunner:
     def follow(self, message: tuple[object, ...]) -> None:
         """A follower rank: run the step rank 0 broadcast, on this rank's shards (on one
         thread where rank 0 runs it on one, ``step_threads.py``). A step with adapter rows
-        comes after its adapters' message (``lora/tp_sync.py``)."""
+        comes after its adapters' message (``lora/tp_sync.py``), a step with host-tier
+        copies after those copies (``kv/tier_mirror.py``)."""
         if isinstance(message, LoraStepSync):
             assert self.lora is not None, "rank 0 runs LoRA, this rank was built without"
             self.lora.follow(message)
+            return
+        if isinstance(message, HostCopies):
+            self.tier_mirror.replay(message, self.kv_pool)
             return
         ids, positions, meta, sample_rows = open_message(message, self.device)
         with serial_if(ids.numel() <= self.serial_tokens):
@@ -219,7 +225,8 @@ class ModelRunner:
         self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None,
         extra_rows: list[int] | None,
     ) -> torch.Tensor:
-        blocks.flush_copies(self.kv_pool)  # the host tier's copies land before the forward
+        # the host tier's copies land before the forward (on every rank: tier_mirror.py)
+        lead_flush(blocks, self.kv_pool, None if self.lead is None else self.lead.send)
         if not extra_rows and self.graphs is not None and self.graphs.fits(
                 len(sched.scheduled), sched.num_batched_tokens) and (
                 bool(sched.sample.all()) if sched.sample is not None

@@ -1,15 +1,16 @@
 """What a tensor-parallel engine refuses at start, by name, before any rank is spawned.
 
-The sharded paged path covers the forward, the paged KV cache (each rank its heads),
-chunked prefill, preemption, the prefix cache, prompt logprobs and everything sampled on
-rank 0 (seeded sampling, structured output), overlapped steps (the followers run the
-steps in launch order, each step's placeholders already filled on rank 0) and
-speculative decoding (drafts proposed on rank 0, the verification an ordinary broadcast
-step) and multi-LoRA (adapters cut like their layers, rank 0's slot writes replayed by
-the followers, ``lora/tp_sync.py``). Paths whose state lives outside the broadcast step
-inputs, or whose weights the shard plan does not cut, are refused here rather than
-served wrong: CUDA graphs, the host tier, quantized weights, an FP8 KV cache, the CPU
-lean decode.
+The sharded paged path covers the forward, the paged KV cache (each rank its heads, FP8
+too), chunked prefill, preemption, the prefix cache and its host tier (rank 0's copies
+replayed on every rank, ``kv/tier_mirror.py``), prompt logprobs, quantization at load
+(each rank quantizes its shards, ``quant/tp_shard.py``), everything sampled on rank 0
+(seeded sampling, structured output), overlapped steps (the followers run the steps in
+launch order, each step's placeholders already filled on rank 0), speculative decoding
+(drafts proposed on rank 0, the verification an ordinary broadcast step) and multi-LoRA
+(adapters cut like their layers, rank 0's slot writes replayed by the followers,
+``lora/tp_sync.py``). What is not proven sharded is refused here rather than served
+wrong: CUDA graphs, a quantized checkpoint, model types outside ``SHARDED_TYPES``, the
+CPU lean decode.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from worker.engine.distributed.tp_config import TensorParallelError, check_devic
 # (tests/worker/engine/distributed/test_tp_engine.py); any other is refused by name, not
 # cut by a plan that may miss its own layout (a fused qkv, a norm over all heads).
 SHARDED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                           "qwen3_moe", "gpt_oss"})
+                           "qwen3_moe", "gpt_oss", "gemma2"})
 
 
 def _refuse(feature: str, fix: str, size: int) -> TensorParallelError:
@@ -35,17 +36,8 @@ def _refuse(feature: str, fix: str, size: int) -> TensorParallelError:
 
 def tp_refusals(config: EngineConfig) -> list[TensorParallelError]:
     """The configured features a tensor-parallel engine does not serve yet."""
-    size, model, cache = config.tensor_parallel_size, config.model, config.cache
+    size, model = config.tensor_parallel_size, config.model
     refused = []
-    if model.quantization is not None:
-        refused.append(_refuse(f"quantization={model.quantization}",
-                               "serve the unquantized checkpoint", size))
-    if cache.host_memory_bytes:
-        refused.append(_refuse("the KV cache's host tier (host_memory_bytes)",
-                               "set FERRY_KV_HOST_BYTES=0", size))
-    if cache.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-        refused.append(_refuse(f"kv_cache_dtype={cache.kv_cache_dtype}",
-                               "use kv_cache_dtype=auto", size))
     if _on_cuda(model.device) and not model.enforce_eager:
         refused.append(_refuse("CUDA graphs", "start with enforce_eager "
                                "(FERRY_ENFORCE_EAGER=1)", size))
