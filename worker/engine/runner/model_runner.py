@@ -24,11 +24,10 @@ from worker.engine.health import EngineHealth
 from worker.engine.inflight import InflightStep
 from worker.engine.kv.block_manager import BlockManager
 from worker.engine.kv.pool import PoolLayout
-from worker.engine.kv.tier_mirror import HostCopies, TierMirror, lead_flush
+from worker.engine.kv.tier_mirror import TierMirror, lead_flush
 from worker.engine.lora.config import LoraConfig
 from worker.engine.lora.manager import LoraManager
 from worker.engine.lora.targets import check_all_cut
-from worker.engine.lora.tp_sync import LoraStepSync
 from worker.engine.runner import kv_budget
 from worker.engine.runner.attention.interface import make_backend
 from worker.engine.runner.attention.kv_scales import use_checkpoint_kv_scales
@@ -41,30 +40,17 @@ from worker.engine.runner.model_loader import LoadedModel, LogitsHead, ModelShap
 from worker.engine.runner.step_inputs import (
     BlockTableBuffer,
     build_inputs,
+    decode_buckets,
     patch_placeholders,
     to_device_packed,
 )
-from worker.engine.runner.tp_ranks import RankLead, open_message, step_message
+from worker.engine.runner.tp_ranks import RankLead, step_message
 from worker.engine.runner.transfer import to_device
 from worker.engine.runner.warmup import warm_up_kernels
 from worker.engine.sched.schedule_output import SchedulerOutput
 
 _log = structlog.get_logger("ferry.worker.runner")
 _MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly
-_DECODE_BUCKET = 16  # sequences per decode attention call on the torch CPU path
-
-
-def decode_buckets(lens: list[int] | np.ndarray,
-                   size: int = _DECODE_BUCKET) -> list[tuple[int, int, int]]:
-    """(start, end, longest) slices of the length-sorted decode rows."""
-    n = len(lens)
-    if not n:
-        return []
-    starts = np.arange(0, n, size)
-    longest = np.maximum.reduceat(np.asarray(lens), starts).tolist()
-    return [(lo, min(lo + size, n), top)
-            for lo, top in zip(starts.tolist(), longest, strict=True)]
-
 
 class ModelRunner:
     def __init__(
@@ -202,25 +188,6 @@ class ModelRunner:
                 nullcontext() if self.lead is None else self.lead.guard()):
             return self._execute(sched, blocks, prev, extra_rows)
 
-    @torch.inference_mode()
-    def follow(self, message: tuple[object, ...]) -> None:
-        """A follower rank: run the step rank 0 broadcast, on this rank's shards (on one
-        thread where rank 0 runs it on one, ``step_threads.py``). A step with adapter rows
-        comes after its adapters' message (``lora/tp_sync.py``), a step with host-tier
-        copies after those copies (``kv/tier_mirror.py``)."""
-        if isinstance(message, LoraStepSync):
-            assert self.lora is not None, "rank 0 runs LoRA, this rank was built without"
-            self.lora.follow(message)
-            return
-        if isinstance(message, HostCopies):
-            self.tier_mirror.replay(message, self.kv_pool)
-            return
-        ids, positions, meta, sample_rows = open_message(message, self.device)
-        with serial_if(ids.numel() <= self.serial_tokens):
-            self._forward(ids, positions, meta, sample_rows)
-        if self.lora is not None:
-            self.lora.end_step()
-
     def _execute(
         self, sched: SchedulerOutput, blocks: BlockManager, prev: InflightStep | None,
         extra_rows: list[int] | None,
@@ -245,9 +212,9 @@ class ModelRunner:
             sample_rows = torch.cat([sample_rows, to_device(extra_rows, torch.long, self.device)])
         if self.lead is not None:
             self.lead.send(step_message(input_ids, positions, meta, sample_rows))
-        return self._forward(input_ids, positions, meta, sample_rows)
+        return self.forward(input_ids, positions, meta, sample_rows)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata, sample_rows: torch.Tensor) -> torch.Tensor:
         """The model on one flattened step: logits [rows of sample_rows, vocab]."""
         if self.lean is not None and self.lean.usable(meta, self.kv_caches):

@@ -29,6 +29,21 @@ if TYPE_CHECKING:
     from worker.engine.inflight import InflightStep
 
 
+_DECODE_BUCKET = 16  # sequences per decode attention call on the torch CPU path
+
+
+def decode_buckets(lens: list[int] | np.ndarray,
+                   size: int = _DECODE_BUCKET) -> list[tuple[int, int, int]]:
+    """(start, end, longest) slices of the length-sorted decode rows."""
+    n = len(lens)
+    if not n:
+        return []
+    starts = np.arange(0, n, size)
+    longest = np.maximum.reduceat(np.asarray(lens), starts).tolist()
+    return [(lo, min(lo + size, n), top)
+            for lo, top in zip(starts.tolist(), longest, strict=True)]
+
+
 @dataclass(eq=False)
 class StepInputs:
     ids: np.ndarray  # [T] int64, PLACEHOLDER where ``patch_dst`` says
