@@ -14,16 +14,21 @@ Phases, one stack, each on conversations of its own (so no phase feeds another's
   one worker ``kill -9``ed once half the turns are done: every request must finish with
   the ``on`` phase's output, and none may wait past the steal bound plus its own run.
 
-Each conversation runs its turns one after another, the conversations at once. Numbers
-per phase: prompt tokens served from the cache in turns 2..T, median time to first token
-(worker-measured from the request's creation, so queueing counts) of turns 2..T, and
-throughput (prompt + completion tokens per wall second). Writes
+Each conversation runs its turns one after another (``--think-s``: with a pause before
+each next turn), the conversations at once. Numbers per phase: prompt tokens served from
+the cache in turns 2..T, time to first token of turns 2..T measured by the client (from
+just before the enqueue, the producer's affinity look-up included, to the first token's
+event), and throughput (prompt + completion tokens per wall second); and, from the
+workers' ``request_timeline`` debug lines, each later turn's TTFT in parts (queue,
+prepare, mailbox, engine wait, prefill step) by route and for hits and misses. Writes
 ``ops/bench/results/affinity.json``::
 
     .venv/bin/python ops/bench/affinity/affinity.py                    # 16 x 4
     .venv/bin/python ops/bench/affinity/affinity.py --conversations 8  # a loaded machine
     .venv/bin/python ops/bench/affinity/affinity.py --kv-blocks 640 \
         --out ops/bench/results/affinity_full_cache.json           # caches that fill up
+    .venv/bin/python ops/bench/affinity/affinity.py --think-s 1 \
+        --out ops/bench/results/affinity_paced.json                # users who pause
 """
 
 from __future__ import annotations
@@ -439,8 +444,17 @@ def report(results: dict[str, Any], phases: dict[str, Any], args: Any) -> dict[s
             "kv_blocks": args.kv_blocks,
             "system_words": args.system_words, "steal_ms": args.steal_ms, "model": "default",
             "device": "cpu", "phases": results, "checks": checks,
-            "records": {p: [{k: v for k, v in r.items() if k != "text"} for r in ph["records"]]
-                        for p, ph in phases.items()}}
+            "records": {p: [record(r) for r in ph["records"]] for p, ph in phases.items()}}
+
+
+def record(r: dict[str, Any]) -> dict[str, Any]:
+    """One request as the results file keeps it: no text, and of its timeline the route
+    and the parts only."""
+    out = {k: v for k, v in r.items() if k not in ("text", "trace")}
+    trace = r.get("trace")
+    if trace:
+        out["trace"] = {k: trace.get(k) for k in ("route", "mark_wait_s", *PARTS)}
+    return out
 
 
 if __name__ == "__main__":
