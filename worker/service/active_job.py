@@ -105,6 +105,7 @@ class ActiveJob:
             self.choices[i].finish_reason = reason
             self.choices[i].stop_reason = admission.stop_reasons.get(i)
         self.started_at = time.time()
+        self.trace = admission.trace
         self.first_token_at: float | None = None
         self.last_token_mono: float | None = None
         self.num_prompt_tokens = 0

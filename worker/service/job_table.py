@@ -27,6 +27,7 @@ from worker.service.metrics.stats import StatsBook
 from worker.service.outbox.thread import Outbox
 from worker.service.redis.leases import HeldEntries
 from worker.service.sidecars.lora_sync import LoraSync
+from worker.service.ttft_trace import StepTrace
 
 _EARLY_CANCEL_TTL_S = 60.0
 
@@ -57,6 +58,7 @@ class JobTable:
         # the adapter of each running job (per-adapter metrics)
         self.adapters: LoraSync | None = None
         self._adapter_of: dict[str, str] = self.ev.adapter_of
+        self.trace = StepTrace(worker_id)  # FERRY_LOG_LEVEL=debug: each TTFT's parts
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -71,7 +73,12 @@ class JobTable:
 
     def step(self) -> Any:
         """One engine step (timed by the caller); ``events`` turns it into events."""
-        return self.text.step()
+        started = time.time()
+        outputs = self.text.step()
+        if self.trace.on:  # in-process, the first scheduled step is not seen
+            self.trace.step(None, [o.request_id for o in outputs if o.new_token_ids],
+                            started, time.time())
+        return outputs
 
     def events(self, outputs: list[TextOutput], now: float) -> tuple[list[Outgoing], int]:
         """One step's outputs -> (events to send, tokens produced)."""
@@ -81,6 +88,7 @@ class JobTable:
         """A job's terminal event was built: forget it, record it, free its slot."""
         self.deadlines.pop(job.request_id, None)
         self._adapter_of.pop(job.request_id, None)
+        self.trace.forget(job.request_id)
         try:
             if item is not None:
                 self.book.finished(job, item)  # its cost is in the fair ledger...
@@ -157,6 +165,7 @@ class JobTable:
             self._finish_now(job, "error", f"{type(exc).__name__}: {exc}", "internal")
             return
         self.jobs[rid] = job
+        self.trace.admitted(job)
         self._admitted(job)
         if job.deadline is not None:
             self.deadlines[rid] = job.deadline
@@ -181,6 +190,7 @@ class JobTable:
             if job is not None:
                 self.jobs.pop(cmd.request_id)
                 self.deadlines.pop(cmd.request_id, None)
+                self.trace.forget(cmd.request_id)
                 self._drop(cmd.request_id)
                 self.slots.release()
                 self.log.warning("request_dropped_lease_lost", request_id=cmd.request_id)

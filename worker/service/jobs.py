@@ -15,6 +15,7 @@ from typing import Any, Literal
 from protocol.models import GenerateRequest, JobStatus, TokenEvent
 from protocol.tenants.fair import DIRECT_COST
 from worker.service.redis.leases import Entry
+from worker.service.ttft_trace import Trace
 
 TokenText = Callable[[int], str]
 
@@ -38,6 +39,7 @@ class Admission:
     prompt_token_ids: list[int] | None = None
     error: Exception | None = None
     prompt_text: str | None = None
+    trace: Trace = field(default_factory=Trace)  # where its time to first token goes
 
     @property
     def prior_token_ids(self) -> list[int]:

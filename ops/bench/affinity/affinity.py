@@ -14,16 +14,21 @@ Phases, one stack, each on conversations of its own (so no phase feeds another's
   one worker ``kill -9``ed once half the turns are done: every request must finish with
   the ``on`` phase's output, and none may wait past the steal bound plus its own run.
 
-Each conversation runs its turns one after another, the conversations at once. Numbers
-per phase: prompt tokens served from the cache in turns 2..T, median time to first token
-(worker-measured from the request's creation, so queueing counts) of turns 2..T, and
-throughput (prompt + completion tokens per wall second). Writes
+Each conversation runs its turns one after another (``--think-s``: with a pause before
+each next turn), the conversations at once. Numbers per phase: prompt tokens served from
+the cache in turns 2..T, time to first token of turns 2..T measured by the client (from
+just before the enqueue, the producer's affinity look-up included, to the first token's
+event), and throughput (prompt + completion tokens per wall second); and, from the
+workers' ``request_timeline`` debug lines, each later turn's TTFT in parts (queue,
+prepare, mailbox, engine wait, prefill step) by route and for hits and misses. Writes
 ``ops/bench/results/affinity.json``::
 
     .venv/bin/python ops/bench/affinity/affinity.py                    # 16 x 4
     .venv/bin/python ops/bench/affinity/affinity.py --conversations 8  # a loaded machine
     .venv/bin/python ops/bench/affinity/affinity.py --kv-blocks 640 \
         --out ops/bench/results/affinity_full_cache.json           # caches that fill up
+    .venv/bin/python ops/bench/affinity/affinity.py --think-s 1 \
+        --out ops/bench/results/affinity_paced.json                # users who pause
 """
 
 from __future__ import annotations
@@ -54,8 +59,15 @@ from protocol.affinity.router import AffinitySettings, Router  # noqa: E402
 from protocol.client import FerryClient  # noqa: E402
 from protocol.codec import decode_heartbeat  # noqa: E402
 from protocol.keys import Keys  # noqa: E402
-from protocol.models import ChatMessage, GenerateRequest, JobStatus, SamplingParams  # noqa: E402
+from protocol.models import (  # noqa: E402
+    ChatMessage,
+    GenerateRequest,
+    JobStatus,
+    SamplingParams,
+    TokenEvent,
+)
 from protocol.store import as_str  # noqa: E402
+from protocol.streaming import status_from_events  # noqa: E402
 
 RESULT = ROOT / "ops" / "bench" / "results" / "affinity.json"
 WORDS = ["queue", "lease", "worker", "stream", "tenant", "prefix", "cache", "block", "token",
@@ -93,9 +105,27 @@ def conversation(tag: str, system: str, turns: int, answers: list[str], seed: in
                                                  seed=seed + turns, ignore_eos=True))
 
 
+def send(client: FerryClient, req: GenerateRequest) -> tuple[JobStatus, float | None]:
+    """Send one request and follow its stream: its result, and the seconds from the send
+    (the producer's affinity look-up and push included) to its first token's event."""
+    events: list[TokenEvent] = []
+    first = None
+    with client.subscribe(req.request_id) as sub:
+        sent = time.monotonic()
+        client.enqueue(req)
+        for event in sub.events(900):
+            if first is None and event.token_ids:
+                first = time.monotonic() - sent
+            events.append(event)
+    return status_from_events(req, events), first
+
+
 def run_phase(url: str, name: str, systems: list[str], turns: int, router: Router,
-              on_turn: Any = None, tag: str | None = None) -> dict[str, Any]:
-    """Every conversation in its own thread; returns the per-request records."""
+              on_turn: Any = None, tag: str | None = None, think_s: float = 0.0
+              ) -> dict[str, Any]:
+    """Every conversation in its own thread; returns the per-request records. With
+    ``think_s`` each conversation pauses before each next turn, for between 0.5x and
+    1.5x ``think_s`` (seeded by conversation and turn: the same pauses in every phase)."""
     records: list[dict[str, Any]] = []
     lock = threading.Lock()
 
@@ -104,17 +134,20 @@ def run_phase(url: str, name: str, systems: list[str], turns: int, router: Route
         client.router = router
         answers: list[str] = []
         for t in range(1, turns + 1):
+            if t > 1 and think_s > 0:
+                time.sleep(think_s * random.Random(1000 * c + t).uniform(0.5, 1.5))
             req = conversation(f"{tag or name}{c}", systems[c], t, answers, seed=1000 * c)
-            t0 = time.time()
-            status: JobStatus = client.generate(req, timeout=900)
+            status, first = send(client, req)
             answers.append(status.text)
             u, tm = status.usage, status.timings
-            rec = {"conv": c, "turn": t, "worker": status.worker_id, "text": status.text,
-                   "state": status.state, "prompt": u.prompt_tokens if u else 0,
+            rec = {"conv": c, "turn": t, "id": req.request_id, "worker": status.worker_id,
+                   "text": status.text, "state": status.state,
+                   "prompt": u.prompt_tokens if u else 0,
                    "cached": u.cached_tokens if u else 0,
                    "completion": u.completion_tokens if u else 0,
-                   "ttft_s": tm.ttft_s if tm else None, "queued_s": tm.queued_s if tm else None,
-                   "total_s": tm.total_s if tm else None, "wall_s": time.time() - t0}
+                   "ttft_s": first, "worker_ttft_s": tm.ttft_s if tm else None,
+                   "queued_s": tm.queued_s if tm else None,
+                   "total_s": tm.total_s if tm else None}
             with lock:
                 records.append(rec)
             if on_turn is not None:
@@ -155,6 +188,64 @@ def summarize(phase: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+PARTS = ("queue_s", "prepare_s", "mailbox_s", "engine_wait_s", "prefill_s")
+
+
+def timelines(log: Path) -> dict[str, dict[str, Any]]:
+    """The workers' ``request_timeline`` lines (``worker/service/ttft_trace.py``, logged
+    at debug level) by request id."""
+    out = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if "request_timeline" in line and "{" in line:
+            try:
+                event = json.loads(line[line.index("{"):])
+            except ValueError:
+                continue
+            out[str(event.get("request_id"))] = event
+    return out
+
+
+def breakdown(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Turns 2..T: each part of the time to first token (median and mean), overall, per
+    route (offered to its holder and taken there, stolen by the other worker after the
+    steal time, unmarked) and for cache hits and misses."""
+    later = [r for r in records if r["turn"] >= 2 and r.get("trace")]
+    steps: dict[tuple[str, float], int] = {}  # (worker, step start) -> requests it started
+    for r in records:
+        if r.get("trace"):
+            step = (r["trace"]["worker"], r["trace"]["scheduled_at"])
+            steps[step] = steps.get(step, 0) + 1
+
+    def stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        if not rows:
+            return {"n": 0}
+        out: dict[str, Any] = {"n": len(rows)}
+        for part in (*PARTS, "ttft_s"):
+            xs = [r["trace"][part] for r in rows]
+            out[part] = {"median": round(statistics.median(xs), 4),
+                         "mean": round(statistics.mean(xs), 4)}
+        client = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
+        if client:
+            out["client_ttft_s"] = {"median": round(statistics.median(client), 4),
+                                    "mean": round(statistics.mean(client), 4)}
+        together = [steps[(r["trace"]["worker"], r["trace"]["scheduled_at"])] for r in rows]
+        out["first_scheduled_with"] = {"median": statistics.median(together),
+                                       "mean": round(statistics.mean(together), 2)}
+        waits = [r["trace"]["mark_wait_s"] for r in rows
+                 if r["trace"].get("mark_wait_s") is not None]
+        if waits:
+            out["mark_wait_s"] = {"median": round(statistics.median(waits), 4),
+                                  "max": round(max(waits), 4)}
+        return out
+
+    by_route: dict[str, list[dict[str, Any]]] = {}
+    for r in later:
+        by_route.setdefault(r["trace"]["route"], []).append(r)
+    return {"all": stats(later), "routes": {k: stats(v) for k, v in sorted(by_route.items())},
+            "hits": stats([r for r in later if r["cached"] >= r["prompt"] / 2]),
+            "misses": stats([r for r in later if r["cached"] < r["prompt"] / 2])}
+
+
 def start_stack(tmp: Path, workers: int, kv_blocks: int) -> tuple[subprocess.Popen[bytes],
                                                   subprocess.Popen[bytes], str, str]:
     """A redis-server of the bench's own and ``ferry up --workers N`` on it, ready."""
@@ -164,7 +255,7 @@ def start_stack(tmp: Path, workers: int, kv_blocks: int) -> tuple[subprocess.Pop
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{rport}/0"
     env = dict(os.environ, FERRY_DEVICE="cpu", FERRY_KV_CACHE_BLOCKS=str(kv_blocks),
-               FERRY_PREFIX_AFFINITY="1")
+               FERRY_PREFIX_AFFINITY="1", FERRY_LOG_LEVEL="debug")  # request_timeline
     up, base = ferry_up.start_ferry(env, tmp / "up.log", workers, ["--redis-url", url],
                                     ready_s=900)
     return up, redis_proc, url, base
@@ -235,6 +326,10 @@ def main() -> None:
     # eight conversations a worker runs at once and little more: a full cache, as a busy
     # fleet's is
     parser.add_argument("--kv-blocks", type=int, default=4096)
+    parser.add_argument("--workers", type=int, default=2)
+    # 0: a closed loop (each next turn is sent the moment the last one ends); > 0: users
+    # who read and type, so the offered load is the same with affinity on and off
+    parser.add_argument("--think-s", type=float, default=0.0)
     parser.add_argument("--out", default=str(RESULT))
     args = parser.parse_args()
     rng = random.Random(0)
@@ -247,7 +342,7 @@ def main() -> None:
     started, results, phases = time.monotonic(), {}, {}
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
-        up, redis_proc, url, _base = start_stack(tmp, 2, args.kv_blocks)
+        up, redis_proc, url, _base = start_stack(tmp, args.workers, args.kv_blocks)
         try:
             r = redis.Redis.from_url(url)
             keys = FerryClient(r).keys
@@ -280,7 +375,7 @@ def main() -> None:
                 print(f"phase {p} ...", flush=True)
                 before = routes(r, keys)
                 phases[p] = run_phase(url, p, sets[p], turns, router, hook,
-                                      tag="on" if p == "kill" else p)
+                                      tag="on" if p == "kill" else p, think_s=args.think_s)
                 time.sleep(1.5)  # a heartbeat after the last request
                 results[p] = summarize(phases[p])
                 results[p]["routes"] = routed(before, routes(r, keys))
@@ -290,6 +385,11 @@ def main() -> None:
         finally:
             ferry_up.stop_ferry(up)
             redis_proc.kill()
+        traces = timelines(tmp / "up.log")
+    for p, phase in phases.items():
+        for rec in phase["records"]:
+            rec["trace"] = traces.get(rec["id"])
+        results[p]["ttft_parts_turns_2_on"] = breakdown(phase["records"])
     out = report(results, phases, args)
     out.update({"seconds": round(time.monotonic() - started, 1), "cpus": os.cpu_count(),
                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
@@ -326,13 +426,35 @@ def report(results: dict[str, Any], phases: dict[str, Any], args: Any) -> dict[s
               f"{s['ttft_mean_s_turns_2_on']:6.3f} {s['ttft_p90_s_turns_2_on']:6.3f} "
               f"{s['throughput_tok_s']:8.1f} {s['wall_s']:7.1f}  {s['computed_share']} "
               f"{s['routes']}")
+    print("time to first token, turns 2..T, median / mean s: " + ", ".join(PARTS))
+    for p, s in results.items():
+        parts = s.get("ttft_parts_turns_2_on", {})
+        for group, st in [("all", parts.get("all", {})), *parts.get("routes", {}).items(),
+                          ("hits", parts.get("hits", {})), ("misses", parts.get("misses", {}))]:
+            if st.get("n"):
+                cells = " ".join(f"{st[k]['median']:.3f}/{st[k]['mean']:.3f}" for k in PARTS)
+                print(f"{p:8} {group:9} n={st['n']:2d} {cells}  worker ttft "
+                      f"{st['ttft_s']['median']:.3f}  client "
+                      f"{st.get('client_ttft_s', {}).get('median', float('nan')):.3f}"
+                      f"  mark wait {st.get('mark_wait_s')}  started with "
+                      f"{st['first_scheduled_with']}")
     print(json.dumps(checks, indent=1))
     return {"bench": "affinity", "conversations": args.conversations, "turns": args.turns,
+            "workers": args.workers, "think_s": args.think_s,
             "kv_blocks": args.kv_blocks,
             "system_words": args.system_words, "steal_ms": args.steal_ms, "model": "default",
             "device": "cpu", "phases": results, "checks": checks,
-            "records": {p: [{k: v for k, v in r.items() if k != "text"} for r in ph["records"]]
-                        for p, ph in phases.items()}}
+            "records": {p: [record(r) for r in ph["records"]] for p, ph in phases.items()}}
+
+
+def record(r: dict[str, Any]) -> dict[str, Any]:
+    """One request as the results file keeps it: no text, and of its timeline the route
+    and the parts only."""
+    out = {k: v for k, v in r.items() if k not in ("text", "trace")}
+    trace = r.get("trace")
+    if trace:
+        out["trace"] = {k: trace.get(k) for k in ("route", "mark_wait_s", *PARTS)}
+    return out
 
 
 if __name__ == "__main__":

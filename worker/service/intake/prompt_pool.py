@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -69,6 +70,7 @@ class PromptPool:
         finally:
             with self._lock:
                 self._pending -= 1
+            admission.trace.prepared_at = time.time()
             self._mailbox.put(admission)
 
     def close(self) -> None:

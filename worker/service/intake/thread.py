@@ -47,10 +47,12 @@ from worker.service.intake.prompt_pool import PromptPool
 from worker.service.intake.reaper import Reaper
 from worker.service.intake.slots import Slots
 from worker.service.jobs import replayed
+from worker.service.metrics.affinity import route_of
 from worker.service.outbox.thread import Outbox
 from worker.service.redis.connection import TRANSIENT_ERRORS, Backoff, WorkerSettings, recover, text
 from worker.service.redis.leases import Entry, HeldEntries
 from worker.service.redis.shard_gate import ShardGate
+from worker.service.ttft_trace import Trace
 
 log = structlog.get_logger("ferry.worker.intake")
 
@@ -89,6 +91,7 @@ class Intake(threading.Thread):
         self.reader = FairReader(settings, self.redis, self.gate)
         self._lanes = {band: set(self.keys.lane_streams(band)) for band in PRIORITY_BANDS}
         self.affinity = affinity  # prefix affinity: routes counted, served prompts booked
+        self._traces: dict[Entry, Trace] = {}  # per entry pulled: its TTFT trace so far
 
     @property
     def reclaimed(self) -> int:
@@ -162,12 +165,17 @@ class Intake(threading.Thread):
             self.reader.wait(first_shard, rooms, self.busy())
 
     def _pulled(self, stream: str, entries: list[Any]) -> None:
-        """Entries a fair pull gave: their routes counted, then processed."""
-        if self.affinity is not None:
-            for _id, fields in entries:
-                if fields is not None:
-                    self.affinity.metrics.pulled_entry(fields, self.settings.worker_id)
-        self._process(stream, entries, {})
+        """Entries a fair pull gave: their routes counted and stamped, then processed."""
+        now, me = time.time(), self.settings.worker_id
+        for raw_id, fields in entries:
+            if fields is not None:
+                if self.affinity is not None:
+                    self.affinity.metrics.pulled_entry(fields, me)
+                self._traces[(stream, text(raw_id))] = Trace(now, *route_of(fields, me))
+        try:
+            self._process(stream, entries, {})
+        finally:  # dispatched ones took theirs; the rest were not started
+            self._traces.clear()
 
     def _process(self, stream: str, entries: list[Any], deliveries: dict[str, int]) -> None:
         """Decode, dead-letter the bad, then start the good ones in one round trip."""
@@ -246,6 +254,7 @@ class Intake(threading.Thread):
         reason: Any,
     ) -> None:
         origin, charged = self._fair.pop(entry, ("", fair.DIRECT_COST))
+        trace = self._traces.pop(entry, None) or Trace(time.time())  # reclaimed
         if decision == "duplicate":  # another entry owns this request id: leave it alone
             self.held.discard(entry)
             fields = {**request_fields(request), **({"origin": origin} if origin else {})}
@@ -260,6 +269,7 @@ class Intake(threading.Thread):
             return
         admission = replayed(entry, request, events)
         admission.charged = charged
+        admission.trace = trace
         if decision == "skip" or (events and events[-1].is_final):
             self.held.discard(entry)
             stream, entry_id = entry

@@ -28,6 +28,21 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def route_of(fields: Mapping[Any, Any], worker_id: str) -> tuple[str, float | None]:
+    """A pulled stream entry's route (``ROUTES``) and, when it was marked, the seconds
+    from its mark to its pull (the fair pull's ``marked``/``pulled`` fields)."""
+    prefer = fields.get(b"prefer", fields.get("prefer"))
+    if prefer is None:
+        return "unmarked", None
+    route = "affinity" if _text(prefer) == worker_id else "stolen"
+    marked = fields.get(b"marked", fields.get("marked"))
+    pulled = fields.get(b"pulled", fields.get("pulled"))
+    try:
+        return route, max(0, int(_text(pulled)) - int(_text(marked))) / 1000
+    except (TypeError, ValueError):
+        return route, None
+
+
 class AffinityMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.pulled = Counter(PREFIX + "affinity_pulled_total",
@@ -47,18 +62,9 @@ class AffinityMetrics:
     def pulled_entry(self, fields: Mapping[Any, Any], worker_id: str) -> str:
         """Count one pulled stream entry (its ``prefer``/``marked``/``pulled`` fields, set
         by the fair pull for a marked request); returns its route."""
-        prefer = fields.get(b"prefer", fields.get("prefer"))
-        if prefer is None:
-            route = "unmarked"
-        else:
-            route = "affinity" if _text(prefer) == worker_id else "stolen"
-            marked = fields.get(b"marked", fields.get("marked"))
-            pulled = fields.get(b"pulled", fields.get("pulled"))
-            try:
-                waited = max(0, int(_text(pulled)) - int(_text(marked))) / 1000
-                self.wait.labels(route=route).observe(waited)
-            except (TypeError, ValueError):
-                pass
+        route, waited = route_of(fields, worker_id)
+        if waited is not None:
+            self.wait.labels(route=route).observe(waited)
         self.counts[route] += 1
         self.pulled.labels(route=route).inc()
         return route

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import queue
+import time
 from collections import Counter
 from typing import Any
 
@@ -68,7 +69,10 @@ class RemoteJobTable(JobTable):
     # -- the step ----------------------------------------------------------------------
     def step(self) -> StepBatch:
         self.poll()
+        started = time.time()
         batch = self.engine.step()
+        if self.trace.on:
+            self._trace(batch, started)
         if self._adapter_of and self.lora_metrics is not None:
             self._count_adapter_tokens(batch)
         self._track(batch.opened, batch.ends)
@@ -90,6 +94,16 @@ class RemoteJobTable(JobTable):
             adapter = self._adapter_of.get(request_id or "")
             if adapter is not None:
                 self.lora_metrics.tokens.labels(adapter=adapter).inc(n)
+
+    def _trace(self, batch: StepBatch, started: float) -> None:
+        """The step's first schedules and first tokens, for ``request_timeline``."""
+        new = {o.stream: o.request_id for o in batch.opened}
+
+        def rid(stream: int) -> str:
+            return self._request_of.get(stream) or new.get(stream) or ""
+
+        self.trace.step({rid(s): n for s, n in batch.cached.items()},
+                        {rid(s) for s in batch.streams}, started, time.time())
 
     def events(self, outputs: Any, now: float) -> tuple[list[Outgoing], int]:
         return [], len(outputs)  # the output process makes them
@@ -115,6 +129,7 @@ class RemoteJobTable(JobTable):
                 self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
+        self.trace.forget(request_id)
         if self.jobs.pop(request_id, None) is not None:
             self.deadlines.pop(request_id, None)
             self._adapter_of.pop(request_id, None)

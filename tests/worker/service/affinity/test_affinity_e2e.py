@@ -8,6 +8,7 @@ with the output of an undisturbed run, and with affinity off nothing is marked.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -43,7 +44,8 @@ def workers(redis_server: Any, checkpoint: str, tmp_path_factory: Any
             ) -> Iterator[dict[str, WorkerProcess]]:
     logs: Path = tmp_path_factory.mktemp("affinity-logs")
     procs = {w: WorkerProcess(checkpoint, redis_server.url, w, logs,
-                              env={"FERRY_HEARTBEAT_TTL_S": "1.5"})
+                              env={"FERRY_HEARTBEAT_TTL_S": "1.5",
+                                   "FERRY_LOG_LEVEL": "debug"})  # request_timeline
              for w in ("aff-1", "aff-2")}
     for p in procs.values():
         p.start()
@@ -77,6 +79,21 @@ def test_next_turns_go_to_the_worker_holding_the_conversation(
             assert status.worker_id == holders[convo], (convo, turns)
             assert status.usage is not None and status.usage.cached_tokens > 0
     assert client.router.marked == 8
+    # each later turn's time to first token, in parts, in its holder's log
+    timelines = {}
+    for p in workers.values():
+        for line in p.log_path.read_text(errors="replace").splitlines():
+            if "request_timeline" in line:
+                event = json.loads(line[line.index("{"):])
+                timelines[event["request_id"].rsplit(":", 1)[-1]] = event
+    for convo in range(4):
+        for turns in (2, 3):
+            event = timelines[f"c{convo}-t{turns}"]
+            assert event["route"] == "affinity" and event["worker"] == holders[convo]
+            assert event["cached"] > 0 and event["mark_wait_s"] is not None
+            parts = [event[k] for k in ("queue_s", "prepare_s", "mailbox_s",
+                                        "engine_wait_s", "prefill_s")]
+            assert min(parts) >= 0 and sum(parts) == pytest.approx(event["ttft_s"], abs=2e-3)
     since = time.time()
     beats = {w: p.heartbeat_after(since).stats for w, p in workers.items()}
     assert sum(int(b["affinity_pulled"]) for b in beats.values()) == 8
