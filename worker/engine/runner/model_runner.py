@@ -193,7 +193,10 @@ class ModelRunner:
         extra_rows: list[int] | None,
     ) -> torch.Tensor:
         # the host tier's copies land before the forward (on every rank: tier_mirror.py)
-        lead_flush(blocks, self.kv_pool, None if self.lead is None else self.lead.send)
+        if self.lead is None:
+            blocks.flush_copies(self.kv_pool)
+        else:
+            lead_flush(blocks, self.kv_pool, self.lead.send)
         if not extra_rows and self.graphs is not None and self.graphs.fits(
                 len(sched.scheduled), sched.num_batched_tokens) and (
                 bool(sched.sample.all()) if sched.sample is not None
