@@ -73,9 +73,9 @@ class JobTable:
 
     def step(self) -> Any:
         """One engine step (timed by the caller); ``events`` turns it into events."""
-        started = time.time()
+        started = time.time() if self.trace.on else 0.0
         outputs = self.text.step()
-        if self.trace.on:  # in-process, the first scheduled step is not seen
+        if started:  # in-process, the first scheduled step is not seen
             self.trace.step(None, [o.request_id for o in outputs if o.new_token_ids],
                             started, time.time())
         return outputs

@@ -69,9 +69,9 @@ class RemoteJobTable(JobTable):
     # -- the step ----------------------------------------------------------------------
     def step(self) -> StepBatch:
         self.poll()
-        started = time.time()
+        started = time.time() if self.trace.on else 0.0
         batch = self.engine.step()
-        if self.trace.on:
+        if started:
             self._trace(batch, started)
         if self._adapter_of and self.lora_metrics is not None:
             self._count_adapter_tokens(batch)
