@@ -14,21 +14,22 @@ Phases, one stack, each on conversations of its own (so no phase feeds another's
   one worker ``kill -9``ed once half the turns are done: every request must finish with
   the ``on`` phase's output, and none may wait past the steal bound plus its own run.
 
-Each conversation runs its turns one after another (``--think-s``: with a pause before
-each next turn), the conversations at once. Numbers per phase: prompt tokens served from
-the cache in turns 2..T, time to first token of turns 2..T measured by the client (from
-just before the enqueue, the producer's affinity look-up included, to the first token's
-event), and throughput (prompt + completion tokens per wall second); and, from the
-workers' ``request_timeline`` debug lines, each later turn's TTFT in parts (queue,
-prepare, mailbox, engine wait, prefill step) by route and for hits and misses. Writes
+Each conversation runs its turns one after another (``--think-s``: with a seeded pause
+before each next turn, 1 s on average by default), the conversations at once. Numbers
+per phase: prompt tokens served from the cache in turns 2..T, time to first token of
+turns 2..T measured by the client (from just before the enqueue, the producer's affinity
+look-up included, to the first token's event), and throughput (prompt + completion
+tokens per wall second); and, from the workers' ``request_timeline`` debug lines, each
+later turn's TTFT in parts (queue, prepare, mailbox, engine wait, prefill step) by route
+and for hits and misses. Writes
 ``ops/bench/results/affinity.json``::
 
     .venv/bin/python ops/bench/affinity/affinity.py                    # 16 x 4
     .venv/bin/python ops/bench/affinity/affinity.py --conversations 8  # a loaded machine
     .venv/bin/python ops/bench/affinity/affinity.py --kv-blocks 640 \
         --out ops/bench/results/affinity_full_cache.json           # caches that fill up
-    .venv/bin/python ops/bench/affinity/affinity.py --think-s 1 \
-        --out ops/bench/results/affinity_paced.json                # users who pause
+    .venv/bin/python ops/bench/affinity/affinity.py --think-s 0 \
+        --out ops/bench/results/affinity_closed.json               # a closed loop
 """
 
 from __future__ import annotations
@@ -244,9 +245,11 @@ def main() -> None:
     # fleet's is
     parser.add_argument("--kv-blocks", type=int, default=4096)
     parser.add_argument("--workers", type=int, default=2)
-    # 0: a closed loop (each next turn is sent the moment the last one ends); > 0: users
-    # who read and type, so the offered load is the same with affinity on and off
-    parser.add_argument("--think-s", type=float, default=0.0)
+    # > 0: users who read and type (a seeded pause of 0.5-1.5x this before each next
+    # turn), so the offered load is the same with affinity on and off; 0: a closed loop,
+    # where the worker that just ended a turn is usually the first to pull the next one,
+    # so affinity off is sticky by accident (docs/affinity.md)
+    parser.add_argument("--think-s", type=float, default=1.0)
     parser.add_argument("--out", default=str(RESULT))
     args = parser.parse_args()
     rng = random.Random(0)

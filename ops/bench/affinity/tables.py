@@ -22,6 +22,7 @@ def summarize(phase: dict[str, Any]) -> dict[str, Any]:
         per_worker[r["worker"]] = per_worker.get(r["worker"], 0) + \
             r["prompt"] - r["cached"] + r["completion"]
     done = sum(per_worker.values()) or 1
+    ran_on = {(r["conv"], r["turn"]): r["worker"] for r in recs}
     return {
         "requests": len(recs), "finished": sum(r["state"] == "done" for r in recs),
         "cached_tokens_turns_2_on": sum(r["cached"] for r in later),
@@ -31,6 +32,10 @@ def summarize(phase: dict[str, Any]) -> dict[str, Any]:
         "ttft_p90_s_turns_2_on": ttft[int(0.9 * (len(ttft) - 1))],
         # turns 2.. that found less than half their prompt cached: recomputed elsewhere
         "misses_turns_2_on": sum(r["cached"] < r["prompt"] / 2 for r in later),
+        # turns 2.. that ran on the worker of the conversation's previous turn: 1/N of
+        # them when any worker may pull a request and pulls are uncorrelated with it
+        "same_worker_turns_2_on": sum(
+            ran_on.get((r["conv"], r["turn"] - 1)) == r["worker"] for r in later),
         "throughput_tok_s": tokens / phase["wall_s"], "wall_s": phase["wall_s"],
         "computed_share": {w: round(n / done, 3) for w, n in sorted(per_worker.items())},
         "max_queued_s": max((r["queued_s"] or 0) for r in recs),
@@ -117,11 +122,12 @@ def report(results: dict[str, Any], phases: dict[str, Any], args: Any) -> dict[s
         checks["kill_requests"] = len(killed)
         checks["kill_max_queued_s"] = results["kill"]["max_queued_s"]
         checks["kill_held_requests_resumed_after_s"] = results["kill"].get("resumed")
-    print(f"{'phase':8} {'cached t2+':>10} {'of prompt':>10} {'misses':>6} {'ttft p50':>8} "
-          f"{'mean':>6} {'p90':>6} {'tok/s':>8} {'wall s':>7}  computed share")
+    print(f"{'phase':8} {'cached t2+':>10} {'of prompt':>10} {'misses':>6} {'same':>5} "
+          f"{'ttft p50':>8} {'mean':>6} {'p90':>6} {'tok/s':>8} {'wall s':>7}  computed share")
     for p, s in results.items():
         print(f"{p:8} {s['cached_tokens_turns_2_on']:10d} {s['prompt_tokens_turns_2_on']:10d} "
-              f"{s['misses_turns_2_on']:6d} {s['ttft_median_s_turns_2_on']:8.3f} "
+              f"{s['misses_turns_2_on']:6d} {s['same_worker_turns_2_on']:5d} "
+              f"{s['ttft_median_s_turns_2_on']:8.3f} "
               f"{s['ttft_mean_s_turns_2_on']:6.3f} {s['ttft_p90_s_turns_2_on']:6.3f} "
               f"{s['throughput_tok_s']:8.1f} {s['wall_s']:7.1f}  {s['computed_share']} "
               f"{s['routes']}")
