@@ -52,7 +52,7 @@ def prefix_of(request: GenerateRequest) -> Prefix | None:
 
 def block_owners(prefix: Prefix, num_tokens: int, block_size: int) -> list[int]:
     """Per full prompt block from the first, up to the last one a chunk's text ends in,
-    the index of the first chunk that needs it (empty: no chunk reaches a full block)."""
+    the index of the first chunk that needs it (empty: the prompt has no full block)."""
     if num_tokens < 1 or block_size < 1 or prefix.text_chars < 1:
         raise ValueError(f"block_owners needs tokens, a block size and text, got "
                          f"{num_tokens}, {block_size}, {prefix.text_chars}")
@@ -60,7 +60,7 @@ def block_owners(prefix: Prefix, num_tokens: int, block_size: int) -> list[int]:
     owners: list[int] = []
     for k in range(len(prefix.chunks)):
         end = min((k + 1) * CHUNK_CHARS, prefix.text_chars) * num_tokens // prefix.text_chars
-        ends_in = min((end - 1) // block_size, last_full)  # -1: before the first full block
+        ends_in = min((end - 1) // block_size, last_full)  # -1: no full block
         more = ends_in + 1 - len(owners)
         if more > 0 and not owners:  # block 0: every chunk needs it, the first owns it
             owners.append(0)
