@@ -56,8 +56,13 @@ def scope_of(request: GenerateRequest) -> str:
 def prefix_chunks(request: GenerateRequest) -> list[str]:
     """The chained hashes of the request's whole leading chunks, first chunk first (hex, 16
     characters each). Empty when the input is shorter than one chunk."""
-    text = canonical_text(request)
-    digest = hashlib.blake2b(scope_of(request).encode(), digest_size=8).digest()
+    return text_chunks(canonical_text(request), scope_of(request))
+
+
+def text_chunks(text: str, scope: str) -> list[str]:
+    """``prefix_chunks`` of a request whose ``canonical_text`` is ``text`` and whose
+    ``scope_of`` is ``scope`` (the worker also needs the text's length)."""
+    digest = hashlib.blake2b(scope.encode(), digest_size=8).digest()
     out: list[str] = []
     for k in range(min(len(text) // CHUNK_CHARS, MAX_CHUNKS)):
         chunk = text[k * CHUNK_CHARS:(k + 1) * CHUNK_CHARS].encode("utf-8", "surrogatepass")

@@ -267,6 +267,21 @@ class Engine(RequestAdds, RequestEnds):
             if first is not None:
                 batch.prompt_logprobs[stream] = first
 
+    # -- the prefix cache's keys, for prefix affinity -------------------------------------
+    def track_evictions(self) -> None:
+        """From now on, list the hashes of the blocks that leave the prefix cache for good
+        (``kv/block_evictions.py``), for ``drain_evicted``."""
+        self.block_manager.track_evictions()
+
+    def drain_evicted(self) -> list[bytes]:
+        """The hashes gone for good since the last call (tracked): a test of one attribute
+        when nothing was evicted."""
+        return self.block_manager.drain_evicted() if self.block_manager.evicted else []
+
+    def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The prefix-cache keys of the request's first ``num_blocks`` full blocks."""
+        return self.block_manager.block_hashes(request, num_blocks)
+
     def stats(self) -> EngineStats:
         """The engine's counters now, read off its parts (the service stores one after
         every loop iteration for its heartbeats and metrics)."""

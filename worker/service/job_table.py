@@ -18,6 +18,8 @@ from protocol.models import ErrorKind, FinishReason
 from protocol.tenants.cache_scope import cache_partition
 from worker.engine import Engine, PromptError, TextOutput, TextOutputs, UnknownAdapter
 from worker.service.active_job import ActiveJob
+from worker.service.affinity.book import AffinityBook
+from worker.service.affinity.chains import Prefix, block_owners
 from worker.service.intake.slots import Slots
 from worker.service.job_events import JobEvents
 from worker.service.jobs import Admission, Command, Outgoing
@@ -59,6 +61,7 @@ class JobTable:
         self.adapters: LoraSync | None = None
         self._adapter_of: dict[str, str] = self.ev.adapter_of
         self.trace = StepTrace(worker_id)  # FERRY_LOG_LEVEL=debug: each TTFT's parts
+        self.affinity: AffinityBook | None = None  # prefix affinity's book (service.py)
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -149,7 +152,7 @@ class JobTable:
         try:
             lora = self.adapters.adapter_for(request.model, request.tenant) \
                 if self.adapters else None
-            self.engine.add_tokens(
+            first = self.engine.add_tokens(
                 rid, admission.prompt_token_ids, params, priority=request.priority,
                 prior_by_choice=admission.prior,
                 skip_choices=frozenset(admission.finished_choices), lora=lora,
@@ -164,6 +167,8 @@ class JobTable:
             self.log.exception("add_request_failed", request_id=rid)
             self._finish_now(job, "error", f"{type(exc).__name__}: {exc}", "internal")
             return
+        if self.affinity is not None and admission.prefix is not None:
+            self._book(admission.prefix, first, job.num_prompt_tokens)
         self.jobs[rid] = job
         self.trace.admitted(job)
         self._admitted(job)
@@ -173,6 +178,15 @@ class JobTable:
             self._adapter_of[rid] = lora.name
             if self.lora_metrics is not None:
                 self.lora_metrics.admitted(lora.name)
+
+    def _book(self, prefix: Prefix, request: Any, num_tokens: int) -> None:
+        """Affinity: book the admitted request's chunks with the hashes of the prompt blocks
+        each one needs (``affinity/chains.py``), so the cache's evictions reach the
+        board."""
+        assert self.affinity is not None
+        owners = block_owners(prefix, num_tokens, self.engine.config.cache.block_size)
+        hashes = self.engine.block_hashes(request, len(owners))
+        self.affinity.served(prefix, zip(hashes, owners, strict=True))
 
     def _refuse(self, job: ActiveJob, error: Exception | None) -> None:
         """A prompt the pool could not build: invalid input is the client's fault."""

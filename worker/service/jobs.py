@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from protocol.models import GenerateRequest, JobStatus, TokenEvent
 from protocol.tenants.fair import DIRECT_COST
+from worker.service.affinity.chains import Prefix
 from worker.service.redis.leases import Entry
 from worker.service.ttft_trace import Trace
 
@@ -40,6 +41,7 @@ class Admission:
     error: Exception | None = None
     prompt_text: str | None = None
     trace: Trace = field(default_factory=Trace)  # where its time to first token goes
+    prefix: Prefix | None = None  # its affinity chunks (affinity on), booked at admission
 
     @property
     def prior_token_ids(self) -> list[int]:

@@ -94,6 +94,7 @@ class WorkerService:
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
         self.table = _job_table(self, engine, settings)
         self.table.adapters, self.table.lora_metrics = self.lora, self.lora.metrics
+        self.table.affinity = self.affinity.book if self.affinity else None
         self.drafts = _draft_feed(engine, settings)  # None: no speculation, or no fleet
 
     def _heartbeat_stats(self) -> dict[str, float | int | str]:
@@ -204,6 +205,8 @@ class WorkerService:
                 return
             if self.engine.has_unfinished_requests():
                 self._step()
+            if self.affinity is not None and (gone := self.engine.drain_evicted()):
+                self.affinity.book.evicted(gone)  # blocks the cache let go: off the board
             self.book.engine_stats = self.engine.stats()  # cheap: counters, lengths
 
     def _past_drain(self) -> bool:

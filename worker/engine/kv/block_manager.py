@@ -25,7 +25,8 @@ the forward fails, so no block is ever cached with contents that were not comput
 With a host tier (``kv/host_tier.py``, ``attach_tier``), an evicted block with a hash is
 copied to host memory first, and ``cached_prefix`` goes on looking there: a host hit is
 returned as its hash and ``allocate_slots`` gives it a fresh block that the copy fills.
-A finished request's partly filled last block is kept too (``block_partials.py``).
+A finished request's partly filled last block is kept too (``block_partials.py``). The
+hashes of blocks that leave the cache for good can be listed (``block_evictions.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from worker.engine.kv.block_evictions import EvictionLog
 from worker.engine.kv.block_partials import PartialBlocks, PartialHit
 from worker.engine.kv.block_registrations import StepRegistrations
 from worker.engine.kv.host_tables import HostTables
@@ -57,7 +59,7 @@ def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
-class BlockManager(StepRegistrations, PartialBlocks):
+class BlockManager(StepRegistrations, PartialBlocks, EvictionLog):
     def __init__(
         self, num_blocks: int, block_size: int, watermark: float = 0.01,
         enable_caching: bool = True, salt: str = "",
@@ -83,10 +85,13 @@ class BlockManager(StepRegistrations, PartialBlocks):
         self._prev_step: list[tuple[str, int, bytes]] = []  # the step's before
         self.stats = CacheStats()
         self.tier: HostTier | None = None  # the KV cache's host tier, when on
+        self.evicted: list[bytes] | None = None  # hashes gone for good, when tracked
 
     def attach_tier(self, tier: HostTier | None) -> None:
         """Keep evicted cached blocks in ``tier`` (needs the prefix cache)."""
         self.tier = tier if self.enable_caching else None
+        if self.tier is not None:
+            self.tier.evicted = self.evicted
 
     def flush_copies(self, pool: object) -> None:
         """Run the host tier's queued copies against the device pool (before a forward)."""
@@ -254,6 +259,8 @@ class BlockManager(StepRegistrations, PartialBlocks):
             del self._block_of[old]
             if self.tier is not None:
                 self.tier.offload(block, old)
+            elif self.evicted is not None:
+                self.evicted.append(old)
         self._ref_counts[block] = 1
         return block
 
@@ -304,17 +311,3 @@ class BlockManager(StepRegistrations, PartialBlocks):
                 self._free[block] = None
                 if block not in self._hash_of:
                     self._free.move_to_end(block, last=False)
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if the accounting is inconsistent (used by tests)."""
-        holders = [0] * self.num_blocks
-        for table in self._tables.values():
-            assert len(set(table)) == len(table), "a block twice in one table"
-            for block in table:
-                holders[block] += 1
-        assert holders == self._ref_counts, "reference counts differ from the tables"
-        free = {b for b, n in enumerate(holders) if n == 0}
-        assert free == set(self._free), "blocks leaked or double-freed"
-        assert all(self._block_of[h] == b for b, h in self._hash_of.items())
-        assert len(self._block_of) == len(self._hash_of), "hash maps disagree"
-        self.host.check(self._tables)

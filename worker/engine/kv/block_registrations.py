@@ -3,7 +3,8 @@
 A block is registered under its hash when it is allocated (``cache_full_blocks``), before
 the forward that computes it; if that forward fails, or the request is preempted before it
 runs, ``forget_step`` unregisters it (and tells the host tier to drop any copy), so no block
-is ever cached with contents that were not computed. A mixin of ``BlockManager``.
+is ever cached with contents that were not computed (and, when tracked, the hash is listed
+as gone: ``block_evictions.py``). A mixin of ``BlockManager``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class StepRegistrations:
     _ref_counts: list[int]
     host: HostTables
     tier: HostTier | None
+    evicted: list[bytes] | None
 
     def begin_step(self) -> None:
         # the previous step may still be running (overlapped steps): a failure read back
@@ -51,6 +53,8 @@ class StepRegistrations:
             if self._block_of.get(h) == block:
                 del self._block_of[h]
                 del self._hash_of[block]
+            if self.evicted is not None:  # the drain leaves it out if cached after all
+                self.evicted.append(h)
             table = self._tables.get(rid, [])
             row = self.host.row_of(rid)
             if row is not None and block in table:

@@ -100,6 +100,9 @@ class HostTier:
         self._busy: set[int] = set()  # slots read or written by this step's copies
         self._released: list[int] = []  # busy slots forgotten: free after the flush
         self._in_flight: list[_PendingOut] = []
+        # hashes dropped from the tier, when the block manager tracks what leaves the
+        # cache (``block_evictions.py``: it leaves out those still on the device)
+        self.evicted: list[bytes] | None = None
 
     @classmethod
     def for_pool(cls, pool: torch.Tensor, host_bytes: int) -> HostTier | None:
@@ -132,6 +135,8 @@ class HostTier:
         slot = self._take_slot()
         if slot is None:
             self.stats.dropped += 1
+            if self.evicted is not None:
+                self.evicted.append(block_hash)
             return
         self._slot_of[block_hash] = slot
         self._busy.add(slot)
@@ -165,6 +170,8 @@ class HostTier:
         for block_hash, slot in self._slot_of.items():  # least recently used first
             if slot not in self._busy:
                 del self._slot_of[block_hash]
+                if self.evicted is not None:
+                    self.evicted.append(block_hash)
                 return slot
         return None
 

@@ -12,14 +12,23 @@ from worker.service.metrics.affinity import AffinityMetrics
 from worker.service.metrics.prometheus import WorkerMetrics
 from worker.service.redis.connection import WorkerSettings
 
+BACKSTOP = 2
+"""The book's weight bound, in multiples of the prefix cache's tokens: the engine's
+evictions drop chunks exactly, so the bound only catches what they cannot report (a chunk
+booked whose prompt was never prefilled), and must not drop chunks the cache still holds
+when the book's token estimate runs high."""
+
 
 def affinity_board(engine: Any, settings: WorkerSettings, metrics: WorkerMetrics
                    ) -> BoardWriter | None:
-    """The board writer (its book and metrics with it), or None when affinity is off. The
-    book's capacity is the prefix cache's, device and host tier, in tokens."""
+    """The board writer (its book and metrics with it), or None when affinity is off; on,
+    the engine starts listing the blocks its prefix cache lets go (the engine loop drains
+    them into the book). The book's bound is ``BACKSTOP`` times the prefix cache's size,
+    device and host tier, in tokens."""
     if not AffinitySettings.from_env().enabled:
         return None
     stats = engine.stats()
     blocks = stats.kv_blocks_total + stats.kv_host_blocks_total
-    capacity = blocks * engine.config.cache.block_size
+    capacity = BACKSTOP * blocks * engine.config.cache.block_size
+    engine.track_evictions()
     return BoardWriter(settings, AffinityBook(capacity), AffinityMetrics(metrics.registry))

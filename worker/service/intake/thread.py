@@ -40,6 +40,7 @@ from protocol.tenants import fair
 from protocol.tenants.ids import DEFAULT_TENANT
 from worker.service.active_job import ActiveJob
 from worker.service.affinity.board_writer import BoardWriter
+from worker.service.affinity.chains import prefix_of
 from worker.service.intake.dead_letters import DeadLetters
 from worker.service.intake.fair_ledger import FairLedger, fair_fields
 from worker.service.intake.fair_reader import FairReader
@@ -90,7 +91,7 @@ class Intake(threading.Thread):
         self.ledger = ledger
         self.reader = FairReader(settings, self.redis, self.gate)
         self._lanes = {band: set(self.keys.lane_streams(band)) for band in PRIORITY_BANDS}
-        self.affinity = affinity  # prefix affinity: routes counted, served prompts booked
+        self.affinity = affinity  # prefix affinity: routes counted, chunks hashed
         self._traces: dict[Entry, Trace] = {}  # per entry pulled: its TTFT trace so far
 
     @property
@@ -289,8 +290,8 @@ class Intake(threading.Thread):
                          next_seq=len(events),
                          prior_tokens=sum(len(v) for v in admission.prior.values()))
             self.slots.take()
-            if self.affinity is not None:
-                self.affinity.book.served(request)
+            if self.affinity is not None:  # booked by the engine loop at admission
+                admission.prefix = prefix_of(request)
             self.prompts.submit(admission)
 
 
