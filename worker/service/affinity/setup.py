@@ -1,5 +1,6 @@
 """The worker's prefix-affinity parts, built from the engine and ``FERRY_PREFIX_AFFINITY``
-(off: no board is written, and producers never mark a request for this worker)."""
+(off, or the engine's prefix cache off: no board is written, and producers never mark a
+request for this worker)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ def affinity_board(engine: Any, settings: WorkerSettings, metrics: WorkerMetrics
     """The board writer (its book and metrics with it), or None when affinity is off; on,
     the engine starts listing the blocks its prefix cache lets go (the engine loop drains
     them into the book). The book's bound is ``BACKSTOP`` times the prefix cache's size,
-    device and host tier, in tokens."""
-    if not AffinitySettings.from_env().enabled:
+    device and host tier, in tokens. A worker without a prefix cache holds no prefix, so
+    it advertises none."""
+    if not AffinitySettings.from_env().enabled or not engine.config.cache.enable_prefix_caching:
         return None
     stats = engine.stats()
     blocks = stats.kv_blocks_total + stats.kv_host_blocks_total
