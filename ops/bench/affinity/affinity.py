@@ -246,9 +246,9 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=4096)
     parser.add_argument("--workers", type=int, default=2)
     # > 0: users who read and type (a seeded pause of 0.5-1.5x this before each next
-    # turn), so the offered load is the same with affinity on and off; 0: a closed loop,
-    # where the worker that just ended a turn is usually the first to pull the next one,
-    # so affinity off is sticky by accident (docs/affinity.md)
+    # turn), so hits and misses arrive mixed as they do in service; 0: a closed loop
+    # (each next turn the moment the last one ends), where conversations that hit run
+    # ahead of those that miss and rarely share a step with them (docs/affinity.md)
     parser.add_argument("--think-s", type=float, default=1.0)
     parser.add_argument("--out", default=str(RESULT))
     args = parser.parse_args()
