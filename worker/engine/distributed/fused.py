@@ -18,6 +18,7 @@ from torch import nn
 
 from worker.engine.distributed.layers import HeadLinear, RowParallelLinear
 from worker.engine.distributed.sharding import even_range, kv_head_range
+from worker.engine.distributed.tp_config import TensorParallelError
 
 
 class RowsLinear(nn.Module):
@@ -84,8 +85,9 @@ def shard_neox_attention(attn: Any, config: Any, rank: int, size: int) -> None:
     heads are one range of ``3d``-row blocks; ``dense`` by rows (bias added once)."""
     heads = config.num_attention_heads
     if getattr(config, "num_key_value_heads", heads) != heads:
-        raise ValueError(f"GPT-NeoX attention with {config.num_key_value_heads} KV heads for "
-                         f"{heads} query heads: its fused layout has one of each per head")
+        raise TensorParallelError(
+            f"GPT-NeoX attention with {config.num_key_value_heads} KV heads for {heads} "
+            "query heads: its fused layout has one of each per head")
     q = even_range(heads, rank, size)
     attn.query_key_value = HeadLinear(attn.query_key_value, 3 * attn.head_size, q)
     attn.dense = RowParallelLinear(attn.dense, rank, size)

@@ -11,8 +11,13 @@ collectives with the group's timeout. Llama-, Qwen3-, Mixtral- and gpt-oss-style
 - fused experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], or gpt-oss's
   transposed, interleaved and biased ones) by the intermediate size: one all-reduce per
   MoE block;
-- attention sinks (gpt-oss, one per query head) with their heads;
-- embed_tokens and lm_head by vocabulary.
+- attention sinks (gpt-oss, one per query head) with their heads; Cohere's per-head q/k
+  norm weights ([heads, head_dim]) likewise;
+- unfused MLPs by their names (StarCoder2's c_fc/c_proj, GPT-NeoX's dense_h_to_4h/
+  dense_4h_to_h), biases with their rows or added once after the all-reduce;
+- fused projections part by part (Phi-3's qkv_proj, Phi-3's and GLM-4's gate_up_proj,
+  GPT-NeoX's per-head query_key_value: ``fused.py``);
+- embed_tokens (embed_in) and lm_head by vocabulary.
 """
 
 from __future__ import annotations
