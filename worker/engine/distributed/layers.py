@@ -16,6 +16,7 @@ from worker.engine.distributed.sharding import (
     ShardCut,
     column_shard,
     even_range,
+    head_shard,
     row_shard,
     vocab_range,
 )
@@ -65,6 +66,23 @@ class RowParallelLinear(nn.Module):
         """The ranks' partial outputs summed (in place), plus the bias: [..., out]."""
         y = all_reduce_sum(y)
         return y if self.bias is None else y + self.bias
+
+
+class HeadLinear(nn.Module):
+    """A q/k/v projection cut to heads ``[start, end)``."""
+
+    def __init__(self, full: nn.Linear, head_dim: int, heads: tuple[int, int]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(head_shard(full.weight.detach(), head_dim, heads).clone(),
+                                   requires_grad=False)
+        self.bias = (None if full.bias is None else nn.Parameter(
+            head_shard(full.bias.detach(), head_dim, heads).clone(), requires_grad=False))
+        self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
+        self.cut = ShardCut("out", heads[0] * head_dim, heads[1] * head_dim,
+                            full.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)  # [..., local heads * d]
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -11,8 +11,13 @@ collectives with the group's timeout. Llama-, Qwen3-, Mixtral- and gpt-oss-style
 - fused experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], or gpt-oss's
   transposed, interleaved and biased ones) by the intermediate size: one all-reduce per
   MoE block;
-- attention sinks (gpt-oss, one per query head) with their heads;
-- embed_tokens and lm_head by vocabulary.
+- attention sinks (gpt-oss, one per query head) with their heads; Cohere's per-head q/k
+  norm weights ([heads, head_dim]) likewise;
+- unfused MLPs by their names (StarCoder2's c_fc/c_proj, GPT-NeoX's dense_h_to_4h/
+  dense_4h_to_h), biases with their rows or added once after the all-reduce;
+- fused projections part by part (Phi-3's qkv_proj, Phi-3's and GLM-4's gate_up_proj,
+  GPT-NeoX's per-head query_key_value: ``fused.py``);
+- embed_tokens (embed_in) and lm_head by vocabulary.
 """
 
 from __future__ import annotations
@@ -23,37 +28,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.engine.distributed.fused import (
+    shard_fused_mlp,
+    shard_neox_attention,
+    shard_phi3_attention,
+)
 from worker.engine.distributed.group import all_reduce_sum
 from worker.engine.distributed.layers import (
     ColumnParallelLinear,
+    HeadLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from worker.engine.distributed.sharding import (
-    ShardCut,
-    even_range,
-    head_shard,
-    kv_head_range,
-)
+from worker.engine.distributed.sharding import even_range, kv_head_range
 from worker.engine.distributed.tp_config import TensorParallelError, TPConfig, check_heads
-
-
-class HeadLinear(nn.Module):
-    """A q/k/v projection cut to heads ``[start, end)``."""
-
-    def __init__(self, full: nn.Linear, head_dim: int, heads: tuple[int, int]) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(head_shard(full.weight.detach(), head_dim, heads).clone(),
-                                   requires_grad=False)
-        self.bias = (None if full.bias is None else nn.Parameter(
-            head_shard(full.bias.detach(), head_dim, heads).clone(), requires_grad=False))
-        self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
-        self.cut = ShardCut("out", heads[0] * head_dim, heads[1] * head_dim,
-                            full.out_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)  # [..., local heads * d]
 
 
 def _intermediate(experts: Any) -> int:
@@ -115,9 +104,53 @@ def _shard_attention(attn: Any, config: Any, tp: TPConfig) -> None:
     attn.v_proj = HeadLinear(attn.v_proj, head_dim, kv)
     attn.o_proj = RowParallelLinear(attn.o_proj, tp.rank, tp.size)
     attn.num_key_value_groups = (q_heads[1] - q_heads[0]) // (kv[1] - kv[0])
+    for norm, span in (("q_norm", q_heads), ("k_norm", kv)):  # Cohere's: a weight per head
+        weight = getattr(getattr(attn, norm, None), "weight", None)
+        if isinstance(weight, nn.Parameter) and weight.dim() == 2:  # [heads, head_dim]
+            getattr(attn, norm).weight = nn.Parameter(
+                weight.detach()[span[0]:span[1]].clone(), requires_grad=False)
     if isinstance(getattr(attn, "sinks", None), nn.Parameter):  # gpt-oss: one per head
         attn.sinks = nn.Parameter(attn.sinks.detach()[q_heads[0]:q_heads[1]].clone(),
                                   requires_grad=False)
+
+
+# (column-parallel, row-parallel) linears of an unfused MLP: Llama's, StarCoder2's, NeoX's
+_MLP_PAIRS = (("gate_proj", "down_proj"), ("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"))
+
+
+def _shard_module(module: Any, config: Any, tp: TPConfig,
+                  materialise: Callable[[Any], None]) -> None:
+    """Cut ``module``'s own projections if it is an attention, MLP, experts or embedding
+    owner the plan knows, by the names that say its layout."""
+    if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
+        materialise(module)
+        _shard_attention(module, config, tp)
+    elif isinstance(getattr(module, "qkv_proj", None), nn.Linear):  # Phi-3
+        materialise(module)
+        shard_phi3_attention(module, config, tp.rank, tp.size)
+    elif isinstance(getattr(module, "query_key_value", None), nn.Linear):  # GPT-NeoX
+        materialise(module)
+        shard_neox_attention(module, config, tp.rank, tp.size)
+    for column, row in _MLP_PAIRS:
+        if isinstance(getattr(module, column, None), nn.Linear):
+            materialise(module)
+            setattr(module, column, ColumnParallelLinear(getattr(module, column), tp.rank,
+                                                         tp.size))
+            if column == "gate_proj":
+                module.up_proj = ColumnParallelLinear(module.up_proj, tp.rank, tp.size)
+            setattr(module, row, RowParallelLinear(getattr(module, row), tp.rank, tp.size))
+    if isinstance(getattr(module, "gate_up_proj", None), nn.Linear):  # Phi-3's, GLM-4's
+        materialise(module)
+        shard_fused_mlp(module, tp.rank, tp.size)
+    experts = getattr(module, "experts", None)
+    if experts is not None and hasattr(experts, "gate_up_proj"):
+        materialise(experts)
+        module.experts = _ReducedExperts(experts, tp.rank, tp.size)
+    for name in ("embed_tokens", "embed_in"):
+        if isinstance(getattr(module, name, None), nn.Embedding):
+            materialise(getattr(module, name))
+            setattr(module, name, VocabParallelEmbedding(getattr(module, name), tp.rank,
+                                                         tp.size))
 
 
 def _noop(module: Any) -> None:
@@ -138,24 +171,11 @@ def shard_model(model: Any, tp: TPConfig, materialise: Callable[[Any], None] = _
         raise TensorParallelError(f"{type(config).__name__}: multi-head latent attention (MLA) "
                                   "is not implemented with tensor parallelism (its heads are "
                                   "not sharded)")
-    check_heads(tp.size, config.num_attention_heads, config.num_key_value_heads)
+    heads = config.num_attention_heads
+    check_heads(tp.size, heads, getattr(config, "num_key_value_heads", None) or heads)
     module: Any
     for module in list(model.modules()):
-        if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
-            materialise(module)
-            _shard_attention(module, config, tp)
-        if isinstance(getattr(module, "gate_proj", None), nn.Linear):
-            materialise(module)
-            module.gate_proj = ColumnParallelLinear(module.gate_proj, tp.rank, tp.size)
-            module.up_proj = ColumnParallelLinear(module.up_proj, tp.rank, tp.size)
-            module.down_proj = RowParallelLinear(module.down_proj, tp.rank, tp.size)
-        experts = getattr(module, "experts", None)
-        if experts is not None and hasattr(experts, "gate_up_proj"):
-            materialise(experts)
-            module.experts = _ReducedExperts(experts, tp.rank, tp.size)
-        if isinstance(getattr(module, "embed_tokens", None), nn.Embedding):
-            materialise(module.embed_tokens)
-            module.embed_tokens = VocabParallelEmbedding(module.embed_tokens, tp.rank, tp.size)
+        _shard_module(module, config, tp, materialise)
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         embed = model.get_input_embeddings()
         tied = getattr(config, "tie_word_embeddings", False) and isinstance(

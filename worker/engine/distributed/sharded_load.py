@@ -19,7 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from worker.engine.distributed.shard_model import shard_model
 from worker.engine.distributed.tp_config import TPConfig
 
-_TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+# a name the model uses, to where a checkpoint may hold it instead: GPT-NeoX's head saved
+# under its original name, or the embedding a tied head reuses
+_ALIASES = {"lm_head.weight": ("embed_out.weight", "model.embed_tokens.weight")}
 # per-expert checkpoint layouts (Mixtral's original one, Qwen-MoE's): gate, up, down
 _EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 
@@ -39,7 +41,8 @@ class _Checkpoint:
             raise FileNotFoundError(f"no .safetensors files under {path}")
 
     def get(self, name: str) -> torch.Tensor:
-        key = name if name in self.where else _TIED.get(name, name)
+        key = name if name in self.where else next(
+            (alias for alias in _ALIASES.get(name, ()) if alias in self.where), name)
         if key not in self.where and ".mlp." in name:  # Mixtral's block_sparse_moe
             key = name.replace(".mlp.", ".block_sparse_moe.")
         if key in self.where:

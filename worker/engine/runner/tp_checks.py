@@ -27,6 +27,10 @@ from worker.engine.distributed.tp_config import TensorParallelError, check_devic
 # cut by a plan that may miss its own layout (a fused qkv, a norm over all heads).
 SHARDED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
                            "qwen3_moe", "gpt_oss", "gemma2"})
+# dense families whose layouts the plan also cuts (fused q/k/v and gate/up by part, NeoX's
+# per-head q/k/v, Cohere's per-head q/k norms, biased MLPs): proven the same way
+SHARDED_TYPES = SHARDED_TYPES | frozenset({"gemma3_text", "granite", "smollm3", "starcoder2",
+                                           "phi3", "glm4", "cohere", "cohere2", "gpt_neox"})
 
 
 def _refuse(feature: str, fix: str, size: int) -> TensorParallelError:

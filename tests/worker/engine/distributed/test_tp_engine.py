@@ -1,7 +1,9 @@
 """The paged engine under tensor parallelism: ``LLM(path, tensor_parallel_size=2)`` on
 gloo (rank 0 here, rank 1 a spawned process) gives the tokens of one process, chosen-token
 logprobs within 1e-5, for tiny Llama, Qwen3, Mixtral and gpt-oss checkpoints (and
-Mistral, Qwen2, Qwen2-MoE, Qwen3-MoE, Gemma 2), with prompts
+Mistral, Qwen2, Qwen2-MoE, Qwen3-MoE, Gemma 2, and the dense families with layouts of
+their own: Gemma 3, Granite, SmolLM3, StarCoder2, Qwen2 with a window, Phi-3, GLM-4,
+Cohere, Cohere 2, GPT-NeoX), with prompts
 longer than a step's token budget (chunked prefill) in a pool small enough to preempt."""
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from worker.engine.runner.tp_checks import check_tensor_parallel
 # the four the plan was written for, then the served types it also proves out on
 FAMILIES = ["llama", "qwen3", "mixtral", "gpt_oss", "mistral", "qwen2", "qwen2_moe",
             "qwen3_moe", "gemma2"]
+# the dense families with their own layouts (fused projections, biases, per-head norms)
+FAMILIES += ["gemma3", "granite", "smollm3", "starcoder2", "qwen2_window", "phi3",
+             "phi3_partial", "glm4", "cohere", "cohere2", "gpt_neox"]
+KV_HEADS_PER_RANK = {"gpt_neox": 2}  # 4 heads, no GQA: 2 each; the others 2 KV heads, 1 each
 PROMPT_LENS = [3, 20, 41, 9, 30]
 MAX_TOKENS = 8
 # 12 blocks of 8 tokens for 5 requests of up to 49 tokens: some are preempted; a step
@@ -49,7 +55,7 @@ def _generate(path: str, family: str, size: int) -> list[list[tuple[int, float]]
                                                     ignore_eos=True, logprobs=0))
         assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to preempt"
         if size > 1:  # this rank's KV pool holds its share of the KV heads
-            assert llm.engine.runner.shape.num_kv_heads == 1
+            assert llm.engine.runner.shape.num_kv_heads == KV_HEADS_PER_RANK.get(family, 1)
         got = []
         for out in outs:
             assert out.error is None, out.error
@@ -158,7 +164,9 @@ def test_seeded_sampling_and_structured_output_under_tp2(root) -> None:
 
 
 def test_a_model_type_without_a_proven_plan_is_refused_by_name(root) -> None:
-    config = EngineConfig.create(build_family("phi3", root), tensor_parallel_size=2,
+    from transformers import FalconConfig  # a fused multi-query qkv no plan here cuts
+
+    config = EngineConfig.create(build_family("llama", root), tensor_parallel_size=2,
                                  device="cpu")
-    with pytest.raises(TensorParallelError, match="model type 'phi3'.*tensor-parallel size 2"):
-        check_tensor_parallel(config)
+    with pytest.raises(TensorParallelError, match="model type 'falcon'.*tensor-parallel size 2"):
+        check_tensor_parallel(config, FalconConfig(num_attention_heads=4))

@@ -80,6 +80,18 @@ def test_quantized_at_load_tp2_equals_tp1(method: str, family: str, hidden: int,
     _assert_same(got, want, atol=5e-3 if method == "int4" else 1e-5)
 
 
+def test_fused_projections_quantized_at_load_tp2_equals_tp1(tmp_path_factory) -> None:
+    """Phi-3's fused qkv_proj and gate_up_proj keep whole rows of each part on a rank, so
+    INT8's per-row scales are one process's."""
+    path = build_family("phi3", tmp_path_factory.mktemp("qf"))
+    want, _ = _run(path, 1, quantization="int8")
+    got, llm = _run(path, 2, quantization="int8")
+    layers = llm.engine.runner.model.model.layers[0]
+    assert isinstance(layers.self_attn.qkv_proj, Int8Linear)
+    assert isinstance(layers.mlp.gate_up_proj, Int8Linear)
+    _assert_same(got, want)
+
+
 def test_int4_group_across_the_row_cut_is_refused_by_name(tmp_path_factory) -> None:
     """Llama's o_proj takes 64 columns (groups of 64), 32 per rank: no group fits."""
     path = build_family("llama", tmp_path_factory.mktemp("q4"))

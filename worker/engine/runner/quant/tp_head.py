@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from worker.engine.distributed.fused import RowsLinear
 from worker.engine.distributed.group import all_gather_last, all_reduce_sum
 from worker.engine.distributed.layers import (
     ColumnParallelLinear,
@@ -107,7 +108,8 @@ def apply_sharded(model: nn.Module, scheme: QuantScheme, tp: TPConfig) -> int:
         if isinstance(mod, RowParallelLinear):
             layer = ReducedQuant(quantized_shard(scheme, name, mod.weight, None, tp.size,
                                                  cut=True), mod.bias)
-        elif isinstance(mod, (ColumnParallelLinear, HeadLinear)) or type(mod) is nn.Linear:
+        elif (isinstance(mod, (ColumnParallelLinear, HeadLinear, RowsLinear))  # whole rows
+              or type(mod) is nn.Linear):
             layer = quantized_shard(scheme, name, mod.weight, mod.bias, tp.size, cut=False)
         else:
             continue
