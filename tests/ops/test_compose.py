@@ -38,7 +38,7 @@ def test_compose_config_validates() -> None:
     client = _compose_client()
     if client is None:
         pytest.skip("no compose client: neither `docker compose` nor `docker-compose` runs here")
-    profiles = ["--profile", "cpu", "--profile", "monitoring"]
+    profiles = ["--profile", "cpu", "--profile", "monitoring", "--profile", "tp"]
     out = subprocess.run([*client, "-f", str(files.COMPOSE), *profiles, "config"],
                          capture_output=True, text=True, timeout=120, cwd=files.ROOT)
     assert out.returncode == 0, out.stderr
@@ -141,6 +141,33 @@ def test_gpu_worker_reserves_one_gpu_and_cpu_worker_none() -> None:
     assert cpu["profiles"] == ["cpu"] and "resources" not in cpu.get("deploy", {})
     assert cpu["environment"]["FERRY_DEVICE"] == "cpu"
     assert cpu["build"]["dockerfile"] == "ops/docker/worker-cpu.Dockerfile"
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_tensor_parallel_examples_reserve_as_many_gpus_as_ranks() -> None:
+    """The compose profile ``tp`` and ops/k8s/worker-tp.yaml: one worker owning several
+    GPUs, as many reserved as it has ranks, eager (graphs are refused under TP), with a
+    /dev/shm for NCCL; the plain GPU worker stays at one GPU and size 1."""
+    tp = SERVICES["worker-tp"]
+    env = tp["environment"]
+    devices = tp["deploy"]["resources"]["reservations"]["devices"]
+    assert tp["profiles"] == ["tp"] and tp["command"] == ["ferry", "worker"]
+    assert devices[0]["count"] == int(env["FERRY_TENSOR_PARALLEL_SIZE"]) == 2
+    assert env["FERRY_ENFORCE_EAGER"] == "1" and tp["shm_size"] == "8gb"
+    assert tp["deploy"]["replicas"] == "${FERRY_TP_WORKERS:-1}"
+    assert "FERRY_TENSOR_PARALLEL_SIZE" not in SERVICES["worker"]["environment"]
+    pods = {doc["metadata"]["name"]: doc["spec"]["template"]["spec"]
+            for _, doc in files.k8s_docs() if doc.get("kind") == "Deployment"}
+    for name, gpus in (("ferry-worker", 1), ("ferry-worker-tp", 2)):
+        container = pods[name]["containers"][0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus, name
+        assert int(_env(container).get("FERRY_TENSOR_PARALLEL_SIZE") or 1) == gpus, name
+    assert _env(pods["ferry-worker-tp"]["containers"][0])["FERRY_ENFORCE_EAGER"] == "1"
+    shm = [v for v in pods["ferry-worker-tp"]["volumes"] if v["name"] == "dshm"]
+    assert shm[0]["emptyDir"]["medium"] == "Memory"
 
 
 def test_monitoring_profile() -> None:

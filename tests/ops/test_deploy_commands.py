@@ -141,7 +141,7 @@ def test_ports_agree_everywhere() -> None:
     for source, container in files.k8s_containers():
         ports = {p["containerPort"] for p in container.get("ports", [])}
         expected = {"ferry-gateway": {8000}, "ferry-worker": {9100}, "ferry-redis": {6379},
-                    "ferry-batcher": set()}
+                    "ferry-batcher": set(), "ferry-worker-tp": {9100}}
         assert ports == expected[source.split(":")[1]], source
 
 
