@@ -3,7 +3,8 @@ format test_checkpoint_formats.py builds (compressed-tensors FP8 per channel wit
 activations and per tensor with static ones, ModelOpt FP8, compressed-tensors INT8, AWQ,
 GPTQ) gives one process's greedy tokens and chosen-token logprobs with two ranks, each
 rank reading its cut of the packed tensors, with chunked prefill and preemption; a group
-that does not fit a row-parallel shard and quantized MoE experts are refused by name."""
+that does not fit a row-parallel shard and quantized MoE experts are refused by name; each
+rank's layers hold exactly its slice of one process's, no packed tensor read whole."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from worker.engine.llm import LLM
 from worker.engine.runner.quant.fp8 import Fp8Linear
 from worker.engine.runner.quant.int4 import Int4Linear
 from worker.engine.runner.quant.int8 import Int8Linear
+from worker.engine.runner.quant.tp_shard import ReducedQuant
 from worker.engine.runner.tp_ranks import TensorParallelFault
 
 FORMATS: dict[str, Any] = {
@@ -72,3 +74,73 @@ def test_quantized_moe_experts_are_refused_by_name(root: Path) -> None:
                        r"\(model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\) are not "
                        r"supported with tensor-parallel size 2"):
         LLM(path, tensor_parallel_size=2, **ENGINE)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_each_rank_reads_only_its_cut(root: Path, fmt: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ranks' layers, built without a process group, hold exactly their slice of one
+    process's layer (dequantized, bit for bit; row-parallel ones their columns), and no
+    packed tensor of a quantized layer (weight, qweight, qzeros, scales) is ever read
+    whole on a rank, by the float load or the quantized one."""
+    import torch
+
+    from worker.engine.config import ModelConfig
+    from worker.engine.distributed import sharded_load
+    from worker.engine.distributed.sharded_load import load_sharded
+    from worker.engine.distributed.tp_config import TPConfig
+    from worker.engine.runner.model_loader import load_model
+    from worker.engine.runner.quant import checkpoint_config
+    from worker.engine.runner.quant.formats import CheckpointTensors, modelopt_config
+    from worker.engine.runner.quant.tp_checkpoint import (
+        apply_checkpoint_sharded,
+        quantized_owners,
+    )
+
+    path, _ = write_quantized(checkpoint("llama", root), fmt, root)
+    one = dict(load_model(ModelConfig(path, pack_weights=False)).model.named_modules())
+    from transformers import AutoConfig
+
+    raw = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
+    scheme = checkpoint_config.scheme_from_checkpoint(
+        checkpoint_config.as_dict(raw or modelopt_config(path)))
+    whole: list[str] = []
+    get = CheckpointTensors.get
+
+    def recording_get(self: CheckpointTensors, key: str) -> torch.Tensor | None:
+        whole.append(key)
+        return get(self, key)
+
+    monkeypatch.setattr(CheckpointTensors, "get", recording_get)
+    float_get = sharded_load._Checkpoint.get
+
+    def recording_float_get(self: Any, name: str) -> torch.Tensor:
+        whole.append(name)
+        return float_get(self, name)
+
+    monkeypatch.setattr(sharded_load._Checkpoint, "get", recording_float_get)
+    packed = (".weight", ".qweight", ".qzeros", ".scales")
+    for rank in range(2):
+        tp = TPConfig(size=2, rank=rank)
+        owners = quantized_owners(path, tp.size)
+        model = load_sharded(path, tp, torch.float32, keep_meta=owners)
+        with torch.no_grad():
+            count = apply_checkpoint_sharded(model, scheme, tp, path, owners,
+                                             torch.device("cpu"))
+        assert count == 14  # q, k, v, o, gate, up, down in two layers
+        assert not [k for k in whole if k.endswith(packed) and k.rpartition(".")[0]
+                    in owners], whole
+        checked = 0
+        for name, mod in model.named_modules():
+            if isinstance(mod, ReducedQuant):  # row-parallel: this rank's input columns
+                inner: Any = mod.inner
+                got = inner.dequantized()
+                want = one[name].dequantized().chunk(2, dim=1)[rank]  # [N, K / 2]
+            elif hasattr(mod, "dequantized") and not name.endswith(".inner"):
+                got, full = mod.dequantized(), one[name].dequantized()  # [N', K], [N, K]
+                want = full.chunk(2, dim=0)[rank]
+            else:
+                continue
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+            checked += 1
+        assert checked == 14
