@@ -3,8 +3,9 @@ format test_checkpoint_formats.py builds (compressed-tensors FP8 per channel wit
 activations and per tensor with static ones, ModelOpt FP8, compressed-tensors INT8, AWQ,
 GPTQ) gives one process's greedy tokens and chosen-token logprobs with two ranks, each
 rank reading its cut of the packed tensors, with chunked prefill and preemption; a group
-that does not fit a row-parallel shard and quantized MoE experts are refused by name; each
-rank's layers hold exactly its slice of one process's, no packed tensor read whole."""
+that does not fit a row-parallel shard and quantized MoE experts are refused by name (float
+experts beside quantized layers are served); each rank's layers hold exactly its slice of
+one process's, no packed tensor read whole."""
 
 from __future__ import annotations
 
@@ -66,6 +67,17 @@ def test_a_group_across_the_row_cut_is_refused_by_name(root: Path, fmt: str) -> 
                        r"model\.layers\.0\.self_attn\.o_proj's group size 64 does not "
                        r"divide its row-parallel shard of 32 input features \(of 64\)"):
         LLM(path, tensor_parallel_size=2, **ENGINE)
+
+
+def test_float_experts_beside_quantized_layers_tp2_equals_tp1(root: Path) -> None:
+    """Mixtral whose experts the checkpoint left float: its quantized attention is cut
+    from the packed tensors, its experts by the intermediate size as usual."""
+    path, _ = write_quantized(build_moe(root), "awq", root, experts=False)
+    want, _ = _run(path, 1)
+    got, llm = _run(path, 2)
+    attn = llm.engine.runner.model.model.layers[0].self_attn
+    assert isinstance(attn.o_proj.inner, Int4Linear)
+    _assert_same(got, want, atol=5e-3)  # INT4's bf16 rounding, as above
 
 
 def test_quantized_moe_experts_are_refused_by_name(root: Path) -> None:
