@@ -117,7 +117,7 @@ def load_model(cfg: ModelConfig, tp: TPConfig | None = None) -> LoadedModel:
     dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
     attention.register()
     try:
-        if tp.enabled:  # a checkpoint's quantized layers as they load; at load: below
+        if tp.enabled:  # a checkpoint's quantized layers cut here; at-load quant below
             model = _load_sharded(path, tp, dtype, scheme, device)
         else:
             with quant.loading(scheme):  # a quantized checkpoint's tensors: quant.apply's
@@ -157,8 +157,8 @@ def load_model(cfg: ModelConfig, tp: TPConfig | None = None) -> LoadedModel:
                        gemv_rows)
 
 
-def _load_sharded(path: str, tp: TPConfig, dtype: torch.dtype, scheme: Any,
-                  device: torch.device) -> Any:
+def _load_sharded(path: str, tp: TPConfig, dtype: torch.dtype,
+                  scheme: quant.QuantScheme | None, device: torch.device) -> Any:
     """Rank ``tp.rank``'s shards; a quantized checkpoint's layers read from their cut of
     the packed tensors (``quant/tp_checkpoint.py``), never a whole layer."""
     from worker.engine.distributed.sharded_load import load_sharded
