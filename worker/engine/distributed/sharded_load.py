@@ -74,21 +74,29 @@ class _Checkpoint:
         return None
 
 
-def _filler(ckpt: _Checkpoint, names: dict[int, str], dtype: torch.dtype) -> Any:
+def _filler(ckpt: _Checkpoint, names: dict[int, str], dtype: torch.dtype,
+            keep_meta: frozenset[str]) -> Any:
     def fill(module: nn.Module) -> None:
         prefix = names[id(module)]
         for local, param in list(module.named_parameters(recurse=True)):
-            if param.device.type != "meta":
+            key = f"{prefix}.{local}"
+            owner_name, _, leaf = key.rpartition(".")
+            if param.device.type != "meta" or (leaf == "weight" and owner_name in keep_meta):
                 continue
             owner = module.get_submodule(local.rpartition(".")[0]) if "." in local else module
-            full = ckpt.get(f"{prefix}.{local}").to(dtype)
+            full = ckpt.get(key).to(dtype)
             setattr(owner, local.rpartition(".")[2], nn.Parameter(full, requires_grad=False))
     return fill
 
 
 def load_sharded(path: str | Path, tp: TPConfig, dtype: torch.dtype = torch.float32,
-                 attn_implementation: str = "eager") -> Any:
-    """Rank ``tp.rank``'s model from a local safetensors checkpoint (dense families)."""
+                 attn_implementation: str = "eager",
+                 keep_meta: frozenset[str] = frozenset()) -> Any:
+    """Rank ``tp.rank``'s model from a local safetensors checkpoint (dense families).
+
+    The weights of the modules named in ``keep_meta`` (a quantized checkpoint's layers) stay
+    on the meta device, cut there like the others: the caller swaps those layers for
+    quantized ones read from their packed tensors (``quant/tp_checkpoint.py``)."""
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
     config._attn_implementation = attn_implementation
@@ -96,7 +104,7 @@ def load_sharded(path: str | Path, tp: TPConfig, dtype: torch.dtype = torch.floa
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     ckpt = _Checkpoint(path)
     names = {id(m): name for name, m in model.named_modules()}
-    fill = _filler(ckpt, names, dtype)
+    fill = _filler(ckpt, names, dtype, keep_meta)
     shard_model(model, tp, materialise=fill)
     for name, module in list(model.named_modules()):
         names[id(module)] = name
@@ -104,5 +112,5 @@ def load_sharded(path: str | Path, tp: TPConfig, dtype: torch.dtype = torch.floa
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, type(module)(config=config))
         elif any(p.device.type == "meta" for p in module.parameters(recurse=False)):
-            _filler(ckpt, names, dtype)(module)
+            _filler(ckpt, names, dtype, keep_meta)(module)
     return model.eval()

@@ -117,10 +117,8 @@ def load_model(cfg: ModelConfig, tp: TPConfig | None = None) -> LoadedModel:
     dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
     attention.register()
     try:
-        if tp.enabled:  # quantized at load below, per rank (quant/tp_head.py)
-            from worker.engine.distributed.sharded_load import load_sharded
-
-            model = load_sharded(path, tp, dtype, attention.ATTENTION_NAME)
+        if tp.enabled:  # a checkpoint's quantized layers cut here; at-load quant below
+            model = _load_sharded(path, tp, dtype, scheme, device)
         else:
             with quant.loading(scheme):  # a quantized checkpoint's tensors: quant.apply's
                 model = AutoModelForCausalLM.from_pretrained(
@@ -135,12 +133,12 @@ def load_model(cfg: ModelConfig, tp: TPConfig | None = None) -> LoadedModel:
     use_ferry_experts(model)  # MoE layers: fused kernel on CUDA, grouped path on CPU
     if scheme is not None:
         with torch.no_grad():
-            if tp.enabled:  # each rank its shards, to one process's numbers
+            if not tp.enabled:
+                quant.apply(model, scheme, path)
+            elif scheme.source == "load":  # each rank its shards, to one process's numbers
                 from worker.engine.runner.quant.tp_head import apply_sharded
 
                 apply_sharded(model, scheme, tp)
-            else:
-                quant.apply(model, scheme, path)
     prepare_layers(model)
     shape = model_shape(hf_config, cfg.max_model_len)
     if tp.enabled:
@@ -157,6 +155,26 @@ def load_model(cfg: ModelConfig, tp: TPConfig | None = None) -> LoadedModel:
         gemv_rows = set_gemv_rows(packed, cfg.packed_gemv_rows, serial_tokens(model))
     return LoadedModel(model, tokenizer, shape, device, dtype, _eos_ids(model, tokenizer),
                        gemv_rows)
+
+
+def _load_sharded(path: str, tp: TPConfig, dtype: torch.dtype,
+                  scheme: quant.QuantScheme | None, device: torch.device) -> Any:
+    """Rank ``tp.rank``'s shards; a quantized checkpoint's layers read from their cut of
+    the packed tensors (``quant/tp_checkpoint.py``), never a whole layer."""
+    from worker.engine.distributed.sharded_load import load_sharded
+
+    if scheme is None or scheme.source == "load":
+        return load_sharded(path, tp, dtype, attention.ATTENTION_NAME)
+    from worker.engine.runner.quant.tp_checkpoint import (
+        apply_checkpoint_sharded,
+        quantized_owners,
+    )
+
+    owners = quantized_owners(path, tp.size)
+    model = load_sharded(path, tp, dtype, attention.ATTENTION_NAME, keep_meta=owners)
+    with torch.no_grad():
+        apply_checkpoint_sharded(model, scheme, tp, path, owners, device)
+    return model
 
 
 def _check_servable(hf_config: Any) -> None:

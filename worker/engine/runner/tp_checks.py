@@ -3,14 +3,15 @@
 The sharded paged path covers the forward, the paged KV cache (each rank its heads, FP8
 too), chunked prefill, preemption, the prefix cache and its host tier (rank 0's copies
 replayed on every rank, ``kv/tier_mirror.py``), prompt logprobs, quantization at load
-(each rank quantizes its shards, ``quant/tp_shard.py``), everything sampled on rank 0
+(each rank quantizes its shards, ``quant/tp_shard.py``), quantized checkpoints (FP8, INT8,
+AWQ, GPTQ: each rank reads its cut of the packed tensors, ``quant/tp_checkpoint.py``; their
+quantized MoE experts are refused there by name), everything sampled on rank 0
 (seeded sampling, structured output), overlapped steps (the followers run the steps in
 launch order, each step's placeholders already filled on rank 0), speculative decoding
 (drafts proposed on rank 0, the verification an ordinary broadcast step) and multi-LoRA
 (adapters cut like their layers, rank 0's slot writes replayed by the followers,
 ``lora/tp_sync.py``). What is not proven sharded is refused here rather than served
-wrong: CUDA graphs, a quantized checkpoint, model types outside ``SHARDED_TYPES``, the
-CPU lean decode.
+wrong: CUDA graphs, model types outside ``SHARDED_TYPES``, the CPU lean decode.
 """
 
 from __future__ import annotations
@@ -77,8 +78,5 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any | None = None) ->
     if kind not in SHARDED_TYPES:
         raise _refuse(f"model type {kind!r}", "served sharded: "
                       f"{', '.join(sorted(SHARDED_TYPES))}", size)
-    if getattr(text, "quantization_config", None) or getattr(
-            hf_config, "quantization_config", None):
-        raise _refuse("a quantized checkpoint", "serve an unquantized one", size)
     heads = text.num_attention_heads
     check_heads(size, heads, getattr(text, "num_key_value_heads", None) or heads)

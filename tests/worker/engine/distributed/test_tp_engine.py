@@ -77,16 +77,16 @@ def test_tp2_engine_equals_tp1(family: str, root) -> None:
                                    torch.tensor([lp for _, lp in ref]), rtol=0, atol=1e-5)
 
 
-def test_a_quantized_checkpoint_is_refused_by_name(root) -> None:
+def test_a_quantized_checkpoint_passes_the_start_checks(root) -> None:
+    """Served sharded (test_tp_quant_checkpoints.py): what it cannot serve is refused at
+    load, by layer (quant/tp_checkpoint.py), not at start for being quantized."""
     from transformers import AutoConfig
 
     path = build_family("llama", root)
     hf_config = AutoConfig.from_pretrained(path)
     hf_config.quantization_config = {"quant_method": "awq", "bits": 4}
     config = EngineConfig.create(path, tensor_parallel_size=2, device="cpu")
-    with pytest.raises(TensorParallelError,
-                       match="a quantized checkpoint.*tensor-parallel size 2"):
-        check_tensor_parallel(config, hf_config)
+    check_tensor_parallel(config, hf_config)
 
 
 def test_heads_that_do_not_divide_are_refused_naming_both(root) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -27,6 +27,15 @@ from worker.engine.runner.quant.int8 import Int8Linear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column j of a word sits in nibble AWQ_ORDER.index(j)
 QUANT_SUFFIXES = (".qweight", ".weight_scale", ".weight_packed", ".qzeros")
+
+
+class TensorSource(Protocol):
+    """Where a layer's tensors are read from: the whole checkpoint, or one rank's cut of it
+    (``tp_checkpoint.py``)."""
+
+    def get(self, key: str) -> torch.Tensor | None: ...
+
+    def need(self, key: str) -> torch.Tensor: ...
 
 
 class CheckpointTensors:
@@ -58,6 +67,16 @@ class CheckpointTensors:
         if value is None:
             raise QuantizationError(f"the checkpoint has no tensor {key}")
         return value
+
+    def part(self, key: str, dim: int, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of tensor ``key`` along ``dim``, read without the rest."""
+        handle = self._where.get(key)
+        if handle is None:
+            raise QuantizationError(f"the checkpoint has no tensor {key}")
+        view = handle.get_slice(key)
+        index = [slice(None)] * len(view.get_shape())
+        index[dim] = slice(start, end)
+        return view[tuple(index)]
 
 
 def modelopt_config(path: str) -> dict[str, Any] | None:
@@ -107,7 +126,7 @@ def _layer(scheme: QuantScheme, name: str, bias: torch.Tensor | None,
     return Fp8Linear(weight, scale, input_scale, bias)
 
 
-def read_int4(scheme: QuantScheme, name: str, tensors: CheckpointTensors,
+def read_int4(scheme: QuantScheme, name: str, tensors: TensorSource,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """AWQ or GPTQ tensors of layer ``name`` as (q [N, K] in 0..15, scale [N, K/g] fp32,
     zero [N, K/g]): weight = (q - zero) * scale."""
@@ -130,7 +149,7 @@ def read_int4(scheme: QuantScheme, name: str, tensors: CheckpointTensors,
     return q, scale, zero.float()
 
 
-def read_scaled(scheme: QuantScheme, name: str, tensors: CheckpointTensors,
+def read_scaled(scheme: QuantScheme, name: str, tensors: TensorSource,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """FP8 or INT8 tensors of layer ``name`` as (weight [N, K] float8_e4m3fn / int8,
     fp32 scale [] / [1] per tensor or [N, 1] per channel, static input scale or None)."""

@@ -36,7 +36,7 @@ def _row_scale(weight: torch.Tensor, top: float, cut: bool) -> torch.Tensor:
     return (amax / top).clamp(min=1e-12)
 
 
-class _CutFp8Linear(Fp8Linear):
+class CutFp8Linear(Fp8Linear):
     """FP8 on a row-parallel shard: the per-token activation scale is the maximum over
     the ranks' input columns, so every rank quantizes its columns as one process does."""
 
@@ -74,7 +74,7 @@ def quantized_shard(scheme: QuantScheme, name: str, weight: torch.Tensor,
         check_shape(name, n, k)
         scale = _row_scale(weight, FP8_MAX, cut)
         q = (weight.detach().float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX)
-        cls = _CutFp8Linear if cut else Fp8Linear
+        cls = CutFp8Linear if cut else Fp8Linear
         return cls(q.to(torch.float8_e4m3fn), scale, None, bias)
     group = _int4_group(scheme, name, full_k, k)
     return Int4Linear(*quantize_groups(weight, group), group, bias)
