@@ -12,6 +12,9 @@ collectives with the group's timeout. Llama-, Qwen3-, Mixtral- and gpt-oss-style
   transposed, interleaved and biased ones) by the intermediate size: one all-reduce per
   MoE block;
 - attention sinks (gpt-oss, one per query head) with their heads;
+- q/k norms over a projection's whole width (OLMo 2, OLMoE) with their heads' slice of
+  the weight, the mean of squares all-reduced: one small all-reduce per norm per layer
+  (per-head norms, Qwen3's, are left whole: each rank holds whole heads);
 - embed_tokens and lm_head by vocabulary.
 """
 
@@ -29,6 +32,7 @@ from worker.engine.distributed.layers import (
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
+    WidthParallelRMSNorm,
 )
 from worker.engine.distributed.sharding import (
     ShardCut,
@@ -118,6 +122,26 @@ def _shard_attention(attn: Any, config: Any, tp: TPConfig) -> None:
     if isinstance(getattr(attn, "sinks", None), nn.Parameter):  # gpt-oss: one per head
         attn.sinks = nn.Parameter(attn.sinks.detach()[q_heads[0]:q_heads[1]].clone(),
                                   requires_grad=False)
+    replicas = max(1, tp.size // kv_heads)
+    for name, proj, copies in (("q_norm", attn.q_proj, 1), ("k_norm", attn.k_proj, replicas)):
+        _shard_width_norm(attn, name, proj.cut, copies, head_dim)
+
+
+def _shard_width_norm(attn: Any, name: str, cut: ShardCut, replicas: int,
+                      head_dim: int) -> None:
+    """Swap a norm over the projection's whole width for its width-parallel form; a
+    per-head norm (one head's width: also a whole-width norm over a single KV head, which
+    every rank holds whole) or none is left as it is."""
+    norm: Any = getattr(attn, name, None)
+    weight = getattr(norm, "weight", None)
+    if (weight is None or weight.dim() != 1 or weight.shape[0] != cut.full
+            or cut.full <= head_dim):
+        return
+    if not hasattr(norm, "variance_epsilon"):
+        raise TensorParallelError(f"{type(norm).__name__}: a {name} over all heads that is "
+                                  "not an RMSNorm is not implemented with tensor parallelism")
+    setattr(attn, name, WidthParallelRMSNorm(
+        norm, cut, replicas, weight_last=type(norm).__name__ == "OlmoeRMSNorm"))
 
 
 def _noop(module: Any) -> None:

@@ -27,6 +27,8 @@ from worker.engine.distributed.tp_config import TensorParallelError, check_devic
 # cut by a plan that may miss its own layout (a fused qkv, a norm over all heads).
 SHARDED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
                            "qwen3_moe", "gpt_oss", "gemma2"})
+# q/k norms over all heads: the squares all-reduced (distributed/layers.py)
+SHARDED_TYPES |= frozenset({"olmo2", "olmoe"})
 
 
 def _refuse(feature: str, fix: str, size: int) -> TensorParallelError:

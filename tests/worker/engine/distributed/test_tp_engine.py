@@ -1,7 +1,7 @@
 """The paged engine under tensor parallelism: ``LLM(path, tensor_parallel_size=2)`` on
 gloo (rank 0 here, rank 1 a spawned process) gives the tokens of one process, chosen-token
 logprobs within 1e-5, for tiny Llama, Qwen3, Mixtral and gpt-oss checkpoints (and
-Mistral, Qwen2, Qwen2-MoE, Qwen3-MoE, Gemma 2), with prompts
+Mistral, Qwen2, Qwen2-MoE, Qwen3-MoE, Gemma 2, OLMo 2, OLMoE), with prompts
 longer than a step's token budget (chunked prefill) in a pool small enough to preempt."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from worker.engine.runner.tp_checks import check_tensor_parallel
 # the four the plan was written for, then the served types it also proves out on
 FAMILIES = ["llama", "qwen3", "mixtral", "gpt_oss", "mistral", "qwen2", "qwen2_moe",
             "qwen3_moe", "gemma2"]
+# q/k norms over the whole projection width: one all-reduce of the squares per norm
+FAMILIES += ["olmo2", "olmoe"]
 PROMPT_LENS = [3, 20, 41, 9, 30]
 MAX_TOKENS = 8
 # 12 blocks of 8 tokens for 5 requests of up to 49 tokens: some are preempted; a step
