@@ -28,7 +28,7 @@ from worker.engine.distributed.tp_config import TensorParallelError, check_devic
 SHARDED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
                            "qwen3_moe", "gpt_oss", "gemma2"})
 # q/k norms over all heads: the squares all-reduced (distributed/layers.py)
-SHARDED_TYPES |= frozenset({"olmo2", "olmoe"})
+SHARDED_TYPES |= frozenset({"olmo2", "olmoe", "llama4_text", "deepseek_v3"})
 
 
 def _refuse(feature: str, fix: str, size: int) -> TensorParallelError:
@@ -75,6 +75,10 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any | None = None) ->
     if kind not in SHARDED_TYPES:
         raise _refuse(f"model type {kind!r}", "served sharded: "
                       f"{', '.join(sorted(SHARDED_TYPES))}", size)
+    outer = getattr(hf_config, "model_type", kind)
+    if text is not hf_config and outer not in SHARDED_TYPES:  # e.g. Llama 4 with vision
+        raise _refuse(f"a multimodal checkpoint (model type {outer!r}, text {kind!r})",
+                      "serve a text-only checkpoint of it", size)
     if getattr(text, "quantization_config", None) or getattr(
             hf_config, "quantization_config", None):
         raise _refuse("a quantized checkpoint", "serve an unquantized one", size)
