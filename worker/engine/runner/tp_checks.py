@@ -27,7 +27,7 @@ from worker.engine.distributed.tp_config import TensorParallelError, check_devic
 # cut by a plan that may miss its own layout (a fused qkv, a norm over all heads).
 SHARDED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
                            "qwen3_moe", "gpt_oss", "gemma2"})
-# q/k norms over all heads: the squares all-reduced (distributed/layers.py)
+# OLMo 2, OLMoE (q/k norms over all heads, squares all-reduced), Llama 4 text, DeepSeek-V3 (MLA)
 SHARDED_TYPES |= frozenset({"olmo2", "olmoe", "llama4_text", "deepseek_v3"})
 
 
