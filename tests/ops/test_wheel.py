@@ -62,8 +62,11 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv.create(tmp / "venv", with_pip=True)
     pip = [str(tmp / "venv" / "bin" / "python"), "-m", "pip", "install", "-q",
            "--disable-pip-version-check"]
-    _run([*pip, TORCH_SPEC], cwd=tmp, timeout=600)
-    _run([*pip, str(wheel)], cwd=tmp, timeout=900)
+    # a PYTHONPATH naming the checkout would show pip its ferry.egg-info: "already
+    # installed", and the wheel would never be
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    _run([*pip, TORCH_SPEC], cwd=tmp, timeout=600, env=clean)
+    _run([*pip, str(wheel)], cwd=tmp, timeout=900, env=clean)
     shutil.rmtree(src)  # nothing can come from the sources any more
     return tmp / "venv" / "bin"
 

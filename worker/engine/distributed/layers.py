@@ -2,10 +2,13 @@
 
 Column-parallel linears (q/k/v, gate/up) keep their output split and need no collective;
 row-parallel linears (o, down) sum partial outputs with one all-reduce; the embedding and
-LM head split the vocabulary.
+LM head split the vocabulary; an RMSNorm over a whole projection's width (OLMo's q/k
+norms across all heads) sums its squares over the ranks with one small all-reduce.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -130,3 +133,32 @@ class ParallelLMHead(nn.Module):
         logits = F.linear(hidden, self.weight)  # [..., rows of this rank]
         logits = F.pad(logits, (0, self.part - logits.shape[-1]))  # [..., vocab / size]
         return all_gather_last(logits)[..., :self.vocab_size]  # [..., vocab]
+
+
+class WidthParallelRMSNorm(nn.Module):
+    """An RMSNorm over a projection's full width (all heads) applied to this rank's slice.
+
+    The mean of squares needs every head: each rank sums its slice's squares per row in
+    fp32, one all-reduce adds them (divided by ``replicas``, the ranks holding each head
+    when KV heads are replicated), and each rank scales its slice by its slice of the
+    weight. ``weight_last``: the weight multiplies after the cast back to the input dtype
+    (OLMoE's order) rather than before it (OLMo 2's).
+    """
+
+    def __init__(self, full: Any, cut: ShardCut, replicas: int, weight_last: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(full.weight.detach()[cut.start:cut.end].clone(),
+                                   requires_grad=False)
+        self.eps = float(full.variance_epsilon)
+        self.full_width, self.replicas, self.weight_last = cut.full, replicas, weight_last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)  # [..., width / size]
+        squares = all_reduce_sum(h.pow(2).sum(-1, keepdim=True))  # [..., 1]
+        if self.replicas > 1:
+            squares = squares / self.replicas
+        h = h * torch.rsqrt(squares / self.full_width + self.eps)
+        if self.weight_last:
+            return self.weight * h.to(dtype)
+        return (self.weight * h).to(dtype)

@@ -13,6 +13,11 @@ collectives with the group's timeout. Llama-, Qwen3-, Mixtral- and gpt-oss-style
   MoE block;
 - attention sinks (gpt-oss, one per query head) with their heads; Cohere's per-head q/k
   norm weights ([heads, head_dim]) likewise;
+- q/k norms over a projection's whole width (OLMo 2, OLMoE) with their heads' slice of
+  the weight, the mean of squares all-reduced: one small all-reduce per norm per layer
+  (per-head norms, Qwen3's, are left whole: each rank holds whole heads);
+- multi-head latent attention (DeepSeek-V3) by query heads: q and the latent's
+  up-projection ``kv_b_proj`` by heads, o_proj by rows, the latent itself replicated;
 - unfused MLPs by their names (StarCoder2's c_fc/c_proj, GPT-NeoX's dense_h_to_4h/
   dense_4h_to_h), biases with their rows or added once after the all-reduce;
 - fused projections part by part (Phi-3's qkv_proj, Phi-3's and GLM-4's gate_up_proj,
@@ -40,15 +45,23 @@ from worker.engine.distributed.layers import (
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
+    WidthParallelRMSNorm,
 )
-from worker.engine.distributed.sharding import even_range, kv_head_range
+from worker.engine.distributed.sharding import ShardCut, even_range, kv_head_range
 from worker.engine.distributed.tp_config import TensorParallelError, TPConfig, check_heads
+
+
+def _transposed(experts: Any) -> bool:
+    """Whether the experts hold ``[E, H, 2I]``/``[E, I, H]`` (gpt-oss's flag, or Llama 4's
+    batched experts, which carry no flag) rather than ``[E, 2I, H]``/``[E, H, I]``."""
+    return bool(getattr(experts, "is_transposed", False)
+                or type(experts).__name__ == "Llama4TextExperts")
 
 
 def _intermediate(experts: Any) -> int:
     """The experts' intermediate size (down_proj is [E, H, I], or [E, I, H] transposed)."""
     down = experts.down_proj
-    return int(down.shape[1] if getattr(experts, "is_transposed", False) else down.shape[-1])
+    return int(down.shape[1] if _transposed(experts) else down.shape[-1])
 
 
 def _gate_up_index(experts: Any, start: int, end: int) -> torch.Tensor:
@@ -70,7 +83,7 @@ class _ReducedExperts(nn.Module):
 
     def __init__(self, experts: Any, rank: int, size: int) -> None:
         super().__init__()
-        transposed = getattr(experts, "is_transposed", False)
+        transposed = _transposed(experts)
         start, end = even_range(_intermediate(experts), rank, size)
         cols = _gate_up_index(experts, start, end)
         gate_up = experts.gate_up_proj.detach()
@@ -85,7 +98,7 @@ class _ReducedExperts(nn.Module):
             bias = experts.down_proj_bias.detach()
             experts.down_proj_bias = nn.Parameter(bias.clone() if rank == 0 else
                                                   torch.zeros_like(bias), requires_grad=False)
-        for attr in ("intermediate_dim", "intermediate_size"):
+        for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
             if hasattr(experts, attr):
                 setattr(experts, attr, end - start)
         self.inner = experts
@@ -112,6 +125,43 @@ def _shard_attention(attn: Any, config: Any, tp: TPConfig) -> None:
     if isinstance(getattr(attn, "sinks", None), nn.Parameter):  # gpt-oss: one per head
         attn.sinks = nn.Parameter(attn.sinks.detach()[q_heads[0]:q_heads[1]].clone(),
                                   requires_grad=False)
+    replicas = max(1, tp.size // kv_heads)
+    for name, proj, copies in (("q_norm", attn.q_proj, 1), ("k_norm", attn.k_proj, replicas)):
+        _shard_width_norm(attn, name, proj.cut, copies, head_dim)
+
+
+def _shard_mla(attn: Any, tp: TPConfig) -> None:
+    """Multi-head latent attention cut by query heads: ``q_proj`` (or ``q_b_proj`` after
+    the replicated ``q_a_proj`` and its norm) and the latent's up-projection ``kv_b_proj``
+    keep the rank's heads, ``o_proj`` their rows; the latent ``kv_a_proj_with_mqa`` and
+    ``kv_a_layernorm`` stay whole, so every rank computes (and caches) the same latent."""
+    heads = even_range(attn.num_heads, tp.rank, tp.size)
+    q_dim = attn.qk_nope_head_dim + attn.qk_rope_head_dim
+    if attn.q_proj is not None:
+        attn.q_proj = HeadLinear(attn.q_proj, q_dim, heads)
+    else:
+        attn.q_b_proj = HeadLinear(attn.q_b_proj, q_dim, heads)
+    attn.kv_b_proj = HeadLinear(attn.kv_b_proj, attn.qk_nope_head_dim + attn.v_head_dim,
+                                heads)
+    attn.o_proj = RowParallelLinear(attn.o_proj, tp.rank, tp.size)
+    attn.num_heads = heads[1] - heads[0]
+
+
+def _shard_width_norm(attn: Any, name: str, cut: ShardCut, replicas: int,
+                      head_dim: int) -> None:
+    """Swap a norm over the projection's whole width for its width-parallel form; a
+    per-head norm (one head's width: also a whole-width norm over a single KV head, which
+    every rank holds whole) or none is left as it is."""
+    norm: Any = getattr(attn, name, None)
+    weight = getattr(norm, "weight", None)
+    if (weight is None or weight.dim() != 1 or weight.shape[0] != cut.full
+            or cut.full <= head_dim):
+        return
+    if not hasattr(norm, "variance_epsilon"):
+        raise TensorParallelError(f"{type(norm).__name__}: a {name} over all heads that is "
+                                  "not an RMSNorm is not implemented with tensor parallelism")
+    setattr(attn, name, WidthParallelRMSNorm(
+        norm, cut, replicas, weight_last=type(norm).__name__ == "OlmoeRMSNorm"))
 
 
 # (column-parallel, row-parallel) linears of an unfused MLP: Llama's, StarCoder2's, NeoX's
@@ -122,7 +172,10 @@ def _shard_module(module: Any, config: Any, tp: TPConfig,
                   materialise: Callable[[Any], None]) -> None:
     """Cut ``module``'s own projections if it is an attention, MLP, experts or embedding
     owner the plan knows, by the names that say its layout."""
-    if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
+    if hasattr(module, "kv_b_proj") and hasattr(module, "o_proj"):  # MLA
+        materialise(module)
+        _shard_mla(module, tp)
+    elif hasattr(module, "q_proj") and hasattr(module, "o_proj"):
         materialise(module)
         _shard_attention(module, config, tp)
     elif isinstance(getattr(module, "qkv_proj", None), nn.Linear):  # Phi-3
@@ -167,10 +220,6 @@ def shard_model(model: Any, tp: TPConfig, materialise: Callable[[Any], None] = _
     if not tp.enabled:
         return model
     config: Any = model.config
-    if getattr(config, "kv_lora_rank", None):
-        raise TensorParallelError(f"{type(config).__name__}: multi-head latent attention (MLA) "
-                                  "is not implemented with tensor parallelism (its heads are "
-                                  "not sharded)")
     heads = config.num_attention_heads
     check_heads(tp.size, heads, getattr(config, "num_key_value_heads", None) or heads)
     module: Any

@@ -2,8 +2,9 @@
 
 The model is built on the meta device; each module that the shard plan cuts is filled
 from the (memory-mapped) checkpoint just before it is cut, so at most one full weight is
-resident besides this rank's shards. Modules left whole (norms, routers) are filled last,
-and the rotary embedding, whose buffers no checkpoint holds, is rebuilt on the host.
+resident besides this rank's shards. Modules left whole (norms, routers, their buffers)
+are filled last, and the rotary embedding, whose buffers no checkpoint holds, is rebuilt
+on the host.
 """
 
 from __future__ import annotations
@@ -113,4 +114,15 @@ def load_sharded(path: str | Path, tp: TPConfig, dtype: torch.dtype = torch.floa
             setattr(model.get_submodule(parent), attr, type(module)(config=config))
         elif any(p.device.type == "meta" for p in module.parameters(recurse=False)):
             _filler(ckpt, names, dtype, keep_meta)(module)
+        if not name.endswith("rotary_emb"):
+            _fill_buffers(ckpt, name, module)
     return model.eval()
+
+
+def _fill_buffers(ckpt: _Checkpoint, prefix: str, module: nn.Module) -> None:
+    """The module's own buffers still on the meta device (a router's persistent score
+    bias, DeepSeek-V3's ``e_score_correction_bias``) from the checkpoint, dtype kept."""
+    for local, buffer in list(module.named_buffers(recurse=False)):
+        if buffer is not None and buffer.device.type == "meta":
+            full = ckpt.get(f"{prefix}.{local}" if prefix else local).to(buffer.dtype)
+            setattr(module, local, full)

@@ -144,8 +144,8 @@ def load_model(cfg: ModelConfig, tp: TPConfig | None = None) -> LoadedModel:
     if tp.enabled:
         kv = kv_head_range(shape.num_kv_heads, tp.rank, tp.size)
         shape = replace(shape, num_kv_heads=kv[1] - kv[0])
-    if mla.is_mla(hf_config):
-        shape = mla.mla_shape(shape, hf_config, latent=cfg.mla_latent_cache)
+    if mla.is_mla(hf_config):  # latent: every rank caches the whole latent
+        shape = mla.mla_shape(shape, hf_config, latent=cfg.mla_latent_cache, ranks=tp.size)
         if cfg.mla_latent_cache:
             mla.use_latent_attention(model)
     model_check.probe_attention(model, path, shape, device)

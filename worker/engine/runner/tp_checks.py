@@ -30,8 +30,10 @@ SHARDED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwe
                            "qwen3_moe", "gpt_oss", "gemma2"})
 # dense families whose layouts the plan also cuts (fused q/k/v and gate/up by part, NeoX's
 # per-head q/k/v, Cohere's per-head q/k norms, biased MLPs): proven the same way
-SHARDED_TYPES = SHARDED_TYPES | frozenset({"gemma3_text", "granite", "smollm3", "starcoder2",
-                                           "phi3", "glm4", "cohere", "cohere2", "gpt_neox"})
+SHARDED_TYPES |= frozenset({"gemma3_text", "granite", "smollm3", "starcoder2", "phi3", "glm4",
+                            "cohere", "cohere2", "gpt_neox"})
+# OLMo 2, OLMoE (q/k norms over all heads, squares all-reduced), Llama 4 text, DeepSeek-V3 (MLA)
+SHARDED_TYPES |= frozenset({"olmo2", "olmoe", "llama4_text", "deepseek_v3"})
 
 
 def _refuse(feature: str, fix: str, size: int) -> TensorParallelError:
@@ -78,5 +80,9 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any | None = None) ->
     if kind not in SHARDED_TYPES:
         raise _refuse(f"model type {kind!r}", "served sharded: "
                       f"{', '.join(sorted(SHARDED_TYPES))}", size)
+    outer = getattr(hf_config, "model_type", kind)
+    if text is not hf_config and outer not in SHARDED_TYPES:  # e.g. Llama 4 with vision
+        raise _refuse(f"a multimodal checkpoint (model type {outer!r}, text {kind!r})",
+                      "serve a text-only checkpoint of it", size)
     heads = text.num_attention_heads
     check_heads(size, heads, getattr(text, "num_key_value_heads", None) or heads)

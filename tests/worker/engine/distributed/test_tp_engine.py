@@ -1,9 +1,9 @@
 """The paged engine under tensor parallelism: ``LLM(path, tensor_parallel_size=2)`` on
 gloo (rank 0 here, rank 1 a spawned process) gives the tokens of one process, chosen-token
 logprobs within 1e-5, for tiny Llama, Qwen3, Mixtral and gpt-oss checkpoints (and
-Mistral, Qwen2, Qwen2-MoE, Qwen3-MoE, Gemma 2, and the dense families with layouts of
-their own: Gemma 3, Granite, SmolLM3, StarCoder2, Qwen2 with a window, Phi-3, GLM-4,
-Cohere, Cohere 2, GPT-NeoX), with prompts
+Mistral, Qwen2, Qwen2-MoE, Qwen3-MoE, Gemma 2, OLMo 2, OLMoE, Llama 4, DeepSeek-V3, and
+the dense families with layouts of their own: Gemma 3, Granite, SmolLM3, StarCoder2, Qwen2
+with a window, Phi-3, GLM-4, Cohere, Cohere 2, GPT-NeoX), with prompts
 longer than a step's token budget (chunked prefill) in a pool small enough to preempt."""
 
 from __future__ import annotations
@@ -31,6 +31,11 @@ FAMILIES = ["llama", "qwen3", "mixtral", "gpt_oss", "mistral", "qwen2", "qwen2_m
 FAMILIES += ["gemma3", "granite", "smollm3", "starcoder2", "qwen2_window", "phi3",
              "phi3_partial", "glm4", "cohere", "cohere2", "gpt_neox"]
 KV_HEADS_PER_RANK = {"gpt_neox": 2}  # 4 heads, no GQA: 2 each; the others 2 KV heads, 1 each
+# q/k norms over the whole projection width: one all-reduce of the squares per norm
+FAMILIES += ["olmo2", "olmoe"]
+# Llama 4 (text): chunked attention, NoPE layers, per-head qk norm, batched experts and a
+# shared expert; DeepSeek-V3 (and V2-Lite's shape): MLA by heads over a replicated latent
+FAMILIES += ["llama4", "deepseek_v3", "deepseek_v3_lite"]
 PROMPT_LENS = [3, 20, 41, 9, 30]
 MAX_TOKENS = 8
 # 12 blocks of 8 tokens for 5 requests of up to 49 tokens: some are preempted; a step
@@ -44,9 +49,10 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("tp_families")
 
 
-def _generate(path: str, family: str, size: int) -> list[list[tuple[int, float]]]:
+def _generate(path: str, family: str, size: int, local_kv_heads: int | None = None,
+              **extra: Any) -> list[list[tuple[int, float]]]:
     """[(token, chosen-token logprob)] per prompt, from one engine of ``size`` ranks."""
-    llm = LLM(path, tensor_parallel_size=size, **ENGINE)
+    llm = LLM(path, tensor_parallel_size=size, **ENGINE, **extra)
     try:
         vocab = llm.engine.runner.shape.vocab_size
         rng = random.Random(sum(map(ord, family)))
@@ -55,7 +61,8 @@ def _generate(path: str, family: str, size: int) -> list[list[tuple[int, float]]
                                                     ignore_eos=True, logprobs=0))
         assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to preempt"
         if size > 1:  # this rank's KV pool holds its share of the KV heads
-            assert llm.engine.runner.shape.num_kv_heads == KV_HEADS_PER_RANK.get(family, 1)
+            assert llm.engine.runner.shape.num_kv_heads == (
+                local_kv_heads or KV_HEADS_PER_RANK.get(family, 1))
         got = []
         for out in outs:
             assert out.error is None, out.error
@@ -77,6 +84,18 @@ def test_tp2_engine_equals_tp1(family: str, root) -> None:
                                    torch.tensor([lp for _, lp in ref]), rtol=0, atol=1e-5)
 
 
+def test_mla_expanded_cache_tp2_equals_tp1(root) -> None:
+    """MLA with the per-head (expanded) cache: each rank caches K and V of its 2 of the 4
+    heads (the latent cache, every rank the whole latent, is the family test above)."""
+    path = build_family("deepseek_v3", root)
+    want = _generate(path, "deepseek_v3", 1, mla_latent_cache=False)
+    got = _generate(path, "deepseek_v3", 2, local_kv_heads=2, mla_latent_cache=False)
+    assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in want]
+    torch.testing.assert_close(torch.tensor([[lp for _, lp in r] for r in got]),
+                               torch.tensor([[lp for _, lp in r] for r in want]),
+                               rtol=0, atol=1e-5)
+
+
 def test_a_quantized_checkpoint_passes_the_start_checks(root) -> None:
     """Served sharded (test_tp_quant_checkpoints.py): what it cannot serve is refused at
     load, by layer (quant/tp_checkpoint.py), not at start for being quantized."""
@@ -87,6 +106,18 @@ def test_a_quantized_checkpoint_passes_the_start_checks(root) -> None:
     hf_config.quantization_config = {"quant_method": "awq", "bits": 4}
     config = EngineConfig.create(path, tensor_parallel_size=2, device="cpu")
     check_tensor_parallel(config, hf_config)
+
+
+def test_a_multimodal_llama4_is_refused_by_name() -> None:
+    """Only Llama 4's text model is proven sharded: the wrapper with a vision tower is
+    refused before any rank starts, rather than its tower cut by the text plan."""
+    from transformers import Llama4Config
+
+    hf_config = Llama4Config(text_config=dict(num_attention_heads=4, num_key_value_heads=2))
+    config = EngineConfig.create("m", tensor_parallel_size=2, device="cpu")
+    with pytest.raises(TensorParallelError, match="a multimodal checkpoint .*'llama4'.*"
+                       "text 'llama4_text'.*tensor-parallel size 2"):
+        check_tensor_parallel(config, hf_config)
 
 
 def test_heads_that_do_not_divide_are_refused_naming_both(root) -> None:

@@ -1,7 +1,8 @@
 """Engine features under tensor parallelism (gloo, rank 0 here, rank 1 spawned): quantized
-weights at load (INT8, FP8, INT4), an FP8 KV cache with and without per-layer scales, and
-the KV cache's host tier each give one process's greedy tokens, chosen-token logprobs
-within 1e-5, with chunked prefill and preemption in a small pool."""
+weights at load (INT8 on the C++ kernel and on the torch fallback, FP8, INT4), an FP8 KV
+cache with and without per-layer scales, and the KV cache's host tier each give one
+process's greedy tokens, chosen-token logprobs within 1e-5, with chunked prefill and
+preemption in a small pool."""
 
 from __future__ import annotations
 
@@ -89,6 +90,38 @@ def test_fused_projections_quantized_at_load_tp2_equals_tp1(tmp_path_factory) ->
     layers = llm.engine.runner.model.model.layers[0]
     assert isinstance(layers.self_attn.qkv_proj, Int8Linear)
     assert isinstance(layers.mlp.gate_up_proj, Int8Linear)
+    _assert_same(got, want)
+
+
+@pytest.fixture
+def no_compiler(monkeypatch):
+    """INT8 without Ferry's C++ kernel (no compiler: ``CXX`` names none), in this process
+    and the ranks it spawns, which inherit the environment; the cached probes are reset
+    on both sides of the test."""
+    from kernels.quant import cpu_int8_linear
+    from worker.engine.runner.quant import int8
+
+    monkeypatch.setenv("CXX", "ferry-no-such-compiler")
+    for probe in (int8.native_kernel, cpu_int8_linear.kernel):
+        probe.cache_clear()
+    assert not int8.native_kernel()
+    yield
+    monkeypatch.undo()
+    for probe in (int8.native_kernel, cpu_int8_linear.kernel):
+        probe.cache_clear()
+
+
+@pytest.mark.parametrize("steps", [32, 64])
+def test_int8_torch_fallback_tp2_equals_tp1(steps: int, no_compiler, tmp_path_factory) -> None:
+    """INT8 on the torch fallback (``torch._weight_int8pack_mm`` at up to 32 rows, its
+    product scaled and rounded to bf16; the bf16 GEMM above): each row-parallel rank keeps
+    its partial in fp32 and the sum is scaled and rounded once, as one process does."""
+    path = build_family("llama", tmp_path_factory.mktemp("q8"))
+    options = dict(quantization="int8", max_num_batched_tokens=steps,
+                   long_prefill_token_threshold=steps * 3 // 4)
+    want, _ = _run(path, 1, **options)
+    got, llm = _run(path, 2, **options)
+    assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj.inner, Int8Linear)
     _assert_same(got, want)
 
 

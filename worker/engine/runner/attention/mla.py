@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from worker.engine.distributed.shard_model import HeadLinear
 from worker.engine.runner.attention.interface import IGNORED_KWARGS, check_kwargs
 from worker.engine.runner.attention.layer_features import attention_modules, text_config
 
@@ -34,6 +35,7 @@ from worker.engine.runner.attention.layer_features import attention_modules, tex
 # functions), proven against transformers in ``tests/worker/engine/test_families.py``;
 # MLA in any other config is refused at load (``model_check.check_config``).
 SERVED_MLA_CONFIGS = frozenset({"DeepseekV3Config"})
+_PROJECTIONS = (torch.nn.Linear, HeadLinear)
 W_UK_ATTR, W_UV_ATTR = "ferry_w_uk", "ferry_w_uv"
 
 
@@ -42,17 +44,17 @@ def is_mla(hf_config: Any) -> bool:
     return bool(getattr(cfg, "kv_lora_rank", None) or getattr(cfg, "q_lora_rank", None))
 
 
-def mla_shape(shape: Any, hf_config: Any, *, latent: bool) -> Any:
+def mla_shape(shape: Any, hf_config: Any, *, latent: bool, ranks: int = 1) -> Any:
     """The cache's shape for an MLA model (a ``ModelShape``): per token and layer, the
-    latent vector and rope key (``latent``: one head, V inside K), or the expanded
-    per-head K and V."""
+    latent vector and rope key (``latent``: one head, V inside K, whole on each of
+    ``ranks`` tensor-parallel ranks), or the expanded per-head K and V (a rank's heads)."""
     cfg = text_config(hf_config)
     rope = int(cfg.qk_rope_head_dim)
     if latent:
         rank = int(cfg.kv_lora_rank)
         return replace(shape, num_kv_heads=1, head_dim=rank + rope, v_head_dim=rank,
                        v_in_k=True)
-    return replace(shape, num_kv_heads=int(cfg.num_attention_heads),
+    return replace(shape, num_kv_heads=int(cfg.num_attention_heads) // ranks,
                    head_dim=int(cfg.qk_nope_head_dim) + rope, v_head_dim=int(cfg.v_head_dim))
 
 
@@ -63,14 +65,14 @@ def use_latent_attention(model: torch.nn.Module) -> int:
     count = 0
     for module in attention_modules(model).values():
         attn: Any = module
-        proj = getattr(attn, "kv_b_proj", None)
-        if not isinstance(proj, torch.nn.Linear) or not proj.weight.is_floating_point() or \
-                proj.weight.element_size() < 2:
+        proj = getattr(attn, "kv_b_proj", None)  # whole, or a rank's heads under TP
+        weight = getattr(proj, "weight", None) if isinstance(proj, _PROJECTIONS) else None
+        if weight is None or not weight.is_floating_point() or weight.element_size() < 2:
             raise ValueError(f"{type(attn).__name__} (layer {attn.layer_idx}): the latent "
                              "MLA cache needs kv_b_proj as a 16/32-bit linear layer; load "
                              "the model unquantized or set mla_latent_cache=False")
         heads, nope, v_dim = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim
-        w = proj.weight.detach().view(heads, nope + v_dim, attn.kv_lora_rank)  # [H, n+v, L]
+        w = weight.detach().view(heads, nope + v_dim, attn.kv_lora_rank)  # [H, n+v, L]
         setattr(attn, W_UK_ATTR, w[:, :nope].contiguous())  # [H, nope, L]
         setattr(attn, W_UV_ATTR, w[:, nope:].transpose(1, 2).contiguous())  # [H, L, v]
         attn.kv_b_proj = None  # its two halves now live above, in the layouts bmm reads

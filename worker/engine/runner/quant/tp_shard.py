@@ -100,7 +100,9 @@ class ReducedQuant(nn.Module):
     Where one process's kernel rounds the whole product to bf16, each rank's partial is
     computed in fp32 from the same bf16 activations and dequantized weights (the kernel's
     own arithmetic), and the sum is rounded to bf16 once: rounding each partial instead
-    would put one bf16 rounding per rank into every output.
+    would put one bf16 rounding per rank into every output. INT8 scales where its kernel
+    does: after the rounding above ``KERNEL_ROWS`` rows (the bf16 GEMM), before it at or
+    below (the torch fallback's ``_weight_int8pack_mm``, with its bf16 scale).
     """
 
     def __init__(self, inner: nn.Module, bias: torch.Tensor | None) -> None:
@@ -113,9 +115,12 @@ class ReducedQuant(nn.Module):
         flat = x.reshape(-1, inner.in_features)
         if _rounds_to_bf16(inner, flat):
             xb = flat.to(torch.bfloat16).float()  # [M, K / size]
-            if isinstance(inner, Int8Linear):  # rounded before its scale, as the GEMM
+            if isinstance(inner, Int8Linear):
                 part = all_reduce_sum(F.linear(xb, inner.qweight.float()))  # [M, N]
-                y = part.to(torch.bfloat16).to(x.dtype) * inner.scale.to(x.dtype)
+                if flat.shape[0] > KERNEL_ROWS:  # the GEMM: rounded, then scaled
+                    y = part.to(torch.bfloat16).to(x.dtype) * inner.scale.to(x.dtype)
+                else:  # _weight_int8pack_mm: scaled by the bf16 scale, then rounded
+                    y = (part * inner.scale_bf16.float()).to(torch.bfloat16).to(x.dtype)
             else:
                 part = all_reduce_sum(F.linear(xb, inner.dequantized()))
                 y = part.to(torch.bfloat16).to(x.dtype)
