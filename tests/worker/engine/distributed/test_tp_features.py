@@ -134,6 +134,15 @@ def test_int4_group_across_the_row_cut_is_refused_by_name(tmp_path_factory) -> N
         LLM(path, tensor_parallel_size=2, quantization="int4", **ENGINE)
 
 
+def test_moe_experts_quantized_at_load_are_refused_by_name(tmp_path_factory) -> None:
+    """One process quantizes Mixtral's experts; their shards are not quantized yet, so
+    the sharded engine refuses rather than serve them float (other numbers)."""
+    path = build_family("mixtral", tmp_path_factory.mktemp("qm"))
+    with pytest.raises(TensorParallelFault, match=r"int8 MoE experts \(model\.layers\.0\."
+                       r"mlp\.experts\) are not implemented with tensor-parallel size 2"):
+        LLM(path, tensor_parallel_size=2, quantization="int8", **ENGINE)
+
+
 @pytest.mark.parametrize("scaled", [False, True])
 def test_fp8_kv_cache_tp2_equals_tp1(scaled: bool, tmp_path: Path) -> None:
     """Each rank's FP8 pool holds its heads; per-layer scales are the same on every rank.
