@@ -37,16 +37,17 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(("fmt", "steps"), [(fmt, 32) for fmt in FORMATS] + [
-    ("ct-int8", 64)])
+    ("ct-int8", 64), ("awq", 64), ("gptq", 64)])
 def test_quantized_checkpoint_tp2_equals_tp1(root: Path, fmt: str, steps: int) -> None:
     """Llama (4 heads, 2 KV heads, hidden 64, MLP 128; groups of 32): every projection cut
     from its packed tensors (k/v 16 rows a rank: two AWQ words; o 32 columns a rank: one
-    group). FP8 and INT8 are exact up to fp32 summation order (1e-5; INT8 at 64-token
-    steps runs the path that rounds to bf16 above 32 rows, ``tp_shard.ReducedQuant``).
-    INT4's CPU kernel rounds its output to bf16; the row-parallel ranks' fp32 partials,
-    summed in another order than the kernel's one accumulation, can round to the other
-    bf16 neighbour where a sum sits on a boundary: test_tp_features' at-load INT4
-    tolerance (5e-3; measured here: 38 of 40 logprobs bit-equal, the others 4.8e-7 off)."""
+    group). Every format is exact up to fp32 summation order (1e-5; INT8 at 64-token
+    steps runs the path that rounds to bf16 above 32 rows, ``tp_shard.ReducedQuant``;
+    INT4 at 64-token steps the fp32 GEMM on weights unpacked from the kernel's layout,
+    k/v's 16-row shards included). INT4's packed kernel (32-token steps) rounds to bf16
+    where the sum of the ranks' fp32 partials is rounded once; a sum on a rounding
+    boundary could land on the other neighbour (test_tp_features' at-load INT4), here
+    every logprob is bit-equal."""
     path, _ = write_quantized(checkpoint("llama", root), fmt, root)
     options = dict(max_num_batched_tokens=steps, long_prefill_token_threshold=steps * 3 // 4)
     want, _ = _run(path, 1, **options)
@@ -56,7 +57,7 @@ def test_quantized_checkpoint_tp2_equals_tp1(root: Path, fmt: str, steps: int) -
     assert layer.self_attn.k_proj.out_features == 16  # this rank's KV head
     assert isinstance(layer.mlp.down_proj.inner, FORMATS[fmt])  # row-parallel
     assert layer.mlp.down_proj.inner.in_features == 64
-    _assert_same(got, want, atol=5e-3 if fmt in ("awq", "gptq") else 1e-5)
+    _assert_same(got, want)
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq"])
@@ -77,7 +78,7 @@ def test_float_experts_beside_quantized_layers_tp2_equals_tp1(root: Path) -> Non
     got, llm = _run(path, 2)
     attn = llm.engine.runner.model.model.layers[0].self_attn
     assert isinstance(attn.o_proj.inner, Int4Linear)
-    _assert_same(got, want, atol=5e-3)  # INT4's bf16 rounding, as above
+    _assert_same(got, want)
 
 
 def test_quantized_moe_experts_are_refused_by_name(root: Path) -> None:

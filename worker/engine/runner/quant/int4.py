@@ -67,14 +67,30 @@ class Int4Linear(nn.Module):
         q = torch.stack([lo, hi], dim=-1).view(self.out_features, self.in_features)
         return q.float(), self.scales_zeros[..., 0], self.scales_zeros[..., 1]
 
+    def _nibbles_cpu(self) -> torch.Tensor:
+        """[N, K] uint8 values 0..15 from the CPU kernel's packing: each whole block of 64
+        rows is K x 32 bytes, row j in the low nibble and row 32 + j in the high one; the
+        last N % 64 rows (N is a multiple of 16) are K x (N % 64) / 2 bytes, rows 2j (low)
+        and 2j + 1 (high) sharing byte j."""
+        n, k = self.out_features, self.in_features
+        whole = n - n % _BLOCK_N
+        flat = self.packed.view(-1)
+        parts = []
+        if whole:
+            blocks = flat[: whole * k // 2].view(whole // _BLOCK_N, k, 32)
+            q = torch.cat([blocks & 0xF, blocks >> 4], dim=2)  # [N/64, K, 64]
+            parts.append(q.permute(0, 2, 1).reshape(whole, k))
+        if n > whole:
+            tail = flat[whole * k // 2:].view(k, (n - whole) // 2)
+            pairs = torch.stack([tail & 0xF, tail >> 4], dim=2)  # [K, t/2, 2]
+            parts.append(pairs.view(k, n - whole).t())
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
     def _unpacked_cpu(self) -> torch.Tensor:
-        """[N, K] fp32 weights straight from the CPU kernel's packing (N a multiple of 64):
-        each block of 64 rows is K x 32 bytes, row j in the low nibble, row 32 + j in the
-        high one; then (q - 8) * s + z' per group, the kernel's own dequantization."""
+        """[N, K] fp32 weights straight from the CPU kernel's packing, then (q - 8) * s + z'
+        per group: the kernel's own dequantization."""
         n, k, g = self.out_features, self.in_features, self.group
-        blocks = self.packed.view(n // _BLOCK_N, k, 32)
-        q = torch.cat([blocks & 0xF, blocks >> 4], dim=2)  # [N/64, K, 64]
-        q = q.permute(0, 2, 1).reshape(n, k // g, g).float()
+        q = self._nibbles_cpu().reshape(n, k // g, g).float()
         sz = self.scales_zeros.float()  # [K/g, N, 2]
         scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [N, K/g, 1]
         return ((q - 8.0) * scale + zero).view(n, k)
@@ -95,13 +111,8 @@ class Int4Linear(nn.Module):
         return ((q.view(-1, k // g, g).float() - 8.0) * scale + zero).view(-1, k)
 
     def dequantized(self) -> torch.Tensor:  # [N, K] fp32: the reference weight
-        if self.packed.device.type == "cpu" and self.out_features % _BLOCK_N == 0:
-            return self._unpacked_cpu()
         if self.packed.device.type == "cpu":
-            eye = torch.eye(self.in_features)  # the kernel applied to each unit row
-            w_t = torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group,
-                                                    self.scales_zeros.float())  # [K, N]
-            return w_t.float().t().contiguous()
+            return self._unpacked_cpu()
         q, scale, zero = self._unpacked()
         n, k = q.shape
         w = (q.view(n, k // self.group, self.group) - zero[..., None]) * scale[..., None]
@@ -109,8 +120,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu" and (flat.shape[0] <= KERNEL_ROWS
-                                          or self.out_features % _BLOCK_N):
+        if flat.device.type == "cpu" and flat.shape[0] <= KERNEL_ROWS:
             out = torch._weight_int4pack_mm_for_cpu(
                 flat.to(torch.bfloat16), self.packed, self.group, self.scales_zeros,
             ).to(x.dtype)

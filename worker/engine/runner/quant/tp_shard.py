@@ -88,7 +88,7 @@ def _rounds_to_bf16(inner: nn.Module, flat: torch.Tensor) -> bool:
         return False
     rows = flat.shape[0]
     if isinstance(inner, Int4Linear):
-        return rows <= KERNEL_ROWS or inner.out_features % 64 != 0
+        return rows <= KERNEL_ROWS
     if isinstance(inner, Int8Linear):
         return rows > KERNEL_ROWS or flat.dtype != torch.float32 or not native_kernel()
     return False
