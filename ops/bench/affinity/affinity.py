@@ -4,7 +4,8 @@ conversations driven through the Redis client library (the producer side that ma
 Phases, one stack, each on conversations of its own (so no phase feeds another's cache):
 
 * ``off``: N conversations x T turns, a ~1,000-token system prompt of its own each and a
-  growing history (each turn's messages hold the previous answers), affinity off;
+  growing history (each turn's messages hold the previous answers, 128 tokens each by
+  default, ``--answer-tokens``), affinity off;
 * ``on``: the same shape, affinity on;
 * ``single``: the same shape, every request offered to one worker with an unbounded
   steal time: what one worker alone serves from its cache (the 0.9x reference);
@@ -54,28 +55,17 @@ import redis  # noqa: E402
 
 from ferry.local_stack import free_port  # noqa: E402
 from ops.bench.affinity.tables import breakdown, report, summarize, timelines  # noqa: E402
+from ops.bench.affinity.workload import conversation, send, system_prompt  # noqa: E402
 from ops.bench.service import ferry_up  # noqa: E402
 from protocol.affinity.mark import mark  # noqa: E402
 from protocol.affinity.router import AffinitySettings, Router  # noqa: E402
 from protocol.client import FerryClient  # noqa: E402
 from protocol.codec import decode_heartbeat  # noqa: E402
 from protocol.keys import Keys  # noqa: E402
-from protocol.models import (  # noqa: E402
-    ChatMessage,
-    GenerateRequest,
-    JobStatus,
-    SamplingParams,
-    TokenEvent,
-)
+from protocol.models import GenerateRequest, SamplingParams  # noqa: E402
 from protocol.store import as_str  # noqa: E402
-from protocol.streaming import status_from_events  # noqa: E402
 
 RESULT = ROOT / "ops" / "bench" / "results" / "affinity.json"
-WORDS = ["queue", "lease", "worker", "stream", "tenant", "prefix", "cache", "block", "token",
-         "batch", "prefill", "decode", "replica", "shard", "heartbeat", "cancel", "deadline",
-         "priority", "lane", "backlog", "fair", "share"]
-
-
 class Pinned(Router):
     """Offers every request to one worker, with no steal: one worker alone."""
 
@@ -88,42 +78,9 @@ class Pinned(Router):
         return mark(self.worker, now, now + 3_600_000)
 
 
-def system_prompt(rng: random.Random, words: int) -> str:
-    return "You are the operations assistant. Context: " + " ".join(
-        rng.choice(WORDS) for _ in range(words)) + "."
-
-
-def conversation(tag: str, system: str, turns: int, answers: list[str], seed: int
-                 ) -> GenerateRequest:
-    msgs = [ChatMessage(role="system", content=system)]
-    for t in range(turns):
-        msgs.append(ChatMessage(role="user", content=f"({tag}) Question {t}: what happens "
-                                f"to the request when step {t} fails?"))
-        if t < turns - 1:
-            msgs.append(ChatMessage(role="assistant", content=answers[t]))
-    return GenerateRequest(messages=msgs, request_id=f"{tag}-t{turns}-{time.time_ns()}",
-                           params=SamplingParams(max_tokens=16, temperature=0.8,
-                                                 seed=seed + turns, ignore_eos=True))
-
-
-def send(client: FerryClient, req: GenerateRequest) -> tuple[JobStatus, float | None]:
-    """Send one request and follow its stream: its result, and the seconds from the send
-    (the producer's affinity look-up and push included) to its first token's event."""
-    events: list[TokenEvent] = []
-    first = None
-    with client.subscribe(req.request_id) as sub:
-        sent = time.monotonic()
-        client.enqueue(req)
-        for event in sub.events(900):
-            if first is None and event.token_ids:
-                first = time.monotonic() - sent
-            events.append(event)
-    return status_from_events(req, events), first
-
-
 def run_phase(url: str, name: str, systems: list[str], turns: int, router: Router,
-              on_turn: Any = None, tag: str | None = None, think_s: float = 0.0
-              ) -> dict[str, Any]:
+              on_turn: Any = None, tag: str | None = None, think_s: float = 0.0,
+              answer_tokens: int = 128) -> dict[str, Any]:
     """Every conversation in its own thread; returns the per-request records. With
     ``think_s`` each conversation pauses before each next turn, for between 0.5x and
     1.5x ``think_s`` (seeded by conversation and turn: the same pauses in every phase)."""
@@ -137,7 +94,8 @@ def run_phase(url: str, name: str, systems: list[str], turns: int, router: Route
         for t in range(1, turns + 1):
             if t > 1 and think_s > 0:
                 time.sleep(think_s * random.Random(1000 * c + t).uniform(0.5, 1.5))
-            req = conversation(f"{tag or name}{c}", systems[c], t, answers, seed=1000 * c)
+            req = conversation(f"{tag or name}{c}", systems[c], t, answers, seed=1000 * c,
+                               answer_tokens=answer_tokens)
             status, first = send(client, req)
             answers.append(status.text)
             u, tm = status.usage, status.timings
@@ -250,6 +208,9 @@ def main() -> None:
     # (each next turn the moment the last one ends), where conversations that hit run
     # ahead of those that miss and rarely share a step with them (docs/affinity.md)
     parser.add_argument("--think-s", type=float, default=1.0)
+    # each turn's answer: a few sentences, so the history grows as a chat's does (16: a
+    # history that barely grows, where a turn on the other worker recomputes ~40 tokens)
+    parser.add_argument("--answer-tokens", type=int, default=128)
     parser.add_argument("--out", default=str(RESULT))
     args = parser.parse_args()
     rng = random.Random(0)
@@ -295,7 +256,8 @@ def main() -> None:
                 print(f"phase {p} ...", flush=True)
                 before = routes(r, keys)
                 phases[p] = run_phase(url, p, sets[p], turns, router, hook,
-                                      tag="on" if p == "kill" else p, think_s=args.think_s)
+                                      tag="on" if p == "kill" else p, think_s=args.think_s,
+                                      answer_tokens=args.answer_tokens)
                 time.sleep(1.5)  # a heartbeat after the last request
                 results[p] = summarize(phases[p])
                 results[p]["routes"] = routed(before, routes(r, keys))

@@ -146,7 +146,7 @@ def report(results: dict[str, Any], phases: dict[str, Any], args: Any) -> dict[s
     print(json.dumps(checks, indent=1))
     return {"bench": "affinity", "conversations": args.conversations, "turns": args.turns,
             "workers": args.workers, "think_s": args.think_s,
-            "kv_blocks": args.kv_blocks,
+            "kv_blocks": args.kv_blocks, "answer_tokens": args.answer_tokens,
             "system_words": args.system_words, "steal_ms": args.steal_ms, "model": "default",
             "device": "cpu", "phases": results, "checks": checks,
             "records": {p: [record(r) for r in ph["records"]] for p, ph in phases.items()}}
