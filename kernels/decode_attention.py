@@ -13,32 +13,10 @@ Algorithm
     ``out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M)``, ``M = max_i lse_i``.
     With a single split, stage 1 normalises and writes the output directly.
 
-Split heuristic (``choose_num_kv_splits``): decode is bound by memory bandwidth, which
-needs a few resident programs per SM. With ``S * Hkv`` programs from the batch, add
-splits until about ``WAVES * num_SMs`` programs exist, but never give a split fewer
-than ``MIN_TOKENS_PER_SPLIT`` tokens (below that the stage-2 traffic and per-program
-overhead win) and never more than ``MAX_KV_SPLITS``. The context length comes from the
-caller's ``max_seq_len`` hint, else from the block table's capacity, never from
-``seq_lens`` (reading it would sync the GPU).
-
-That rule is for launches inside a CUDA graph (the engine's decode steps), where stage 2
-costs a few microseconds. Launched eagerly, stage 2 costs a second Triton launch from
-Python plus two allocations — measured on the H100 (``ops/bench/engine/kernels.py``, eager):
-batch 8 x 512 tokens took 0.147 ms with 2 splits and 0.023 ms with 1; batch 1 x 4,096
-took 0.269 ms with 16 splits and 0.110 ms with 1. So eagerly a split must carry
-``EAGER_MIN_TOKENS_PER_SPLIT`` tokens, which keeps everything below 16k tokens of context
-in one launch, only a grid that does not fill the GPU once is split, and the partial
-buffers are reused rather than allocated.
-
-Which rule applies is the caller's explicit choice (``cuda_graph=True`` for a graph's
-capture *and* for the warm-up before it), never read from the stream's capture state:
-a warm-up that took the eager rule would leave the graph's split variant and the merge
-kernel to compile during capture, where loading a module is refused.
+How many splits: ``kernels/decode_splits.py``.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -53,36 +31,15 @@ from kernels._attention_core import (
     normalise_rows,
     pow2_at_least,
 )
+from kernels.decode_splits import choose_num_kv_splits, num_sms
 
-DEFAULT_NUM_SMS = 132  # H100 SXM; used when the tensors are not on a CUDA device
-WAVES = 2
-MIN_TOKENS_PER_SPLIT = 256
-EAGER_MIN_TOKENS_PER_SPLIT = 8192
-MAX_KV_SPLITS = 64
+__all__ = ["choose_num_kv_splits", "paged_decode_attention"]
+
 MAX_FORCED_SPLITS = 1024  # callers may force more than the heuristic ever picks
 # Query heads one program holds over MLA's latent cache (rows 512 + 64 wide at full size,
 # every query head on one KV head): DeepSeek-V3's 128 heads in one tile spill ~17 KB per
 # thread on sm_90; 16 rows spill none (``tests/kernels/test_compile_sm90.py``)
 LATENT_ROWS = 16
-
-
-def eager_warmup_contexts(max_context: int) -> list[int]:
-    """``max_seq_len`` hints whose eager launches (one sequence) compile every variant the
-    eager rule can pick up to ``max_context``: one split, then split counts padded to each
-    power of two (the merge kernel's ``SPLITS_PAD``)."""
-    most = min(MAX_KV_SPLITS, max_context // EAGER_MIN_TOKENS_PER_SPLIT)
-    contexts, pad = [1], 2
-    while pad // 2 < most:  # a count in (pad / 2, pad] is padded to pad
-        contexts.append(min(pad, most) * EAGER_MIN_TOKENS_PER_SPLIT)
-        pad *= 2
-    return contexts
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 _WORKSPACE: dict[torch.device, torch.Tensor] = {}
@@ -106,22 +63,6 @@ def _partials(q: torch.Tensor, splits: int, reuse: bool,
     dest = flat[: rows * head_dim].view(num_seqs, num_q_heads, splits, head_dim)
     lse = flat[rows * head_dim: rows * (head_dim + 1)].view(num_seqs, num_q_heads, splits)
     return dest, lse
-
-
-def choose_num_kv_splits(
-    num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int = DEFAULT_NUM_SMS,
-    eager: bool = False,
-) -> int:
-    """How many KV splits keep ~WAVES programs per SM without making splits too short
-    (``eager``: launched outside a CUDA graph, where each split must pay for a launch)."""
-    programs = max(1, num_seqs * num_kv_heads)
-    if eager and programs >= num_sms:
-        return 1
-    min_tokens = EAGER_MIN_TOKENS_PER_SPLIT if eager else MIN_TOKENS_PER_SPLIT
-    wanted = triton.cdiv(WAVES * num_sms, programs)
-    by_length = max(1, max_context) // min_tokens if eager else \
-        triton.cdiv(max(1, max_context), min_tokens)
-    return max(1, min(wanted, by_length, MAX_KV_SPLITS))
 
 
 # num_splits changes with the batch: left unspecialized (Triton would otherwise compile a
@@ -303,7 +244,7 @@ def paged_decode_attention(
         context = max_seq_len or block_tables.shape[1] * block_size
         context = min(context, window) if window else context
         context = min(context, chunk) if chunk else context
-        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, context, _num_sms(q.device),
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, context, num_sms(q.device),
                                              eager=not cuda_graph)
     if not (isinstance(num_kv_splits, int) and 1 <= num_kv_splits <= MAX_FORCED_SPLITS):
         raise ValueError(f"num_kv_splits must be an int in [1, {MAX_FORCED_SPLITS}], "

@@ -36,7 +36,7 @@ def warm_up_kernels(runner: Any) -> None:
     Only at start: the steps overwrite blocks that, later, could hold cached prefixes."""
     if runner.backend.name != "triton":
         return
-    from kernels.decode_attention import eager_warmup_contexts  # Triton: GPU workers only
+    from kernels.decode_splits import eager_warmup_contexts
     from kernels.prefill_attention import warmup_query_lens
 
     room = runner.num_blocks * runner.block_size  # tokens the free pool can take
