@@ -67,8 +67,10 @@ def test_quantized_at_load_tp2_equals_tp1(method: str, family: str, hidden: int,
     that rounds to bf16 above 32 rows, see ``tp_shard.ReducedQuant``). INT4's CPU kernel
     rounds its output to bf16: the ranks' fp32 partials, summed in another order than the
     kernel's one accumulation, round to the other bf16 neighbour where the sum sits on a
-    boundary
-    (measured: 39 of 40 logprobs bit-equal, one 1.9e-3 off, all tokens equal)."""
+    boundary (measured: 39 of 40 logprobs bit-equal, one 1.5e-3 off, all tokens equal).
+    INT8's bf16 GEMM above 32 rows rounds the same way: 2e-6 on one CPU, 1.6e-5 on one
+    whose GEMM runs on AMX tiles (another accumulation order), so both bf16-rounding cases
+    take the near-tie tolerance; the tokens must be equal."""
     path = build_family(family, tmp_path_factory.mktemp("q"), hidden=hidden)
     # 64-token steps (48-token chunks): INT8's CPU path above 32 rows rounds to bf16
     options = dict(quantization=method, max_num_batched_tokens=steps,
@@ -78,7 +80,8 @@ def test_quantized_at_load_tp2_equals_tp1(method: str, family: str, hidden: int,
     layers = llm.engine.runner.model.model.layers[0]
     assert isinstance(layers.self_attn.q_proj, QUANT_LAYERS[method])
     assert isinstance(layers.mlp.down_proj.inner, QUANT_LAYERS[method])  # row-parallel
-    _assert_same(got, want, atol=5e-3 if method == "int4" else 1e-5)
+    rounds_to_bf16 = method == "int4" or (method == "int8" and steps > 32)
+    _assert_same(got, want, atol=5e-3 if rounds_to_bf16 else 1e-5)
 
 
 def test_fused_projections_quantized_at_load_tp2_equals_tp1(tmp_path_factory) -> None:
@@ -115,14 +118,16 @@ def no_compiler(monkeypatch):
 def test_int8_torch_fallback_tp2_equals_tp1(steps: int, no_compiler, tmp_path_factory) -> None:
     """INT8 on the torch fallback (``torch._weight_int8pack_mm`` at up to 32 rows, its
     product scaled and rounded to bf16; the bf16 GEMM above): each row-parallel rank keeps
-    its partial in fp32 and the sum is scaled and rounded once, as one process does."""
+    its partial in fp32 and the sum is scaled and rounded once, as one process does. Above
+    32 rows the bf16 GEMM's own accumulation order decides near ties (one logprob 1.7e-3
+    off on a CPU with AMX, none without): the tokens must be equal."""
     path = build_family("llama", tmp_path_factory.mktemp("q8"))
     options = dict(quantization="int8", max_num_batched_tokens=steps,
                    long_prefill_token_threshold=steps * 3 // 4)
     want, _ = _run(path, 1, **options)
     got, llm = _run(path, 2, **options)
     assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj.inner, Int8Linear)
-    _assert_same(got, want)
+    _assert_same(got, want, atol=5e-3 if steps > 32 else 1e-5)
 
 
 def test_int4_group_across_the_row_cut_is_refused_by_name(tmp_path_factory) -> None:
