@@ -6,6 +6,7 @@ preemption in a small pool."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from tests.checkpoints import build_checkpoint
 from tests.family_checkpoints import build_family
 from tests.worker.engine.kv.test_fp8_kv_scales import _blown_up
 from worker.engine.llm import LLM
+from worker.engine.runner.quant.experts import QuantizedExperts
 from worker.engine.runner.quant.fp8 import Fp8Linear
 from worker.engine.runner.quant.int4 import Int4Linear
 from worker.engine.runner.quant.int8 import Int8Linear
@@ -139,13 +141,36 @@ def test_int4_group_across_the_row_cut_is_refused_by_name(tmp_path_factory) -> N
         LLM(path, tensor_parallel_size=2, quantization="int4", **ENGINE)
 
 
-def test_moe_experts_quantized_at_load_are_refused_by_name(tmp_path_factory) -> None:
-    """One process quantizes Mixtral's experts; their shards are not quantized yet, so
-    the sharded engine refuses rather than serve them float (other numbers)."""
-    path = build_family("mixtral", tmp_path_factory.mktemp("qm"))
-    with pytest.raises(TensorParallelFault, match=r"int8 MoE experts \(model\.layers\.0\."
+@pytest.mark.parametrize(("method", "family"), [
+    ("int8", "mixtral"), ("fp8", "mixtral"), ("int8", "qwen3_moe")])
+def test_moe_experts_quantized_at_load_tp2_equals_tp1(method: str, family: str,
+                                                      tmp_path_factory) -> None:
+    """Each rank quantizes its slice of the experts' intermediate size: gate/up rows with
+    their own scales, down rows with the maximum over both ranks' columns (one process's
+    scale), so the partial outputs sum to one process's numbers."""
+    path = build_family(family, tmp_path_factory.mktemp("qm"))
+    want, _ = _run(path, 1, quantization=method)
+    got, llm = _run(path, 2, quantization=method)
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts.inner
+    quantized = experts.ferry_quantized
+    assert isinstance(quantized, QuantizedExperts) and quantized.method == method
+    assert quantized.intermediate * 2 == _intermediate(path)  # this rank's half
+    _assert_same(got, want)
+
+
+def _intermediate(path: str) -> int:
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+
+
+def test_int4_moe_experts_at_load_are_refused_by_name(tmp_path_factory) -> None:
+    """INT4's kernel rounds each expert's output to bf16, which a rank's partial cannot
+    reproduce before the experts' one all-reduce: refused rather than served other
+    numbers."""
+    path = build_family("mixtral", tmp_path_factory.mktemp("qm4"), hidden=128)
+    with pytest.raises(TensorParallelFault, match=r"int4 MoE experts \(model\.layers\.0\."
                        r"mlp\.experts\) are not implemented with tensor-parallel size 2"):
-        LLM(path, tensor_parallel_size=2, quantization="int8", **ENGINE)
+        LLM(path, tensor_parallel_size=2, quantization="int4", **ENGINE)
 
 
 @pytest.mark.parametrize("scaled", [False, True])

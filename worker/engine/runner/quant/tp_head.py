@@ -26,11 +26,11 @@ from worker.engine.distributed.layers import (
 )
 from worker.engine.distributed.shard_model import HeadLinear
 from worker.engine.distributed.tp_config import TPConfig
-from worker.engine.runner.moe import fused_layout, is_experts_module
 from worker.engine.runner.quant.apply import HEAD_GROUP, ignored
 from worker.engine.runner.quant.config import QuantizationError, QuantScheme
 from worker.engine.runner.quant.int4 import Int4Embedding, Int4Linear, quantize_groups
 from worker.engine.runner.quant.int8 import Int8Embedding, Int8Linear, quantize_rows
+from worker.engine.runner.quant.tp_experts import quantize_sharded_experts
 from worker.engine.runner.quant.tp_shard import ReducedQuant, quantized_shard
 
 _log = structlog.get_logger("ferry.worker.quant")
@@ -99,10 +99,9 @@ def apply_sharded(model: nn.Module, scheme: QuantScheme, tp: TPConfig) -> int:
     if scheme.source != "load":
         raise QuantizationError(f"a {scheme.source} checkpoint is not implemented with "
                                 f"tensor-parallel size {tp.size}: quantize at load instead")
-    _refuse_experts(model, scheme, tp)
+    count = quantize_sharded_experts(model, scheme, tp, ignored)
     head = model.get_output_embeddings()  # type: ignore[operator]
     vocab = int(getattr(head, "vocab_size", 0))
-    count = 0
     for name, mod in list(model.named_modules()):
         if mod is head or ignored(name, scheme.ignore + (_ROUTER,)):
             continue
@@ -124,14 +123,3 @@ def apply_sharded(model: nn.Module, scheme: QuantScheme, tp: TPConfig) -> int:
               tensor_parallel_rank=tp.rank)
     return count
 
-
-def _refuse_experts(model: nn.Module, scheme: QuantScheme, tp: TPConfig) -> None:
-    """Refuse the MoE experts one process would quantize (``apply``: the SiLU-gated fused
-    layout, not ignored): their sharded form is not quantized yet, and leaving them float
-    would serve other numbers than one process does."""
-    for name, mod in model.named_modules():
-        name = name.removesuffix(".inner")  # the experts inside their reduced wrapper
-        if is_experts_module(mod) and fused_layout(mod) and not ignored(name, scheme.ignore):
-            raise QuantizationError(
-                f"{scheme.method} MoE experts ({name}) are not implemented with "
-                f"tensor-parallel size {tp.size}: serve them at size 1, or unquantized")

@@ -27,7 +27,7 @@ from worker.engine.runner.quant.int4 import Int4Linear, quantize_groups
 from worker.engine.runner.quant.int8 import INT8_MAX, KERNEL_ROWS, Int8Linear, native_kernel
 
 
-def _row_scale(weight: torch.Tensor, top: float, cut: bool) -> torch.Tensor:
+def row_scale(weight: torch.Tensor, top: float, cut: bool) -> torch.Tensor:
     """weight [N, K/size or K] -> fp32 scale [N]: the row's |max| (over every rank's
     columns when ``cut``) over ``top``, the formula one process uses."""
     amax = weight.detach().float().abs().amax(dim=1)  # [N]
@@ -66,13 +66,13 @@ def quantized_shard(scheme: QuantScheme, name: str, weight: torch.Tensor,
     n, k = weight.shape
     full_k = k * size if cut else k
     if scheme.method == "int8":
-        scale = _row_scale(weight, INT8_MAX, cut)
+        scale = row_scale(weight, INT8_MAX, cut)
         q = torch.round(weight.detach().float() / scale[:, None]).clamp(
             -INT8_MAX, INT8_MAX).to(torch.int8)
         return Int8Linear(q, scale, bias)
     if scheme.method == "fp8":
         check_shape(name, n, k)
-        scale = _row_scale(weight, FP8_MAX, cut)
+        scale = row_scale(weight, FP8_MAX, cut)
         q = (weight.detach().float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX)
         cls = CutFp8Linear if cut else Fp8Linear
         return cls(q.to(torch.float8_e4m3fn), scale, None, bias)
