@@ -25,6 +25,7 @@ from worker.engine.distributed.tp_config import TPConfig
 _ALIASES = {"lm_head.weight": ("embed_out.weight", "model.embed_tokens.weight")}
 # per-expert checkpoint layouts (Mixtral's original one, Qwen-MoE's): gate, up, down
 _EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+_EXPERT_LEAVES = ("gate_up_proj", "down_proj")  # a fused experts module's weights
 
 
 class _Checkpoint:
@@ -82,7 +83,8 @@ def _filler(ckpt: _Checkpoint, names: dict[int, str], dtype: torch.dtype,
         for local, param in list(module.named_parameters(recurse=True)):
             key = f"{prefix}.{local}"
             owner_name, _, leaf = key.rpartition(".")
-            if param.device.type != "meta" or (leaf == "weight" and owner_name in keep_meta):
+            if param.device.type != "meta" or (leaf == "weight" and owner_name in keep_meta) \
+                    or (leaf in _EXPERT_LEAVES and owner_name.removesuffix(".inner") in keep_meta):
                 continue
             owner = module.get_submodule(local.rpartition(".")[0]) if "." in local else module
             full = ckpt.get(key).to(dtype)
@@ -95,9 +97,10 @@ def load_sharded(path: str | Path, tp: TPConfig, dtype: torch.dtype = torch.floa
                  keep_meta: frozenset[str] = frozenset()) -> Any:
     """Rank ``tp.rank``'s model from a local safetensors checkpoint (dense families).
 
-    The weights of the modules named in ``keep_meta`` (a quantized checkpoint's layers) stay
-    on the meta device, cut there like the others: the caller swaps those layers for
-    quantized ones read from their packed tensors (``quant/tp_checkpoint.py``)."""
+    The weights of the modules named in ``keep_meta`` (a quantized checkpoint's layers, and
+    experts modules whose experts it holds quantized) stay on the meta device, cut there
+    like the others: the caller swaps those layers for quantized ones read from their
+    packed tensors (``quant/tp_checkpoint.py``)."""
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
     config._attn_implementation = attn_implementation

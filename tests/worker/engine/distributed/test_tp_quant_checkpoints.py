@@ -2,10 +2,11 @@
 format test_checkpoint_formats.py builds (compressed-tensors FP8 per channel with dynamic
 activations and per tensor with static ones, ModelOpt FP8, compressed-tensors INT8, AWQ,
 GPTQ) gives one process's greedy tokens and chosen-token logprobs with two ranks, each
-rank reading its cut of the packed tensors, with chunked prefill and preemption; a group
-that does not fit a row-parallel shard and quantized MoE experts are refused by name (float
-experts beside quantized layers are served); each rank's layers hold exactly its slice of
-one process's, no packed tensor read whole."""
+rank reading its cut of the packed tensors, with chunked prefill and preemption; FP8 and
+INT8 MoE experts stored per expert likewise (float experts beside quantized layers too); a
+group that does not fit a row-parallel shard and INT4 experts are refused by name; each
+rank's layers and experts hold exactly its slice of one process's, no packed tensor read
+whole."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.worker.engine.distributed.test_tp_features import _assert_same, _run
 from tests.worker.engine.runner.quant.agreement import build_moe, checkpoint
 from tests.worker.engine.runner.quant.quantizers import write_quantized
 from worker.engine.llm import LLM
+from worker.engine.runner.quant.experts import QuantizedExperts, ScaledExperts
 from worker.engine.runner.quant.fp8 import Fp8Linear
 from worker.engine.runner.quant.int4 import Int4Linear
 from worker.engine.runner.quant.int8 import Int8Linear
@@ -81,12 +83,88 @@ def test_float_experts_beside_quantized_layers_tp2_equals_tp1(root: Path) -> Non
     _assert_same(got, want)
 
 
-def test_quantized_moe_experts_are_refused_by_name(root: Path) -> None:
-    path, _ = write_quantized(build_moe(root), "ct-fp8-static", root)
-    with pytest.raises(TensorParallelFault, match=r"quantized MoE experts in a checkpoint "
-                       r"\(model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\) are not "
-                       r"supported with tensor-parallel size 2"):
+SCALED = [fmt for fmt, layer in FORMATS.items() if layer is not Int4Linear]
+
+
+@pytest.mark.parametrize("fmt", SCALED)
+def test_quantized_moe_experts_tp2_equals_tp1(root: Path, fmt: str) -> None:
+    """Mixtral whose experts the checkpoint holds quantized per expert (``w1``/``w3``/``w2``):
+    each rank reads its intermediate rows of every gate and up layer and those columns of
+    every down layer into the experts one process builds; the experts' all-reduce sums the
+    partials (fp32 activations: no rounding between them)."""
+    path, _ = write_quantized(build_moe(root), fmt, root)
+    want, _ = _run(path, 1)
+    got, llm = _run(path, 2)
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts.inner
+    assert isinstance(experts.ferry_quantized, QuantizedExperts)
+    assert isinstance(experts.ferry_quantized.w2, ScaledExperts)
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_int4_moe_experts_are_refused_by_name(root: Path, fmt: str) -> None:
+    path, _ = write_quantized(build_moe(root), fmt, root)
+    with pytest.raises(TensorParallelFault, match=rf"{fmt} int4 MoE experts \(model\.layers"
+                       r"\.0\.mlp\.experts\) are not implemented with tensor-parallel size 2"):
         LLM(path, tensor_parallel_size=2, **ENGINE)
+
+
+@pytest.mark.parametrize("fmt", ["ct-int8", "ct-fp8-static"])
+def test_each_rank_reads_only_its_experts_cut(root: Path, fmt: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ranks' experts, built without a process group, hold exactly their slice of one
+    process's (gate rows, up rows, down columns; dequantized, bit for bit), and no expert's
+    packed weight is read whole."""
+    import torch
+
+    from worker.engine.config import ModelConfig
+    from worker.engine.distributed import sharded_load
+    from worker.engine.distributed.sharded_load import load_sharded
+    from worker.engine.distributed.tp_config import TPConfig
+    from worker.engine.runner.model_loader import load_model
+    from worker.engine.runner.quant import checkpoint_config
+    from worker.engine.runner.quant.formats import CheckpointTensors
+    from worker.engine.runner.quant.tp_checkpoint import (
+        apply_checkpoint_sharded,
+        quantized_owners,
+    )
+
+    path, _ = write_quantized(build_moe(root), fmt, root)
+    one = load_model(ModelConfig(path, pack_weights=False)).model
+    want13, want2 = one.model.layers[0].mlp.experts.ferry_quantized.dequantized()
+    from transformers import AutoConfig
+
+    scheme = checkpoint_config.scheme_from_checkpoint(checkpoint_config.as_dict(
+        AutoConfig.from_pretrained(path).quantization_config))
+    whole: list[str] = []
+    get = CheckpointTensors.get
+
+    def recording_get(self: CheckpointTensors, key: str) -> torch.Tensor | None:
+        whole.append(key)
+        return get(self, key)
+
+    monkeypatch.setattr(CheckpointTensors, "get", recording_get)
+    float_get = sharded_load._Checkpoint.get
+
+    def recording_float_get(self: Any, name: str) -> torch.Tensor:
+        whole.append(name)
+        return float_get(self, name)
+
+    monkeypatch.setattr(sharded_load._Checkpoint, "get", recording_float_get)
+    inter = want2.shape[2]
+    for rank in range(2):
+        tp = TPConfig(size=2, rank=rank)
+        owners = quantized_owners(path, tp.size)
+        model = load_sharded(path, tp, torch.float32, keep_meta=owners)
+        with torch.no_grad():
+            apply_checkpoint_sharded(model, scheme, tp, path, owners, torch.device("cpu"))
+        assert not [k for k in whole if ".experts." in k and k.endswith(
+            (".weight", "gate_up_proj", "down_proj"))], whole
+        got13, got2 = model.model.layers[0].mlp.experts.inner.ferry_quantized.dequantized()
+        s, e = rank * inter // 2, (rank + 1) * inter // 2
+        rows = torch.cat([want13[:, s:e], want13[:, inter + s:inter + e]], dim=1)
+        torch.testing.assert_close(got13, rows, rtol=0, atol=0)  # [E, 2I/2, H]
+        torch.testing.assert_close(got2, want2[:, :, s:e], rtol=0, atol=0)  # [E, H, I/2]
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

@@ -12,7 +12,7 @@ same weight): gate and up rows of one expert may carry different scales.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,8 +23,20 @@ from worker.engine.runner.quant.experts import (
     QuantizedExperts,
     ScaledExperts,
 )
-from worker.engine.runner.quant.formats import CheckpointTensors, read_int4, read_scaled
+from worker.engine.runner.quant.formats import (
+    CheckpointTensors,
+    TensorSource,
+    read_int4,
+    read_scaled,
+)
 from worker.engine.runner.quant.int4 import Int4Linear
+
+
+class ExpertTensors(TensorSource, Protocol):
+    """What ``read_experts`` reads: a tensor source that also says what it holds."""
+
+    def has(self, key: str) -> bool: ...
+
 
 # (gate, up, down) names of one expert's linear layers
 EXPERT_LINEARS = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
@@ -39,7 +51,7 @@ def checkpoint_prefixes(module_name: str) -> list[str]:
 
 
 def _layout(scheme: QuantScheme, module_name: str,
-            tensors: CheckpointTensors) -> tuple[str, tuple[str, str, str]] | None:
+            tensors: CheckpointTensors | ExpertTensors) -> tuple[str, tuple[str, str, str]] | None:
     probe = "qweight" if scheme.method == "int4" else "weight_scale"
     for prefix in checkpoint_prefixes(module_name):
         for names in EXPERT_LINEARS:
@@ -49,17 +61,20 @@ def _layout(scheme: QuantScheme, module_name: str,
 
 
 def read_experts(scheme: QuantScheme, module_name: str, module: Any,
-                 tensors: CheckpointTensors) -> tuple[QuantizedExperts, list[str]] | None:
+                 tensors: CheckpointTensors | ExpertTensors,
+                 device: torch.device | None = None,
+                 ) -> tuple[QuantizedExperts, list[str]] | None:
     """The quantized experts of ``module`` (a transformers experts module named
-    ``module_name``) and the checkpoint's linear names they take; None when the checkpoint
-    holds them unquantized."""
+    ``module_name``; shaped as this process holds them, a rank's slice under tensor
+    parallelism) and the checkpoint's linear names they take; None when the checkpoint
+    holds them unquantized. ``device``: where they go (default: the module's)."""
     found = _layout(scheme, module_name, tensors)
     if found is None:
         return None
     prefix, (gate, up, down) = found
     experts, two_i, hidden = module.gate_up_proj.shape
     inter = two_i // 2
-    device = module.gate_up_proj.device
+    device = device or module.gate_up_proj.device
     shapes = {gate: (inter, hidden), up: (inter, hidden), down: (hidden, inter)}
     names = [[f"{prefix}.{e}.{p}" for p in (gate, up, down)] for e in range(experts)]
     if scheme.method == "int4":
@@ -82,7 +97,7 @@ def _check(name: str, got: tuple[int, ...], shapes: dict[str, tuple[int, int]]) 
 
 
 def _scaled(scheme: QuantScheme, experts: list[tuple[str, ...]],
-            shapes: dict[str, tuple[int, int]], tensors: CheckpointTensors,
+            shapes: dict[str, tuple[int, int]], tensors: TensorSource,
             device: torch.device) -> ScaledExperts:
     """fp8/int8: per expert, its layers' rows concatenated; one fp32 scale per row."""
     weights, scales = [], []
@@ -103,7 +118,7 @@ def _scaled(scheme: QuantScheme, experts: list[tuple[str, ...]],
 
 
 def _int4(scheme: QuantScheme, layers: tuple[str, ...], shapes: dict[str, tuple[int, int]],
-          tensors: CheckpointTensors, device: torch.device) -> Int4Linear:
+          tensors: TensorSource, device: torch.device) -> Int4Linear:
     """int4: one expert's layers' rows concatenated (q, scale, zero), on ``device``."""
     parts = []
     for name in layers:

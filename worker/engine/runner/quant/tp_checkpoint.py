@@ -16,9 +16,12 @@ packed tensor (never a whole layer) into the layers one process builds, by ``Sha
   after the all-reduce where one process's kernel rounds) and FP8's dynamic per-token
   activation scale is the maximum over the ranks (``tp_shard.CutFp8Linear``).
 
-Quantized MoE experts in a checkpoint are refused by name under tensor parallelism (the
-experts' intermediate cut of packed expert tensors is not implemented); float experts
-beside quantized dense layers are served.
+MoE experts stored per expert (``experts.{e}.w1/w3/w2`` or ``gate_proj/up_proj/
+down_proj``), FP8 or INT8: a rank reads the rows ``[s, e)`` of its intermediate slice from
+every expert's gate and up layers and those input columns from its down layer, by the
+same cuts, into the ``QuantizedExperts`` one process builds (``expert_checkpoint.py``);
+the experts' all-reduce sums the partials. INT4 experts (AWQ, GPTQ) are refused by name:
+their kernel rounds each expert's output to bf16, which a partial cannot reproduce.
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ from torch import nn
 
 from worker.engine.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from worker.engine.distributed.shard_model import HeadLinear
-from worker.engine.distributed.sharding import ShardCut
+from worker.engine.distributed.sharding import ShardCut, even_range
 from worker.engine.distributed.tp_config import TPConfig
+from worker.engine.runner.moe import is_experts_module
 from worker.engine.runner.quant.apply import ignored
 from worker.engine.runner.quant.config import QuantizationError, QuantScheme
+from worker.engine.runner.quant.expert_checkpoint import read_experts
+from worker.engine.runner.quant.experts import attach
 from worker.engine.runner.quant.formats import (
     QUANT_SUFFIXES,
     CheckpointTensors,
@@ -50,8 +56,9 @@ _WORD = 8  # 4-bit values per int32 word
 
 
 def quantized_owners(path: str, size: int) -> frozenset[str]:
-    """The modules whose quantized tensors the checkpoint at ``path`` holds; quantized MoE
-    experts are refused by name (before any weight is read)."""
+    """The modules whose quantized tensors the checkpoint at ``path`` holds: its linear
+    layers, and for quantized per-expert layers also the model's experts module they fill
+    (``model.layers.N.mlp.experts``, whose fused weights then stay on the meta device)."""
     tensors = CheckpointTensors(path)
     owners = set()
     for key in tensors.names():
@@ -59,13 +66,60 @@ def quantized_owners(path: str, size: int) -> frozenset[str]:
         if suffix is None:
             continue
         owner = key[: -len(suffix)]
-        if ".experts." in owner:
-            raise QuantizationError(
-                f"quantized MoE experts in a checkpoint ({owner}) are not supported with "
-                f"tensor-parallel size {size} yet; serve them with tensor-parallel size 1 "
-                "or from a checkpoint whose experts are float")
         owners.add(owner)
+        if ".experts." in owner:
+            module = owner.rpartition(".experts.")[0].replace(".block_sparse_moe", ".mlp")
+            owners.add(module + ".experts")
     return frozenset(owners)
+
+
+class _ExpertCuts:
+    """Every expert's layers as one rank holds them: gate and up rows ``[s, e)`` of the
+    intermediate size, down's input columns ``[s, e)``."""
+
+    def __init__(self, tensors: CheckpointTensors, scheme: QuantScheme, full: int,
+                 rank: int, size: int) -> None:
+        start, end = even_range(full, rank, size)
+        self.tensors, self.scheme = tensors, scheme
+        self.rows, self.cols = ShardCut("out", start, end, full), ShardCut("in", start, end, full)
+
+    def _layer(self, key: str) -> _CutTensors:
+        layer = key.rpartition(".")[0]
+        down = layer.rpartition(".")[2] in ("w2", "down_proj")
+        return _CutTensors(self.tensors, self.scheme, layer, self.cols if down else self.rows)
+
+    def has(self, key: str) -> bool:
+        return self.tensors.has(key)
+
+    def get(self, key: str) -> torch.Tensor | None:
+        return self._layer(key).get(key)
+
+    def need(self, key: str) -> torch.Tensor:
+        return self._layer(key).need(key)
+
+
+def _apply_experts(model: nn.Module, scheme: QuantScheme, tp: TPConfig,
+                   tensors: CheckpointTensors, owners: frozenset[str],
+                   device: torch.device) -> set[str]:
+    """Quantized experts from the rank's cut of each expert's layers; the names taken."""
+    done: set[str] = set()
+    for name, mod in list(model.named_modules()):
+        base = name.removesuffix(".inner")  # the experts inside their reduced wrapper
+        if base not in owners or not is_experts_module(mod) or base in done:
+            continue
+        if scheme.method == "int4":
+            raise QuantizationError(
+                f"{scheme.source} int4 MoE experts ({base}) are not implemented with "
+                f"tensor-parallel size {tp.size}: serve them at size 1")
+        full = int(mod.down_proj.shape[-1]) * tp.size  # [E, H, I / size]
+        cuts = _ExpertCuts(tensors, scheme, full, tp.rank, tp.size)
+        found = read_experts(scheme, base, mod, cuts, device)
+        if found is None:
+            raise QuantizationError(f"{base}: the checkpoint's quantized experts were not "
+                                    "found in a layout Ferry reads")
+        attach(mod, found[0])
+        done.update(found[1], {base})
+    return done
 
 
 class _CutTensors:
@@ -154,7 +208,7 @@ def apply_checkpoint_sharded(model: nn.Module, scheme: QuantScheme, tp: TPConfig
     MoE router; a quantized tensor no such layer takes is refused by its module's name."""
     tensors = CheckpointTensors(path)
     head = model.get_output_embeddings()  # type: ignore[operator]
-    done = set()
+    done = _apply_experts(model, scheme, tp, tensors, owners, device)
     for name, mod in list(model.named_modules()):
         if mod is head or ignored(name, scheme.ignore + (_ROUTER,)):
             continue
