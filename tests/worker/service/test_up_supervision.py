@@ -151,8 +151,10 @@ def test_ferry_up_survives_kill_9_of_a_worker(checkpoint: str, reference: Any,
             assert time.monotonic() < deadline, f"no work reached {victim_id}: {chunks}"
             time.sleep(0.02)
         os.kill(victim_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
         for t in threads:
             t.join(300)
+        ended_after = time.monotonic() - killed_at
         assert not any(t.is_alive() for t in threads), f"streams never ended: {chunks}"
 
         expected = reference.llm.generate(
@@ -164,8 +166,11 @@ def test_ferry_up_survives_kill_9_of_a_worker(checkpoint: str, reference: Any,
             assert results[i] == (expected[i].text, "length"), i
 
         died = up.wait_for(rf"worker-0 \(pid {victim_pid}\) exited with code -9 \(SIGKILL\)"
-                           r".*handed back (\d+) entr", 30)
-        assert int(died[1]) > 0, up.tail()  # resumed without waiting out the 30 s lease
+                           r"(.*handed back (\d+) entr)?", 30)
+        # ferry up hands the dead worker's entries back at once, unless the survivor's
+        # reaper (its heartbeat gone) already did: either way none waits out the lease
+        assert died[2] is None or int(died[2]) > 0, up.tail()
+        assert ended_after < 30.0, f"streams ended {ended_after:.1f} s after the kill"
         up.wait_for(r"worker-0 restarted \(pid \d+, restart 1\)", 30)
         replacement = f"{victim_id}-r1"  # a fresh consumer name per incarnation
         deadline = time.monotonic() + 120
