@@ -31,9 +31,7 @@ from kernels._attention_core import (
     normalise_rows,
     pow2_at_least,
 )
-from kernels.decode_splits import choose_num_kv_splits, num_sms
-
-__all__ = ["choose_num_kv_splits", "paged_decode_attention"]
+from kernels.decode_splits import choose_num_kv_splits, device_sms
 
 MAX_FORCED_SPLITS = 1024  # callers may force more than the heuristic ever picks
 # Query heads one program holds over MLA's latent cache (rows 512 + 64 wide at full size,
@@ -244,7 +242,7 @@ def paged_decode_attention(
         context = max_seq_len or block_tables.shape[1] * block_size
         context = min(context, window) if window else context
         context = min(context, chunk) if chunk else context
-        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, context, num_sms(q.device),
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, context, device_sms(q.device),
                                              eager=not cuda_graph)
     if not (isinstance(num_kv_splits, int) and 1 <= num_kv_splits <= MAX_FORCED_SPLITS):
         raise ValueError(f"num_kv_splits must be an int in [1, {MAX_FORCED_SPLITS}], "

@@ -49,7 +49,8 @@ def eager_warmup_contexts(max_context: int) -> list[int]:
 
 
 @functools.cache
-def num_sms(device: torch.device) -> int:
+def device_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (``DEFAULT_NUM_SMS`` off CUDA)."""
     if device.type != "cuda":
         return DEFAULT_NUM_SMS
     return int(torch.cuda.get_device_properties(device).multi_processor_count)

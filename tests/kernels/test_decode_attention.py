@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.decode_attention import choose_num_kv_splits, paged_decode_attention
+from kernels.decode_attention import paged_decode_attention
+from kernels.decode_splits import choose_num_kv_splits
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

@@ -66,6 +66,8 @@ from protocol.models import GenerateRequest, SamplingParams  # noqa: E402
 from protocol.store import as_str  # noqa: E402
 
 RESULT = ROOT / "ops" / "bench" / "results" / "affinity.json"
+
+
 class Pinned(Router):
     """Offers every request to one worker, with no steal: one worker alone."""
 
@@ -79,8 +81,8 @@ class Pinned(Router):
 
 
 def run_phase(url: str, name: str, systems: list[str], turns: int, router: Router,
-              on_turn: Any = None, tag: str | None = None, think_s: float = 0.0,
-              answer_tokens: int = 128) -> dict[str, Any]:
+              answer_tokens: int, on_turn: Any = None, tag: str | None = None,
+              think_s: float = 0.0) -> dict[str, Any]:
     """Every conversation in its own thread; returns the per-request records. With
     ``think_s`` each conversation pauses before each next turn, for between 0.5x and
     1.5x ``think_s`` (seeded by conversation and turn: the same pauses in every phase)."""
@@ -255,9 +257,9 @@ def main() -> None:
                                   flush=True)
                 print(f"phase {p} ...", flush=True)
                 before = routes(r, keys)
-                phases[p] = run_phase(url, p, sets[p], turns, router, hook,
-                                      tag="on" if p == "kill" else p, think_s=args.think_s,
-                                      answer_tokens=args.answer_tokens)
+                phases[p] = run_phase(url, p, sets[p], turns, router, args.answer_tokens,
+                                      hook, tag="on" if p == "kill" else p,
+                                      think_s=args.think_s)
                 time.sleep(1.5)  # a heartbeat after the last request
                 results[p] = summarize(phases[p])
                 results[p]["routes"] = routed(before, routes(r, keys))

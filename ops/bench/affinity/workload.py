@@ -22,7 +22,7 @@ def system_prompt(rng: random.Random, words: int) -> str:
 
 
 def conversation(tag: str, system: str, turns: int, answers: list[str], seed: int,
-                 answer_tokens: int = 128) -> GenerateRequest:
+                 answer_tokens: int) -> GenerateRequest:
     msgs = [ChatMessage(role="system", content=system)]
     for t in range(turns):
         msgs.append(ChatMessage(role="user", content=f"({tag}) Question {t}: what happens "

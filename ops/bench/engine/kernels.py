@@ -93,6 +93,7 @@ def _import_kernels():
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     sys.path.insert(0, str(ROOT))
     import kernels.decode_attention
+    import kernels.decode_splits
     import kernels.reference
 
     return kernels
@@ -101,7 +102,7 @@ def _import_kernels():
 def bench_one(args: argparse.Namespace, batch: int, context: int, cuda: bool) -> dict:
     """Time every variant for one (batch, context); returns one result row."""
     kernels = _import_kernels()
-    choose_num_kv_splits = kernels.decode_attention.choose_num_kv_splits
+    choose_num_kv_splits = kernels.decode_splits.choose_num_kv_splits
     paged_decode_attention = kernels.decode_attention.paged_decode_attention
     reference = kernels.reference
     row: dict = {"batch": batch, "context": context}

@@ -83,6 +83,58 @@ def test_float_experts_beside_quantized_layers_tp2_equals_tp1(root: Path) -> Non
     _assert_same(got, want)
 
 
+@pytest.fixture
+def whole(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of every tensor read whole from a checkpoint, by the quantized load
+    (``CheckpointTensors.get``) or the float one (``sharded_load._Checkpoint.get``)."""
+    import torch
+
+    from worker.engine.distributed import sharded_load
+    from worker.engine.runner.quant.formats import CheckpointTensors
+
+    names: list[str] = []
+    get, float_get = CheckpointTensors.get, sharded_load._Checkpoint.get
+
+    def recording_get(self: CheckpointTensors, key: str) -> torch.Tensor | None:
+        names.append(key)
+        return get(self, key)
+
+    def recording_float_get(self: Any, name: str) -> torch.Tensor:
+        names.append(name)
+        return float_get(self, name)
+
+    monkeypatch.setattr(CheckpointTensors, "get", recording_get)
+    monkeypatch.setattr(sharded_load._Checkpoint, "get", recording_float_get)
+    return names
+
+
+def _rank_model(path: str, rank: int) -> tuple[Any, int, frozenset[str]]:
+    """Rank ``rank`` of 2's model from the quantized checkpoint at ``path``, built as the
+    sharded load builds it but without a process group: (model, quantized layers, the
+    checkpoint's quantized owners)."""
+    import torch
+    from transformers import AutoConfig
+
+    from worker.engine.distributed.sharded_load import load_sharded
+    from worker.engine.distributed.tp_config import TPConfig
+    from worker.engine.runner.quant import checkpoint_config
+    from worker.engine.runner.quant.formats import modelopt_config
+    from worker.engine.runner.quant.tp_checkpoint import (
+        apply_checkpoint_sharded,
+        quantized_owners,
+    )
+
+    raw = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
+    scheme = checkpoint_config.scheme_from_checkpoint(
+        checkpoint_config.as_dict(raw or modelopt_config(path)))
+    tp = TPConfig(size=2, rank=rank)
+    owners = quantized_owners(path, tp.size)
+    model = load_sharded(path, tp, torch.float32, keep_meta=owners)
+    with torch.no_grad():
+        count = apply_checkpoint_sharded(model, scheme, tp, path, owners, torch.device("cpu"))
+    return model, count, owners
+
+
 SCALED = [fmt for fmt, layer in FORMATS.items() if layer is not Int4Linear]
 
 
@@ -110,54 +162,22 @@ def test_int4_moe_experts_are_refused_by_name(root: Path, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["ct-int8", "ct-fp8-static"])
-def test_each_rank_reads_only_its_experts_cut(root: Path, fmt: str,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_rank_reads_only_its_experts_cut(root: Path, fmt: str, whole: list[str]) -> None:
     """Both ranks' experts, built without a process group, hold exactly their slice of one
     process's (gate rows, up rows, down columns; dequantized, bit for bit), and no expert's
     packed weight is read whole."""
     import torch
 
     from worker.engine.config import ModelConfig
-    from worker.engine.distributed import sharded_load
-    from worker.engine.distributed.sharded_load import load_sharded
-    from worker.engine.distributed.tp_config import TPConfig
     from worker.engine.runner.model_loader import load_model
-    from worker.engine.runner.quant import checkpoint_config
-    from worker.engine.runner.quant.formats import CheckpointTensors
-    from worker.engine.runner.quant.tp_checkpoint import (
-        apply_checkpoint_sharded,
-        quantized_owners,
-    )
 
     path, _ = write_quantized(build_moe(root), fmt, root)
     one = load_model(ModelConfig(path, pack_weights=False)).model
     want13, want2 = one.model.layers[0].mlp.experts.ferry_quantized.dequantized()
-    from transformers import AutoConfig
-
-    scheme = checkpoint_config.scheme_from_checkpoint(checkpoint_config.as_dict(
-        AutoConfig.from_pretrained(path).quantization_config))
-    whole: list[str] = []
-    get = CheckpointTensors.get
-
-    def recording_get(self: CheckpointTensors, key: str) -> torch.Tensor | None:
-        whole.append(key)
-        return get(self, key)
-
-    monkeypatch.setattr(CheckpointTensors, "get", recording_get)
-    float_get = sharded_load._Checkpoint.get
-
-    def recording_float_get(self: Any, name: str) -> torch.Tensor:
-        whole.append(name)
-        return float_get(self, name)
-
-    monkeypatch.setattr(sharded_load._Checkpoint, "get", recording_float_get)
     inter = want2.shape[2]
+    whole.clear()  # what one process read above: the ranks' reads from here on
     for rank in range(2):
-        tp = TPConfig(size=2, rank=rank)
-        owners = quantized_owners(path, tp.size)
-        model = load_sharded(path, tp, torch.float32, keep_meta=owners)
-        with torch.no_grad():
-            apply_checkpoint_sharded(model, scheme, tp, path, owners, torch.device("cpu"))
+        model, _, _ = _rank_model(path, rank)
         assert not [k for k in whole if ".experts." in k and k.endswith(
             (".weight", "gate_up_proj", "down_proj"))], whole
         got13, got2 = model.model.layers[0].mlp.experts.inner.ferry_quantized.dequantized()
@@ -168,8 +188,7 @@ def test_each_rank_reads_only_its_experts_cut(root: Path, fmt: str,
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_each_rank_reads_only_its_cut(root: Path, fmt: str,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_rank_reads_only_its_cut(root: Path, fmt: str, whole: list[str]) -> None:
     """Both ranks' layers, built without a process group, hold exactly their slice of one
     process's layer (dequantized, bit for bit; row-parallel ones their columns), and no
     packed tensor of a quantized layer (weight, qweight, qzeros, scales) is ever read
@@ -177,47 +196,14 @@ def test_each_rank_reads_only_its_cut(root: Path, fmt: str,
     import torch
 
     from worker.engine.config import ModelConfig
-    from worker.engine.distributed import sharded_load
-    from worker.engine.distributed.sharded_load import load_sharded
-    from worker.engine.distributed.tp_config import TPConfig
     from worker.engine.runner.model_loader import load_model
-    from worker.engine.runner.quant import checkpoint_config
-    from worker.engine.runner.quant.formats import CheckpointTensors, modelopt_config
-    from worker.engine.runner.quant.tp_checkpoint import (
-        apply_checkpoint_sharded,
-        quantized_owners,
-    )
 
     path, _ = write_quantized(checkpoint("llama", root), fmt, root)
     one = dict(load_model(ModelConfig(path, pack_weights=False)).model.named_modules())
-    from transformers import AutoConfig
-
-    raw = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
-    scheme = checkpoint_config.scheme_from_checkpoint(
-        checkpoint_config.as_dict(raw or modelopt_config(path)))
-    whole: list[str] = []
-    get = CheckpointTensors.get
-
-    def recording_get(self: CheckpointTensors, key: str) -> torch.Tensor | None:
-        whole.append(key)
-        return get(self, key)
-
-    monkeypatch.setattr(CheckpointTensors, "get", recording_get)
-    float_get = sharded_load._Checkpoint.get
-
-    def recording_float_get(self: Any, name: str) -> torch.Tensor:
-        whole.append(name)
-        return float_get(self, name)
-
-    monkeypatch.setattr(sharded_load._Checkpoint, "get", recording_float_get)
     packed = (".weight", ".qweight", ".qzeros", ".scales")
+    whole.clear()  # what one process read above: the ranks' reads from here on
     for rank in range(2):
-        tp = TPConfig(size=2, rank=rank)
-        owners = quantized_owners(path, tp.size)
-        model = load_sharded(path, tp, torch.float32, keep_meta=owners)
-        with torch.no_grad():
-            count = apply_checkpoint_sharded(model, scheme, tp, path, owners,
-                                             torch.device("cpu"))
+        model, count, owners = _rank_model(path, rank)
         assert count == 14  # q, k, v, o, gate, up, down in two layers
         assert not [k for k in whole if k.endswith(packed) and k.rpartition(".")[0]
                     in owners], whole

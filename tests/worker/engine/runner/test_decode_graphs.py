@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.decode_attention import choose_num_kv_splits
+from kernels.decode_splits import choose_num_kv_splits
 from protocol.sampling import SamplingParams
 from tests.checkpoints import build_checkpoint
 from tests.worker.engine.triton_launches import RunningCapturer, recorded_launches

@@ -23,17 +23,13 @@ from worker.engine.runner.quant.experts import (
     QuantizedExperts,
     ScaledExperts,
 )
-from worker.engine.runner.quant.formats import (
-    CheckpointTensors,
-    TensorSource,
-    read_int4,
-    read_scaled,
-)
+from worker.engine.runner.quant.formats import TensorSource, read_int4, read_scaled
 from worker.engine.runner.quant.int4 import Int4Linear
 
 
 class ExpertTensors(TensorSource, Protocol):
-    """What ``read_experts`` reads: a tensor source that also says what it holds."""
+    """What ``read_experts`` reads (the whole checkpoint's ``CheckpointTensors``, or one
+    rank's cut of it): a tensor source that also says what it holds."""
 
     def has(self, key: str) -> bool: ...
 
@@ -51,7 +47,7 @@ def checkpoint_prefixes(module_name: str) -> list[str]:
 
 
 def _layout(scheme: QuantScheme, module_name: str,
-            tensors: CheckpointTensors | ExpertTensors) -> tuple[str, tuple[str, str, str]] | None:
+            tensors: ExpertTensors) -> tuple[str, tuple[str, str, str]] | None:
     probe = "qweight" if scheme.method == "int4" else "weight_scale"
     for prefix in checkpoint_prefixes(module_name):
         for names in EXPERT_LINEARS:
@@ -61,7 +57,7 @@ def _layout(scheme: QuantScheme, module_name: str,
 
 
 def read_experts(scheme: QuantScheme, module_name: str, module: Any,
-                 tensors: CheckpointTensors | ExpertTensors,
+                 tensors: ExpertTensors,
                  device: torch.device | None = None,
                  ) -> tuple[QuantizedExperts, list[str]] | None:
     """The quantized experts of ``module`` (a transformers experts module named

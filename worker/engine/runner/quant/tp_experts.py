@@ -18,13 +18,12 @@ per layer).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from worker.engine.distributed.tp_config import TPConfig
 from worker.engine.runner.moe import fused_layout, is_experts_module
+from worker.engine.runner.quant.apply import ignored
 from worker.engine.runner.quant.config import QuantizationError, QuantScheme
 from worker.engine.runner.quant.experts import (
     QuantizedExperts,
@@ -32,25 +31,18 @@ from worker.engine.runner.quant.experts import (
     attach,
     quantize_projection,
 )
-from worker.engine.runner.quant.fp8 import FP8_MAX
-from worker.engine.runner.quant.int8 import INT8_MAX
-from worker.engine.runner.quant.tp_shard import row_scale
+from worker.engine.runner.quant.tp_shard import quantize_rows_cut
 
 
 def _cut_down(method: str, down: torch.Tensor) -> ScaledExperts:
     """down [E, H, I/size] float -> its quantized projection, each row scaled by its
     maximum over every rank's columns."""
     experts, hidden, inter = down.shape
-    flat = down.detach().float().reshape(experts * hidden, inter)  # [E*H, I/size]
-    top = INT8_MAX if method == "int8" else FP8_MAX
-    scale = row_scale(flat, top, cut=True)  # [E*H]
-    q = (flat / scale[:, None]).clamp(-top, top)
-    q = torch.round(q).to(torch.int8) if method == "int8" else q.to(torch.float8_e4m3fn)
+    q, scale = quantize_rows_cut(method, down.reshape(experts * hidden, inter), cut=True)
     return ScaledExperts(q.view(experts, hidden, inter), scale.view(experts, hidden))
 
 
-def quantize_sharded_experts(model: nn.Module, scheme: QuantScheme, tp: TPConfig,
-                             ignored: Any) -> int:
+def quantize_sharded_experts(model: nn.Module, scheme: QuantScheme, tp: TPConfig) -> int:
     """Quantize this rank's slice of every SiLU-gated experts module one process would
     quantize (not ``ignored``); returns how many. Every rank walks the modules in the
     same order, so their max all-reduces pair up."""

@@ -99,7 +99,7 @@ def apply_sharded(model: nn.Module, scheme: QuantScheme, tp: TPConfig) -> int:
     if scheme.source != "load":
         raise QuantizationError(f"a {scheme.source} checkpoint is not implemented with "
                                 f"tensor-parallel size {tp.size}: quantize at load instead")
-    count = quantize_sharded_experts(model, scheme, tp, ignored)
+    count = quantize_sharded_experts(model, scheme, tp)
     head = model.get_output_embeddings()  # type: ignore[operator]
     vocab = int(getattr(head, "vocab_size", 0))
     for name, mod in list(model.named_modules()):
@@ -122,4 +122,3 @@ def apply_sharded(model: nn.Module, scheme: QuantScheme, tp: TPConfig) -> int:
     _log.info("quantized", method=scheme.method, source=scheme.source, layers=count,
               tensor_parallel_rank=tp.rank)
     return count
-

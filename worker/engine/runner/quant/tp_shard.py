@@ -36,6 +36,17 @@ def row_scale(weight: torch.Tensor, top: float, cut: bool) -> torch.Tensor:
     return (amax / top).clamp(min=1e-12)
 
 
+def quantize_rows_cut(method: str, weight: torch.Tensor, cut: bool,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K'] -> (int8 or fp8 [N, K'], fp32 scale [N]) with one process's per-row
+    scales (``row_scale``)."""
+    top = INT8_MAX if method == "int8" else FP8_MAX
+    scale = row_scale(weight, top, cut)
+    q = (weight.detach().float() / scale[:, None]).clamp(-top, top)
+    return (torch.round(q).to(torch.int8) if method == "int8"
+            else q.to(torch.float8_e4m3fn)), scale
+
+
 class CutFp8Linear(Fp8Linear):
     """FP8 on a row-parallel shard: the per-token activation scale is the maximum over
     the ranks' input columns, so every rank quantizes its columns as one process does."""
@@ -66,16 +77,11 @@ def quantized_shard(scheme: QuantScheme, name: str, weight: torch.Tensor,
     n, k = weight.shape
     full_k = k * size if cut else k
     if scheme.method == "int8":
-        scale = row_scale(weight, INT8_MAX, cut)
-        q = torch.round(weight.detach().float() / scale[:, None]).clamp(
-            -INT8_MAX, INT8_MAX).to(torch.int8)
-        return Int8Linear(q, scale, bias)
+        return Int8Linear(*quantize_rows_cut("int8", weight, cut), bias)
     if scheme.method == "fp8":
         check_shape(name, n, k)
-        scale = row_scale(weight, FP8_MAX, cut)
-        q = (weight.detach().float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX)
         cls = CutFp8Linear if cut else Fp8Linear
-        return cls(q.to(torch.float8_e4m3fn), scale, None, bias)
+        return cls(*quantize_rows_cut("fp8", weight, cut), None, bias)
     group = _int4_group(scheme, name, full_k, k)
     return Int4Linear(*quantize_groups(weight, group), group, bias)
 
