@@ -64,8 +64,16 @@ def test_parallel_layers_equal_the_full_layers(tmp_path: Path) -> None:
 def _dying_rank(rank: int, init_method: str, result: str) -> None:
     torch.set_num_threads(1)
     init_group(TPConfig(size=SIZE, rank=rank), GroupSpec(init_method, 5.0), "cpu")
+    # Rank 1 dies only once rank 0 is past the group's set-up (rank 0 may still be
+    # connecting its last subgroup when rank 1's init returns): the death must hit the
+    # collective, not init.
+    ready = Path(result + ".ready")
     if rank == 1:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         os._exit(9)  # as a kill -9 would: no goodbye to the group
+    ready.write_text("")
     started = time.monotonic()
     try:
         all_reduce_sum(torch.ones(4))  # the forward's reduction, on its timed group
