@@ -7,6 +7,7 @@ with the in-process engine running each request alone.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -159,9 +160,12 @@ def _ids_per_shard(per_shard: int) -> list[str]:
 
 def test_the_high_lane_is_read_first_over_every_shard(stack: Any) -> None:
     """Both workers full with long requests; 12 wait at priority 10 on every shard; one at
-    -100 arrives last, on whichever shard its id picks: it starts before all 12."""
+    -100 arrives last, on whichever shard its id picks: it starts before all 12. The
+    workers are paused (SIGSTOP) while the 13 are enqueued, so no slot frees between the
+    first and the last (a long request on the tiny model ends within a second), and the
+    long requests hold their slots until cancelled, after the urgent one ended."""
     client, r = stack.client, stack.r
-    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    long = SamplingParams(max_tokens=480, temperature=0, ignore_eos=True)
     short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     running = [GenerateRequest(prompt=f"def g{i}():", params=long)
                for i in range(2 * MAX_NUM_SEQS)]
@@ -174,10 +178,20 @@ def test_the_high_lane_is_read_first_over_every_shard(stack: Any) -> None:
     while not all(r.hget(KEYS.job(q.request_id), "state") == b"running" for q in running):
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    for request in [*queued, urgent]:
-        client.enqueue(request)
+    for worker in stack.workers:
+        worker.send(signal.SIGSTOP)
+    try:
+        for request in [*queued, urgent]:
+            client.enqueue(request)
+    finally:
+        for worker in stack.workers:
+            worker.send(signal.SIGCONT)
     assert {KEYS.shard_of_stream(KEYS.stream_for(q.request_id, 10)) for q in queued} == {0, 1, 2}
-    for q in [urgent, *queued, *running]:
+    assert list(client.stream(urgent.request_id, timeout=120))[-1].is_final
+    assert all(r.hget(KEYS.job(q.request_id), "state") == b"running" for q in running)
+    for q in running:
+        client.cancel(q.request_id)
+    for q in [*queued, *running]:
         assert list(client.stream(q.request_id, timeout=120))[-1].is_final
     started = {q.request_id: status_from_hash(r.hgetall(KEYS.job(q.request_id))).started_at
                for q in [urgent, *queued]}
